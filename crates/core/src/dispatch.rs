@@ -1,0 +1,673 @@
+//! The keyed dispatcher: the local layer inside one process.
+//!
+//! * The same key runs one message at a time, FIFO by arrival; different keys
+//!   run concurrently up to `concurrency`.
+//! * Memory is bounded by a global in-flight `budget` (buffered + running)
+//!   and a `per_key_depth`, never by key cardinality: a key's state exists
+//!   only while it holds messages.
+//! * A slow or halted key does not delay other keys while its held messages
+//!   fit its depth; beyond that [`Dispatcher::submit`] hands the message back
+//!   ([`Submit::Full`]) and the caller pauses the smallest scope it can (the
+//!   widening, counted in [`Stats::widened`]).
+//! * Before a handler starts: the self-fence ([`ScopeLease::usable`]), then a
+//!   durable attempt increment ([`Settle::begin_attempt`]). Retries back off;
+//!   failures spanning many keys back the whole dispatcher off instead of
+//!   halting or parking healthy keys; exhausted keys follow the
+//!   [`PoisonPolicy`].
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use futures::FutureExt;
+use tokio::sync::{watch, Notify, Semaphore};
+use tokio::time::Instant;
+
+use crate::error::Error;
+use crate::handler::{Handler, HandlerError};
+use crate::key::OrderingKey;
+use crate::lease::LeaseState;
+use crate::message::Delivery;
+use crate::stats::{bump, Stats};
+use crate::strategy::{GlobalBackoff, PoisonPolicy, RetryPolicy};
+use crate::transport::{HotKey, Inbound};
+
+/// Limits and policies of the dispatcher.
+#[derive(Debug, Clone, Copy)]
+pub struct DispatchConfig {
+    /// Handlers running at once (keys in flight).
+    pub concurrency: usize,
+    /// Messages one key may hold (running + waiting) before back-pressure widens.
+    pub per_key_depth: usize,
+    /// Messages the whole dispatcher may hold (running + waiting).
+    pub budget: usize,
+    /// Retry with back-off.
+    pub retry: RetryPolicy,
+    /// What happens when retries are exhausted.
+    pub poison: PoisonPolicy,
+    /// Whole-subscription back-off when failures span many keys.
+    pub global_backoff: GlobalBackoff,
+}
+
+impl Default for DispatchConfig {
+    fn default() -> Self {
+        DispatchConfig {
+            concurrency: 64,
+            per_key_depth: 64,
+            budget: 4096,
+            retry: RetryPolicy::default(),
+            poison: PoisonPolicy::default(),
+            global_backoff: GlobalBackoff::default(),
+        }
+    }
+}
+
+impl DispatchConfig {
+    fn max_attempts(&self) -> u32 {
+        match self.poison {
+            PoisonPolicy::Park { max_attempts } => max_attempts.max(1),
+            PoisonPolicy::Halt => self.retry.max_attempts.max(1),
+        }
+    }
+}
+
+/// One message waiting in or running through the dispatcher.
+#[derive(Debug)]
+pub struct Job {
+    pub(crate) inbound: Inbound,
+    pub(crate) key: Option<OrderingKey>,
+}
+
+impl Job {
+    /// A job for `inbound`, ordered by `key` (`None`: unordered).
+    pub fn new(inbound: Inbound, key: Option<OrderingKey>) -> Self {
+        Job { inbound, key }
+    }
+    /// The scope the job came from.
+    pub fn scope(&self) -> &Arc<str> {
+        self.inbound.lease.scope()
+    }
+}
+
+/// Why [`Dispatcher::submit`] handed a job back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Widening {
+    /// The key already holds `per_key_depth` messages.
+    KeyDepth,
+    /// The dispatcher holds `budget` messages.
+    Budget,
+    /// The dispatcher is shutting down.
+    Stopping,
+}
+
+/// The result of [`Dispatcher::submit`].
+#[derive(Debug)]
+pub enum Submit {
+    /// The dispatcher took the job.
+    Accepted,
+    /// The job was handed back: pause its scope and submit it again later.
+    Full(Job, Widening),
+}
+
+#[derive(Default)]
+struct KeyQueue {
+    queue: VecDeque<Job>,
+    running: bool,
+    halted: bool,
+}
+
+#[derive(Default)]
+struct State {
+    keys: HashMap<OrderingKey, KeyQueue>,
+    total: usize,
+    running: usize,
+    scopes: HashMap<Arc<str>, usize>,
+}
+
+#[derive(Default)]
+struct Health {
+    failures: VecDeque<(Instant, u64)>,
+    paused_until: Option<Instant>,
+}
+
+struct Inner {
+    cfg: DispatchConfig,
+    handler: Arc<dyn Handler>,
+    permits: Semaphore,
+    state: Mutex<State>,
+    health: Mutex<Health>,
+    changed: Notify,
+    stopping: watch::Sender<bool>,
+    stats: Arc<Stats>,
+}
+
+/// The keyed dispatcher. Cheap to clone; clones share one state.
+#[derive(Clone)]
+pub struct Dispatcher {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for Dispatcher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let st = self.inner.lock();
+        f.debug_struct("Dispatcher")
+            .field("keys", &st.keys.len())
+            .field("held", &st.total)
+            .field("running", &st.running)
+            .finish()
+    }
+}
+
+enum Outcome {
+    /// Applied, parked, or dropped by an operator: the job is finished.
+    Done,
+    /// The key halted at this job: it stays as the key's head.
+    Halted,
+    /// The scope was lost: the job and the key's queued jobs of that scope go.
+    Lost,
+    /// Shutting down before the job was settled: left for redelivery.
+    Stopped,
+}
+
+impl Dispatcher {
+    /// A dispatcher running `handler` under `cfg`, counting into `stats`.
+    pub fn new(cfg: DispatchConfig, handler: Arc<dyn Handler>, stats: Arc<Stats>) -> Self {
+        let cfg = DispatchConfig {
+            concurrency: cfg.concurrency.max(1),
+            per_key_depth: cfg.per_key_depth.max(1),
+            budget: cfg.budget.max(1),
+            ..cfg
+        };
+        Dispatcher {
+            inner: Arc::new(Inner {
+                permits: Semaphore::new(cfg.concurrency),
+                cfg,
+                handler,
+                state: Mutex::new(State::default()),
+                health: Mutex::new(Health::default()),
+                changed: Notify::new(),
+                stopping: watch::channel(false).0,
+                stats,
+            }),
+        }
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> &Arc<Stats> {
+        &self.inner.stats
+    }
+
+    /// Takes a job, or hands it back when the key's depth or the budget is full.
+    pub fn submit(&self, job: Job) -> Submit {
+        let inner = &self.inner;
+        if *inner.stopping.borrow() {
+            return Submit::Full(job, Widening::Stopping);
+        }
+        let mut st = inner.lock();
+        if st.total >= inner.cfg.budget {
+            return Submit::Full(job, Widening::Budget);
+        }
+        let Some(key) = job.key.clone() else {
+            st.total += 1;
+            *st.scopes.entry(job.scope().clone()).or_default() += 1;
+            drop(st);
+            bump(&inner.stats.received, "keyorder_received_total");
+            let inner = self.inner.clone();
+            tokio::spawn(async move { inner.run_unordered(job).await });
+            return Submit::Accepted;
+        };
+        let depth = inner.cfg.per_key_depth;
+        let q = st.keys.entry(key.clone()).or_default();
+        if q.queue.len() + usize::from(q.running) >= depth {
+            return Submit::Full(job, Widening::KeyDepth);
+        }
+        let scope = job.scope().clone();
+        q.queue.push_back(job);
+        let start = !q.running && !q.halted;
+        if start {
+            q.running = true;
+        }
+        st.total += 1;
+        *st.scopes.entry(scope).or_default() += 1;
+        drop(st);
+        bump(&inner.stats.received, "keyorder_received_total");
+        if start {
+            let inner = self.inner.clone();
+            tokio::spawn(async move { inner.run_key(key).await });
+        }
+        Submit::Accepted
+    }
+
+    /// Room left in the budget.
+    pub fn room(&self) -> usize {
+        self.inner.cfg.budget.saturating_sub(self.inner.lock().total)
+    }
+
+    /// Messages held (waiting or running).
+    pub fn held(&self) -> usize {
+        self.inner.lock().total
+    }
+
+    /// Messages of `scope` held (waiting or running).
+    pub fn held_in_scope(&self, scope: &str) -> usize {
+        self.inner.lock().scopes.get(scope).copied().unwrap_or(0)
+    }
+
+    /// Drops every waiting job of `scope` (its lease was lost or revoked);
+    /// running handlers finish. Returns how many were dropped.
+    pub fn discard_scope(&self, scope: &str) -> usize {
+        let mut st = self.inner.lock();
+        let mut dropped = Vec::new();
+        let mut halted_cleared = 0;
+        st.keys.retain(|_, q| {
+            let before = q.queue.len();
+            let mut kept = VecDeque::with_capacity(before);
+            for job in q.queue.drain(..) {
+                if &**job.scope() == scope {
+                    dropped.push(job);
+                } else {
+                    kept.push_back(job);
+                }
+            }
+            q.queue = kept;
+            if q.halted && q.queue.len() < before {
+                // The held head belonged to the lost scope: the next owner
+                // re-reads it with its durable attempt count.
+                q.halted = false;
+                halted_cleared += 1;
+            }
+            q.running || !q.queue.is_empty()
+        });
+        for job in &dropped {
+            st.forget(job);
+        }
+        drop(st);
+        for _ in 0..halted_cleared {
+            self.inner.stats.halted_now.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        self.inner.changed.notify_waiters();
+        dropped.len()
+    }
+
+    /// Releases a halted key after an operator resolved its head at the
+    /// broker: drops the head (`drop_head`, after skip or dead letter) or runs
+    /// it again (resume). `key` is the key's value or its label. Returns
+    /// whether a halted key was found here.
+    pub fn release(&self, key: &str, drop_head: bool) -> bool {
+        let mut st = self.inner.lock();
+        let Some(found) = st
+            .keys
+            .iter()
+            .find(|(k, q)| q.halted && (k.as_str() == key || k.label() == key))
+            .map(|(k, _)| k.clone())
+        else {
+            return false;
+        };
+        let q = st.keys.get_mut(&found).expect("found above");
+        q.halted = false;
+        let head = if drop_head { q.queue.pop_front() } else { None };
+        let start = !q.queue.is_empty() && !q.running;
+        if start {
+            q.running = true;
+        } else if q.queue.is_empty() && !q.running {
+            st.keys.remove(&found);
+        }
+        if let Some(job) = &head {
+            st.forget(job);
+        }
+        drop(st);
+        self.inner.stats.halted_now.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.changed.notify_waiters();
+        if start {
+            let inner = self.inner.clone();
+            tokio::spawn(async move { inner.run_key(found).await });
+        }
+        true
+    }
+
+    /// Keys holding the most messages, largest first (labels, never values).
+    pub fn hot_keys(&self, limit: usize) -> Vec<HotKey> {
+        let st = self.inner.lock();
+        let mut keys: Vec<(usize, &OrderingKey)> = st
+            .keys
+            .iter()
+            .map(|(k, q)| (q.queue.len() + usize::from(q.running), k))
+            .collect();
+        keys.sort_by(|a, b| b.0.cmp(&a.0));
+        keys.into_iter()
+            .take(limit)
+            .map(|(n, k)| HotKey {
+                label: k.label(),
+                backlog: n as u64,
+            })
+            .collect()
+    }
+
+    /// Waits until something changed (a job finished, a key was released),
+    /// or `timeout` passed.
+    pub async fn changed(&self, timeout: Duration) {
+        let notified = self.inner.changed.notified();
+        let _ = tokio::time::timeout(timeout, notified).await;
+    }
+
+    /// Graceful shutdown: starts nothing new, waits until every running
+    /// handler returned and was settled, then drops the waiting jobs (they
+    /// are unacknowledged, so the broker delivers them again). Returns how
+    /// many waiting jobs were dropped.
+    pub async fn drain(&self) -> usize {
+        let _ = self.inner.stopping.send(true);
+        loop {
+            let notified = self.inner.changed.notified();
+            if self.inner.lock().running == 0 {
+                break;
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(50), notified).await;
+        }
+        let mut st = self.inner.lock();
+        let jobs: Vec<Job> = st.keys.drain().flat_map(|(_, q)| q.queue).collect();
+        for job in &jobs {
+            st.forget(job);
+        }
+        jobs.len()
+    }
+}
+
+impl State {
+    fn forget(&mut self, job: &Job) {
+        self.total -= 1;
+        if let Some(n) = self.scopes.get_mut(&**job.scope()) {
+            *n -= 1;
+            if *n == 0 {
+                self.scopes.remove(&**job.scope());
+            }
+        }
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn is_stopping(&self) -> bool {
+        *self.stopping.borrow()
+    }
+
+    async fn run_unordered(self: Arc<Self>, job: Job) {
+        let permit = self.permits.acquire().await;
+        self.lock().running += 1;
+        let outcome = self.process(&job).await;
+        drop(permit);
+        let mut st = self.lock();
+        st.running -= 1;
+        // Every outcome finishes an unordered job: it holds no key.
+        let _ = outcome;
+        st.forget(&job);
+        drop(st);
+        self.changed.notify_waiters();
+    }
+
+    async fn run_key(self: Arc<Self>, key: OrderingKey) {
+        loop {
+            let job = {
+                let mut st = self.lock();
+                let Some(q) = st.keys.get_mut(&key) else { return };
+                if q.halted || self.is_stopping() {
+                    q.running = false;
+                    return;
+                }
+                match q.queue.pop_front() {
+                    Some(job) => job,
+                    None => {
+                        st.keys.remove(&key);
+                        return;
+                    }
+                }
+            };
+            let permit = self.permits.acquire().await;
+            self.lock().running += 1;
+            let outcome = self.process(&job).await;
+            drop(permit);
+            let mut st = self.lock();
+            st.running -= 1;
+            match outcome {
+                Outcome::Done | Outcome::Stopped => st.forget(&job),
+                Outcome::Halted => {
+                    let q = st.keys.entry(key.clone()).or_default();
+                    q.queue.push_front(job);
+                    q.halted = true;
+                    q.running = false;
+                    drop(st);
+                    self.changed.notify_waiters();
+                    return;
+                }
+                Outcome::Lost => {
+                    let scope = job.scope().clone();
+                    st.forget(&job);
+                    let mut dropped = Vec::new();
+                    if let Some(q) = st.keys.get_mut(&key) {
+                        let (gone, kept): (VecDeque<Job>, VecDeque<Job>) =
+                            q.queue.drain(..).partition(|j| j.scope() == &scope);
+                        q.queue = kept;
+                        dropped.extend(gone);
+                    }
+                    for j in &dropped {
+                        st.forget(j);
+                        bump(&self.stats.self_fence_discards, "keyorder_self_fence_discards_total");
+                    }
+                }
+            }
+            drop(st);
+            self.changed.notify_waiters();
+        }
+    }
+
+    /// Sleeps `d` unless shutdown starts first; returns `false` on shutdown.
+    async fn nap(&self, d: Duration) -> bool {
+        let mut rx = self.stopping.subscribe();
+        if *rx.borrow() {
+            return false;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(d) => true,
+            _ = rx.wait_for(|s| *s) => false,
+        }
+    }
+
+    fn note_failure(&self, key: Option<&OrderingKey>) -> bool {
+        let gb = self.cfg.global_backoff;
+        if gb.distinct_keys == 0 {
+            return false;
+        }
+        let now = Instant::now();
+        let mut h = self.health.lock().unwrap_or_else(|e| e.into_inner());
+        h.failures.push_back((now, key.map_or(0, OrderingKey::stable_hash)));
+        while h.failures.front().is_some_and(|(t, _)| now.duration_since(*t) > gb.window) {
+            h.failures.pop_front();
+        }
+        if h.failures.len() > 4 * gb.distinct_keys.max(64) {
+            h.failures.pop_front();
+        }
+        let mut distinct: Vec<u64> = h.failures.iter().map(|(_, k)| *k).collect();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let degraded = distinct.len() >= gb.distinct_keys;
+        if degraded && h.paused_until.is_none_or(|t| t <= now) {
+            h.paused_until = Some(now + gb.pause);
+            bump(&self.stats.global_backoffs, "keyorder_global_backoffs_total");
+            tracing::warn!(
+                failing_keys = distinct.len(),
+                pause_ms = gb.pause.as_millis() as u64,
+                "failures span many keys: the subscription backs off as a whole"
+            );
+        }
+        degraded
+    }
+
+    async fn global_pause(&self) -> bool {
+        let until = self.health.lock().unwrap_or_else(|e| e.into_inner()).paused_until;
+        match until {
+            Some(t) if t > Instant::now() => self.nap(t - Instant::now()).await,
+            _ => !self.is_stopping(),
+        }
+    }
+
+    async fn process(&self, job: &Job) -> Outcome {
+        let lease = &job.inbound.lease;
+        let settle = &job.inbound.settle;
+        let max = self.cfg.max_attempts();
+        if !lease
+            .usable(|| bump(&self.stats.self_fence_pauses, "keyorder_self_fence_pauses_total"))
+            .await
+        {
+            bump(&self.stats.self_fence_discards, "keyorder_self_fence_discards_total");
+            return Outcome::Lost;
+        }
+        loop {
+            if !self.global_pause().await {
+                return Outcome::Stopped;
+            }
+            match lease.state() {
+                LeaseState::Fresh => {}
+                LeaseState::Lost => {
+                    bump(&self.stats.self_fence_discards, "keyorder_self_fence_discards_total");
+                    return Outcome::Lost;
+                }
+                LeaseState::Stale => {
+                    if !lease
+                        .usable(|| bump(&self.stats.self_fence_pauses, "keyorder_self_fence_pauses_total"))
+                        .await
+                    {
+                        bump(&self.stats.self_fence_discards, "keyorder_self_fence_discards_total");
+                        return Outcome::Lost;
+                    }
+                }
+            }
+            let attempt = match settle.begin_attempt().await {
+                Ok(n) => n,
+                Err(Error::Fenced { .. }) => return self.fenced(job),
+                Err(err) => {
+                    tracing::warn!(error = %err, "attempt count not recorded; retrying");
+                    if !self.nap(self.cfg.retry.initial_backoff).await {
+                        return Outcome::Stopped;
+                    }
+                    continue;
+                }
+            };
+            let (reason, poison) = if attempt > max {
+                (format!("{} attempts already made (limit {max})", attempt - 1), true)
+            } else {
+                let delivery = Delivery {
+                    message: job.inbound.message.clone(),
+                    key: job.key.clone(),
+                    attempt,
+                    fencing_token: lease.generation(),
+                    scope: lease.scope().clone(),
+                };
+                let span = tracing::debug_span!(
+                    "keyorder.delivery",
+                    key = %job.key.as_ref().map_or_else(|| "keyless".to_owned(), OrderingKey::label),
+                    attempt,
+                    token = lease.generation(),
+                );
+                let _ = span.enter();
+                match AssertUnwindSafe(self.handler.handle(delivery)).catch_unwind().await {
+                    Ok(Ok(())) => return self.ack(job).await,
+                    Ok(Err(HandlerError::Retryable(e))) => (e.to_string(), false),
+                    Ok(Err(HandlerError::Poison(e))) => (e.to_string(), true),
+                    Err(_) => {
+                        bump(&self.stats.panics, "keyorder_handler_panics_total");
+                        ("handler panicked".to_owned(), true)
+                    }
+                }
+            };
+            let degraded = self.note_failure(job.key.as_ref());
+            if !poison && attempt < max {
+                bump(&self.stats.retries, "keyorder_retries_total");
+                if !self.nap(self.cfg.retry.backoff(attempt)).await {
+                    return Outcome::Stopped;
+                }
+                continue;
+            }
+            if degraded && !poison {
+                // A broken dependency, not a bad message: wait for the whole
+                // subscription's back-off instead of halting a healthy key.
+                continue;
+            }
+            return self.exhausted(job, &reason).await;
+        }
+    }
+
+    fn fenced(&self, job: &Job) -> Outcome {
+        bump(&self.stats.fence_rejections, "keyorder_fence_rejections_total");
+        job.inbound.lease.lose();
+        Outcome::Lost
+    }
+
+    /// Runs a broker settlement until it succeeds, is fenced, or shutdown.
+    async fn settle_until<'a, F, Fut>(&self, job: &'a Job, what: &str, op: F) -> Result<(), Outcome>
+    where
+        F: Fn(&'a Job) -> Fut,
+        Fut: std::future::Future<Output = crate::Result<()>> + 'a,
+    {
+        let mut attempt = 1;
+        loop {
+            match op(job).await {
+                Ok(()) => return Ok(()),
+                Err(Error::Fenced { .. }) => return Err(self.fenced(job)),
+                Err(err) => {
+                    tracing::warn!(error = %err, op = what, "broker settlement failed; retrying (the key waits)");
+                    if job.inbound.lease.is_lost() {
+                        return Err(Outcome::Lost);
+                    }
+                    if !self.nap(self.cfg.retry.backoff(attempt)).await {
+                        return Err(Outcome::Stopped);
+                    }
+                    attempt += 1;
+                }
+            }
+        }
+    }
+
+    async fn ack(&self, job: &Job) -> Outcome {
+        match self.settle_until(job, "ack", |j| j.inbound.settle.ack()).await {
+            Ok(()) => {
+                bump(&self.stats.applied, "keyorder_applied_total");
+                Outcome::Done
+            }
+            Err(outcome) => outcome,
+        }
+    }
+
+    async fn exhausted(&self, job: &Job, reason: &str) -> Outcome {
+        let label = job.key.as_ref().map_or_else(|| "keyless".to_owned(), OrderingKey::label);
+        // A keyless message holds no key to halt: it is parked.
+        let policy = if job.key.is_none() { PoisonPolicy::Park { max_attempts: 1 } } else { self.cfg.poison };
+        match policy {
+            PoisonPolicy::Park { .. } => {
+                match self.settle_until(job, "park", |j| j.inbound.settle.park(reason)).await {
+                    Ok(()) => {
+                        bump(&self.stats.parked, "keyorder_parked_total");
+                        tracing::warn!(key = %label, id = job.inbound.message.id(), reason, "head parked; key released (gap)");
+                        Outcome::Done
+                    }
+                    Err(outcome) => outcome,
+                }
+            }
+            PoisonPolicy::Halt => {
+                match self.settle_until(job, "halt", |j| j.inbound.settle.halt(reason)).await {
+                    Ok(()) => {
+                        bump(&self.stats.halts, "keyorder_halts_total");
+                        self.stats.halted_now.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        metrics::gauge!("keyorder_halted_keys").increment(1.0);
+                        tracing::error!(key = %label, id = job.inbound.message.id(), reason, "key halted at a poison head");
+                        Outcome::Halted
+                    }
+                    Err(outcome) => outcome,
+                }
+            }
+        }
+    }
+}

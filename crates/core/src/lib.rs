@@ -1,0 +1,36 @@
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
+
+pub mod capability;
+pub mod client;
+pub mod dispatch;
+pub mod error;
+pub mod handler;
+pub mod key;
+pub mod lease;
+pub mod memory;
+pub mod message;
+pub mod stats;
+pub mod strategy;
+pub mod subscription;
+pub mod transport;
+
+pub use capability::Capabilities;
+pub use client::{Client, Publisher};
+pub use dispatch::{DispatchConfig, Dispatcher, Job, Submit, Widening};
+pub use error::{Error, Result};
+pub use handler::{Handler, HandlerError, HandlerResult};
+pub use key::{KeyError, KeyRule, KeyRules, OrderingKey, MAX_KEY_BYTES};
+pub use lease::{LeaseConfig, LeaseState, ScopeLease};
+pub use memory::MemoryTransport;
+pub use message::{Delivery, KeySource, KeylessPolicy, Message, MessageType, KEY_HEADER, TYPE_HEADER};
+pub use stats::{Stats, StatsSnapshot};
+pub use strategy::{GlobalBackoff, PoisonPolicy, Resolved, RetryPolicy, Strategy};
+pub use subscription::{RunReport, Subscription, SubscriptionBuilder};
+pub use transport::{
+    Admin, DeadLetter, HaltedKey, HeadAction, HotKey, Inbound, ScopeInfo, Settle, SourceEvent, SourceSpec, Transport,
+    TransportPublisher, TransportSource,
+};
+
+pub use async_trait::async_trait;
+pub use bytes::Bytes;

@@ -1,0 +1,469 @@
+//! Building and running a subscription.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::client::{check_name, Client};
+use crate::dispatch::{DispatchConfig, Dispatcher, Job, Submit, Widening};
+use crate::error::{Error, Result};
+use crate::handler::Handler;
+use crate::lease::LeaseConfig;
+use crate::message::{KeySource, KeylessPolicy, MessageType};
+use crate::stats::{bump, Stats, StatsSnapshot};
+use crate::strategy::{GlobalBackoff, PoisonPolicy, Resolved, RetryPolicy, Strategy};
+use crate::transport::{Inbound, SourceEvent, SourceSpec, TransportSource};
+
+/// Builds a subscription; every option is checked in [`build`](Self::build),
+/// before any message flows.
+///
+/// Ordering is off by default: without [`ordered_by`](Self::ordered_by) the
+/// subscription is the transport's plain competing consumer.
+///
+/// ```
+/// # async fn demo() -> keyorder_core::Result<()> {
+/// use keyorder_core::{Client, KeySource, PoisonPolicy, Strategy};
+/// let client = Client::memory();
+/// let subscription = client
+///     .subscribe("orders", "billing")
+///     .ordered_by(KeySource::routing_key())
+///     .strategy(Strategy::Auto)
+///     .concurrency(64)
+///     .poison(PoisonPolicy::Halt)
+///     .build()
+///     .await?;
+/// # drop(subscription); Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct SubscriptionBuilder {
+    client: Client,
+    category: String,
+    group: String,
+    key_source: Option<KeySource>,
+    strategy: Strategy,
+    types: Vec<MessageType>,
+    dispatch: DispatchConfig,
+    keyless: KeylessPolicy,
+    lease: LeaseConfig,
+    instance: Option<String>,
+    batch: usize,
+}
+
+impl SubscriptionBuilder {
+    pub(crate) fn new(client: Client, category: &str, group: &str) -> Self {
+        SubscriptionBuilder {
+            client,
+            category: category.to_owned(),
+            group: group.to_owned(),
+            key_source: None,
+            strategy: Strategy::Auto,
+            types: Vec::new(),
+            dispatch: DispatchConfig::default(),
+            keyless: KeylessPolicy::default(),
+            lease: LeaseConfig::default(),
+            instance: None,
+            batch: 256,
+        }
+    }
+
+    /// Orders the subscription by the key `source` yields.
+    pub fn ordered_by(mut self, source: KeySource) -> Self {
+        self.key_source = Some(source);
+        self
+    }
+    /// How order is kept ([`Strategy::Auto`] by default).
+    pub fn strategy(mut self, strategy: Strategy) -> Self {
+        self.strategy = strategy;
+        self
+    }
+    /// Declares a message type the subscription handles (checked against the key source).
+    pub fn message_type(mut self, ty: MessageType) -> Self {
+        self.types.push(ty);
+        self
+    }
+    /// Handlers running at once (default 64).
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.dispatch.concurrency = n;
+        self
+    }
+    /// Messages one key may hold before back-pressure widens to its scope (default 64).
+    pub fn per_key_depth(mut self, n: usize) -> Self {
+        self.dispatch.per_key_depth = n;
+        self
+    }
+    /// Messages held in this instance at most (default 4096).
+    pub fn budget(mut self, n: usize) -> Self {
+        self.dispatch.budget = n;
+        self
+    }
+    /// Most deliveries asked of the transport at once (default 256).
+    pub fn batch(mut self, n: usize) -> Self {
+        self.batch = n.max(1);
+        self
+    }
+    /// The poison policy ([`PoisonPolicy::Halt`] by default).
+    pub fn poison(mut self, policy: PoisonPolicy) -> Self {
+        self.dispatch.poison = policy;
+        self
+    }
+    /// Retry with back-off.
+    pub fn retry(mut self, retry: RetryPolicy) -> Self {
+        self.dispatch.retry = retry;
+        self
+    }
+    /// Whole-subscription back-off when failures span many keys.
+    pub fn global_backoff(mut self, gb: GlobalBackoff) -> Self {
+        self.dispatch.global_backoff = gb;
+        self
+    }
+    /// What to do with keyless messages.
+    pub fn keyless(mut self, policy: KeylessPolicy) -> Self {
+        self.keyless = policy;
+        self
+    }
+    /// Lease timing (TTL, heartbeat, self-fence margin).
+    pub fn lease(mut self, lease: LeaseConfig) -> Self {
+        self.lease = lease;
+        self
+    }
+    /// This instance's id (default: a fresh UUID).
+    pub fn instance_id(mut self, id: impl Into<String>) -> Self {
+        self.instance = Some(id.into());
+        self
+    }
+
+    /// Checks every option, registers the subscription and opens its source.
+    ///
+    /// # Errors
+    /// - [`Error::Unsupported`] when `Auto`/`TransportNative` lack
+    ///   cross-instance affinity (C9), or the poison or keyless policy needs a
+    ///   capability the transport lacks;
+    /// - [`Error::Registration`] when a declared message type cannot yield the
+    ///   key (C8), or another subscription in this process orders the
+    ///   category by a different key (C10);
+    /// - [`Error::Config`] for bad names or limits.
+    pub async fn build(self) -> Result<Subscription> {
+        check_name("category", &self.category)?;
+        check_name("group", &self.group)?;
+        let caps = self.client.capabilities();
+        let name = self.client.transport_name().to_owned();
+        let resolved = match &self.key_source {
+            None => None,
+            Some(source) => {
+                let resolved = self.strategy.resolve(&name, &caps, &self.client.transport.affinity_fix())?;
+                let need = |on: bool, capability: &'static str, fix: &str| {
+                    if on {
+                        Ok(())
+                    } else {
+                        Err(Error::Unsupported {
+                            transport: name.clone(),
+                            capability,
+                            fix: fix.to_owned(),
+                        })
+                    }
+                };
+                match self.dispatch.poison {
+                    PoisonPolicy::Halt => need(
+                        caps.halt_on_poison,
+                        "halt_on_poison",
+                        "choose PoisonPolicy::Park { max_attempts } or a transport that can halt a key",
+                    )?,
+                    PoisonPolicy::Park { max_attempts } => {
+                        need(
+                            caps.park_and_release,
+                            "park_and_release",
+                            "choose PoisonPolicy::Halt or configure a dead-letter destination",
+                        )?;
+                        if max_attempts == 0 {
+                            return Err(Error::Config("PoisonPolicy::Park needs max_attempts >= 1".into()));
+                        }
+                    }
+                }
+                if self.keyless == KeylessPolicy::Reject {
+                    need(
+                        caps.park_and_release,
+                        "park_and_release",
+                        "KeylessPolicy::Reject dead-letters keyless messages; use KeylessPolicy::Parallel",
+                    )?;
+                }
+                for ty in &self.types {
+                    if !source.can_yield(ty) {
+                        return Err(Error::Registration(format!(
+                            "message type `{}` cannot yield an ordering key through `{source}`: declare the field \
+                             on the type (MessageType::with_fields) or add a fallback step \
+                             (.or_header / .or_correlation_id)",
+                            ty.name()
+                        )));
+                    }
+                }
+                let mut registry = self.client.registry.lock().unwrap_or_else(|e| e.into_inner());
+                match registry.get(&self.category) {
+                    Some(existing) if existing != source => {
+                        return Err(Error::Registration(format!(
+                            "category `{}` is already ordered by `{existing}` in this process; a category is \
+                             partitioned by one key or not at all: order this subscription by `{existing}` too, \
+                             or publish to another category",
+                            self.category
+                        )));
+                    }
+                    Some(_) => {}
+                    None => {
+                        registry.insert(self.category.clone(), source.clone());
+                    }
+                }
+                Some(resolved)
+            }
+        };
+        if self.lease.fresh_for().is_zero() || self.lease.heartbeat >= self.lease.fresh_for() {
+            return Err(Error::Config(
+                "lease: heartbeat must be shorter than ttl - margin (e.g. ttl 10s, heartbeat 2s, margin 3s)".into(),
+            ));
+        }
+        let spec = SourceSpec {
+            category: self.category.clone(),
+            group: self.group.clone(),
+            instance: self.instance.clone().unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
+            ordered: resolved == Some(Resolved::TransportNative),
+            lease: self.lease,
+            key_rules: self.client.rules.clone(),
+        };
+        let source = self.client.transport.open(&spec).await?;
+        Ok(Subscription {
+            spec,
+            source,
+            key_source: self.key_source,
+            resolved,
+            dispatch: self.dispatch,
+            keyless: self.keyless,
+            batch: self.batch,
+            stats: Arc::new(Stats::default()),
+            transport: name,
+        })
+    }
+}
+
+/// A built subscription: run it with a handler until shutdown.
+pub struct Subscription {
+    spec: SourceSpec,
+    source: Box<dyn TransportSource>,
+    key_source: Option<KeySource>,
+    resolved: Option<Resolved>,
+    dispatch: DispatchConfig,
+    keyless: KeylessPolicy,
+    batch: usize,
+    stats: Arc<Stats>,
+    transport: String,
+}
+
+impl fmt::Debug for Subscription {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Subscription")
+            .field("transport", &self.transport)
+            .field("category", &self.spec.category)
+            .field("group", &self.spec.group)
+            .field("instance", &self.spec.instance)
+            .field("resolved", &self.resolved)
+            .finish()
+    }
+}
+
+/// What a finished run did.
+#[derive(Debug, Clone)]
+pub struct RunReport {
+    /// The counters at the end of the run.
+    pub stats: StatsSnapshot,
+    /// Waiting deliveries dropped at shutdown (unacknowledged: redelivered).
+    pub dropped_at_shutdown: usize,
+}
+
+impl Subscription {
+    /// The live counters (read them while the subscription runs).
+    pub fn stats(&self) -> Arc<Stats> {
+        self.stats.clone()
+    }
+    /// This instance's id.
+    pub fn instance_id(&self) -> &str {
+        &self.spec.instance
+    }
+    /// What the strategy resolved to (`None`: unordered).
+    pub fn resolved(&self) -> Option<Resolved> {
+        self.resolved
+    }
+
+    /// Runs until `shutdown` completes, then drains: running handlers finish
+    /// and are acknowledged, waiting deliveries are left to the broker, and
+    /// the instance's scopes are handed over.
+    pub async fn run<H: Handler>(mut self, handler: H, shutdown: impl Future<Output = ()> + Send) -> Result<RunReport> {
+        let dispatcher = Dispatcher::new(self.dispatch, Arc::new(handler), self.stats.clone());
+        let mut loop_state = LoopState::default();
+        tokio::pin!(shutdown);
+        let outcome = loop {
+            tokio::select! {
+                biased;
+                () = &mut shutdown => break Ok(()),
+                step = self.step(&dispatcher, &mut loop_state) => {
+                    if let Err(err) = step {
+                        match err {
+                            Error::Broker(msg) => {
+                                tracing::warn!(error = %msg, "transport error; retrying");
+                                loop_state.backoff = (loop_state.backoff * 2).clamp(Duration::from_millis(50), Duration::from_secs(5));
+                                tokio::time::sleep(loop_state.backoff).await;
+                            }
+                            other => break Err(other),
+                        }
+                    } else {
+                        loop_state.backoff = Duration::ZERO;
+                    }
+                }
+            }
+        };
+        let dropped = dispatcher.drain().await;
+        let close = self.source.close().await;
+        outcome?;
+        close?;
+        Ok(RunReport {
+            stats: self.stats.snapshot(),
+            dropped_at_shutdown: dropped,
+        })
+    }
+
+    async fn step(&mut self, dispatcher: &Dispatcher, st: &mut LoopState) -> Result<()> {
+        for event in self.source.maintain().await? {
+            match event {
+                SourceEvent::Revoke(scope) => {
+                    st.paused.remove(&scope);
+                    dispatcher.discard_scope(&scope);
+                    st.revoking.insert(scope);
+                }
+                SourceEvent::Resolved { key, drop_head } => {
+                    dispatcher.release(&key, drop_head);
+                }
+            }
+        }
+        let drained: Vec<Arc<str>> = st
+            .revoking
+            .iter()
+            .filter(|s| dispatcher.held_in_scope(s) == 0)
+            .cloned()
+            .collect();
+        for scope in drained {
+            self.source.release(&scope).await?;
+            st.revoking.remove(&scope);
+            bump(&self.stats.scopes_released, "keyorder_scopes_released_total");
+        }
+        // Paused scopes first, in order: a later delivery of a scope never
+        // overtakes one that was handed back.
+        let scopes: Vec<Arc<str>> = st.paused.keys().cloned().collect();
+        for scope in scopes {
+            let Some(queue) = st.paused.get_mut(&scope) else { continue };
+            while let Some(job) = queue.pop_front() {
+                if job.inbound.lease.is_lost() {
+                    bump(&self.stats.self_fence_discards, "keyorder_self_fence_discards_total");
+                    continue;
+                }
+                if let Submit::Full(job, _) = dispatcher.submit(job) {
+                    queue.push_front(job);
+                    break;
+                }
+            }
+            if queue.is_empty() {
+                st.paused.remove(&scope);
+            }
+        }
+        let room = dispatcher.room().min(self.batch);
+        if room == 0 {
+            dispatcher.changed(Duration::from_millis(50)).await;
+            return Ok(());
+        }
+        let paused: HashSet<Arc<str>> = st.paused.keys().chain(st.revoking.iter()).cloned().collect();
+        let wait = if paused.is_empty() { Duration::from_millis(100) } else { Duration::from_millis(10) };
+        let batch = self.source.fetch(room, &paused, wait).await?;
+        for inbound in batch {
+            let Some(job) = self.admit(inbound).await? else { continue };
+            let scope = job.scope().clone();
+            if let Some(queue) = st.paused.get_mut(&scope) {
+                queue.push_back(job);
+                continue;
+            }
+            match dispatcher.submit(job) {
+                Submit::Accepted => {}
+                Submit::Full(job, why) => {
+                    if why != Widening::Stopping {
+                        bump(&self.stats.widened, "keyorder_widened_total");
+                        if st.widen_logged.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+                            st.widen_logged = Some(Instant::now());
+                            tracing::warn!(scope = %scope, reason = ?why, "back-pressure widened from a key to its scope");
+                        }
+                    }
+                    st.paused.entry(scope).or_default().push_back(job);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Selects the key and applies the keyless and routing-key rules.
+    async fn admit(&self, inbound: Inbound) -> Result<Option<Job>> {
+        let Some(source) = &self.key_source else {
+            return Ok(Some(Job::new(inbound, None)));
+        };
+        let selected = source.select(&inbound.message, &self.spec.key_rules);
+        let routing = inbound.message.key().cloned();
+        let native = self.resolved == Some(Resolved::TransportNative);
+        let reject = match selected {
+            Err(err) => Some((format!("selected key is invalid: {err}"), true)),
+            Ok(Some(key)) if native && routing.as_ref() != Some(&key) => {
+                Some(("selected key differs from the routing key".to_owned(), true))
+            }
+            Ok(Some(key)) => return Ok(Some(Job::new(inbound, Some(key)))),
+            Ok(None) if native && routing.is_some() => {
+                Some(("no key selected but the message was routed by a key".to_owned(), true))
+            }
+            Ok(None) => match self.keyless {
+                KeylessPolicy::Parallel => {
+                    bump(&self.stats.keyless, "keyorder_keyless_total");
+                    return Ok(Some(Job::new(inbound, None)));
+                }
+                KeylessPolicy::Reject => Some(("keyless message rejected by policy".to_owned(), false)),
+            },
+        };
+        let (reason, mismatch) = reject.expect("every accepted case returned above");
+        if mismatch {
+            bump(&self.stats.key_mismatches, "keyorder_key_mismatches_total");
+        } else {
+            bump(&self.stats.keyless_rejected, "keyorder_keyless_rejected_total");
+        }
+        tracing::warn!(id = inbound.message.id(), reason = %reason, "delivery rejected: never processed under the wrong key");
+        let mut delay = Duration::from_millis(50);
+        loop {
+            match inbound.settle.park(&reason).await {
+                Ok(()) => {
+                    bump(&self.stats.parked, "keyorder_parked_total");
+                    return Ok(None);
+                }
+                Err(Error::Fenced { .. }) => {
+                    bump(&self.stats.fence_rejections, "keyorder_fence_rejections_total");
+                    inbound.lease.lose();
+                    return Ok(None);
+                }
+                Err(err) => {
+                    tracing::warn!(error = %err, "dead-lettering a rejected delivery failed; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    }
+}
+
+#[derive(Default)]
+struct LoopState {
+    paused: HashMap<Arc<str>, VecDeque<Job>>,
+    revoking: HashSet<Arc<str>>,
+    backoff: Duration,
+    widen_logged: Option<Instant>,
+}

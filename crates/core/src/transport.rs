@@ -1,0 +1,214 @@
+//! The traits a transport implements: publisher, ordered source, per-delivery
+//! settlement, and the operator's admin view.
+//!
+//! Users do not call these directly: they use [`crate::Client`],
+//! [`crate::Publisher`] and [`crate::SubscriptionBuilder`], which add key
+//! validation, registration checks, strategy resolution and keyed dispatch on
+//! top. An adapter crate implements them over its broker.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::capability::Capabilities;
+use crate::error::Result;
+use crate::key::KeyRules;
+use crate::lease::{LeaseConfig, ScopeLease};
+use crate::message::Message;
+
+/// A transport: one broker connection configuration.
+#[async_trait]
+pub trait Transport: Send + Sync + fmt::Debug + 'static {
+    /// The adapter's name (`memory`, `redis`, ...), used in trial names and errors.
+    fn name(&self) -> &str;
+
+    /// The capabilities this transport has with its declared configuration,
+    /// decided without a broker round trip.
+    fn capabilities(&self) -> Capabilities;
+
+    /// How a user gets cross-instance affinity on this transport, for the
+    /// error `Strategy::Auto` gives when it is missing.
+    fn affinity_fix(&self) -> String;
+
+    /// A publisher for one category.
+    ///
+    /// # Behavior
+    /// - The returned publisher appends in call order: a `publish` awaited
+    ///   before the next keeps the key's publish order.
+    async fn publisher(&self, category: &str) -> Result<Arc<dyn TransportPublisher>>;
+
+    /// Opens a source for one (category, group) on behalf of one instance.
+    ///
+    /// # Behavior
+    /// - With `spec.ordered`, every delivery carries the [`ScopeLease`] of the
+    ///   scope it came from, and the scope is owned by this instance alone.
+    /// - Without it, the source is the transport's plain competing-consumer
+    ///   path (the benchmark baseline).
+    async fn open(&self, spec: &SourceSpec) -> Result<Box<dyn TransportSource>>;
+
+    /// The operator's view of this transport.
+    fn admin(&self) -> Arc<dyn Admin>;
+}
+
+/// What a source is opened for.
+#[derive(Debug, Clone)]
+pub struct SourceSpec {
+    /// The category (stream, topic, queue family).
+    pub category: String,
+    /// The consumer group.
+    pub group: String,
+    /// The instance's unique id (owner id in leases).
+    pub instance: String,
+    /// Ordered by key (scopes owned exclusively) or the plain baseline.
+    pub ordered: bool,
+    /// Lease timing.
+    pub lease: LeaseConfig,
+    /// The key rules of the deployment.
+    pub key_rules: KeyRules,
+}
+
+/// A transport's publisher for one category.
+#[async_trait]
+pub trait TransportPublisher: Send + Sync + fmt::Debug {
+    /// Appends one message; returns once the broker acknowledged it.
+    async fn publish(&self, message: Message) -> Result<()>;
+}
+
+/// One delivery as a transport hands it over.
+#[derive(Debug)]
+pub struct Inbound {
+    /// The message (its key is the routing key the producer routed by).
+    pub message: Message,
+    /// The scope's lease in this instance.
+    pub lease: Arc<ScopeLease>,
+    /// Settles this delivery on the broker.
+    pub settle: Box<dyn Settle>,
+}
+
+/// Settles one delivery on the broker. Every call is fenced: it fails with
+/// [`crate::Error::Fenced`] once the owner lost the scope.
+#[async_trait]
+pub trait Settle: Send + Sync + fmt::Debug {
+    /// Durably increments and returns the attempt count (1 on the first
+    /// attempt), before the handler starts.
+    async fn begin_attempt(&self) -> Result<u32>;
+    /// Acknowledges the delivery.
+    async fn ack(&self) -> Result<()>;
+    /// Moves the delivery to the dead-letter destination with `reason`,
+    /// durably confirmed, then acknowledges it.
+    async fn park(&self, reason: &str) -> Result<()>;
+    /// Records durably that the key halted at this delivery (it stays pending).
+    async fn halt(&self, reason: &str) -> Result<()>;
+}
+
+/// Something the transport tells the subscription loop.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SourceEvent {
+    /// The scope must be handed over: take no new work from it, let its
+    /// in-flight work finish, then call [`TransportSource::release`].
+    Revoke(Arc<str>),
+    /// An operator resolved a halted key's head at the broker: release the
+    /// key in the dispatcher, dropping its held head (`drop_head`) or running
+    /// it again.
+    Resolved {
+        /// The key's value.
+        key: String,
+        /// Whether the head was settled at the broker (skip, dead letter).
+        drop_head: bool,
+    },
+}
+
+/// A transport's source of deliveries for one instance.
+#[async_trait]
+pub trait TransportSource: Send + fmt::Debug {
+    /// Returns up to `max` deliveries from scopes not in `paused`, waiting up
+    /// to `wait` when none is ready. Renews leases as needed.
+    async fn fetch(&mut self, max: usize, paused: &HashSet<Arc<str>>, wait: Duration) -> Result<Vec<Inbound>>;
+    /// Housekeeping (heartbeat, rebalance, operator actions); returns events.
+    async fn maintain(&mut self) -> Result<Vec<SourceEvent>>;
+    /// Hands a revoked scope over once its in-flight work returned.
+    async fn release(&mut self, scope: &str) -> Result<()>;
+    /// Leaves: releases every owned scope (called after draining).
+    async fn close(&mut self) -> Result<()>;
+}
+
+/// One scope as the operator sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScopeInfo {
+    /// The scope's name.
+    pub scope: String,
+    /// The owning instance, if any.
+    pub owner: Option<String>,
+    /// The owner's generation.
+    pub generation: u64,
+    /// Messages not yet acknowledged.
+    pub lag: u64,
+    /// Halted keys in the scope.
+    pub halted: usize,
+}
+
+/// A halted key and its head.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HaltedKey {
+    /// A log-safe label of the key (`k#` + stable hash).
+    pub label: String,
+    /// The key, redacted.
+    pub preview: String,
+    /// The scope it halted in.
+    pub scope: String,
+    /// The head's message id.
+    pub head_id: String,
+    /// Attempts made on the head.
+    pub attempts: u32,
+    /// Why it halted.
+    pub reason: String,
+}
+
+/// A key holding a large share of the backlog.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HotKey {
+    /// A log-safe label of the key.
+    pub label: String,
+    /// Messages of the key not yet acknowledged.
+    pub backlog: u64,
+}
+
+/// A dead-lettered message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetter {
+    /// The message id.
+    pub id: String,
+    /// The key's label.
+    pub label: String,
+    /// Why it was parked.
+    pub reason: String,
+}
+
+/// What an operator does with a halted head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeadAction {
+    /// Acknowledge it without processing (logged), release the key.
+    Skip,
+    /// Move it to the dead-letter destination, release the key.
+    DeadLetter,
+    /// Reset its attempts and run it again.
+    Resume,
+}
+
+/// The operator's view of a transport.
+#[async_trait]
+pub trait Admin: Send + Sync + fmt::Debug {
+    /// Live scopes of (category, group) with owner, generation and lag.
+    async fn scopes(&self, category: &str, group: &str) -> Result<Vec<ScopeInfo>>;
+    /// Halted keys and their heads.
+    async fn halted(&self, category: &str, group: &str) -> Result<Vec<HaltedKey>>;
+    /// Keys holding the largest share of the backlog, largest first.
+    async fn hot_keys(&self, category: &str, group: &str, limit: usize) -> Result<Vec<HotKey>>;
+    /// Dead-lettered messages of (category, group).
+    async fn dead_letters(&self, category: &str, group: &str) -> Result<Vec<DeadLetter>>;
+    /// Resolves a halted head. `key` is the key's value or its label.
+    async fn resolve(&self, category: &str, group: &str, key: &str, action: HeadAction) -> Result<()>;
+}
