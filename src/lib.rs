@@ -1,1 +1,40 @@
-//! keyorder
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
+
+pub use keyorder_core::*;
+
+/// The URL schemes this build can connect to.
+pub fn schemes() -> &'static [&'static str] {
+    &["memory"]
+}
+
+/// Connects to the transport a URL names; the rest of the URL (host, query
+/// string) is the adapter's configuration, so a deployment swaps brokers by
+/// changing one URL and no code.
+///
+/// | scheme | adapter | options |
+/// |---|---|---|
+/// | `memory://` | [`MemoryTransport`] (one process) | `partitions=N` |
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> keyorder::Result<()> {
+/// let client = keyorder::connect("memory://?partitions=8").await?;
+/// assert_eq!(client.transport_name(), "memory");
+/// assert!(keyorder::connect("nats://127.0.0.1").await.is_err());
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+/// [`Error::Url`] for a URL that does not parse, a scheme no compiled-in
+/// adapter serves (the message lists the ones that are), or a bad option.
+pub async fn connect(url: &str) -> Result<Client> {
+    let parsed = url::Url::parse(url).map_err(|e| Error::Url(format!("{e}: expected e.g. memory:// or redis://127.0.0.1:6379")))?;
+    match parsed.scheme() {
+        "memory" => Ok(Client::new(std::sync::Arc::new(MemoryTransport::from_url(&parsed)?))),
+        other => Err(Error::Url(format!(
+            "no adapter for `{other}://` in this build (compiled in: {}); enable the adapter's feature of the \
+             `keyorder` crate",
+            schemes().iter().map(|s| format!("{s}://")).collect::<Vec<_>>().join(", ")
+        ))),
+    }
+}

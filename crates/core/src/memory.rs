@@ -238,7 +238,7 @@ impl Category {
 
 impl Group {
     /// Expires silent members and spreads partitions fairly over live ones.
-    fn rebalance(&mut self, now: Instant, partitions: u32) {
+    fn rebalance(&mut self, now: Instant, partitions: u32, category: &str) {
         let expired: Vec<String> = self
             .members
             .iter()
@@ -260,7 +260,7 @@ impl Group {
                     part.revoking = true;
                     let owner = owner.clone();
                     if let Some(m) = self.members.get_mut(&owner) {
-                        m.events.push(SourceEvent::Revoke(Arc::from(format!("p{p}"))));
+                        m.events.push(SourceEvent::Revoke(scope_name(category, p)));
                     }
                 }
             }
@@ -386,7 +386,7 @@ impl Transport for MemoryTransport {
                 events: Vec::new(),
             },
         );
-        group.rebalance(Instant::now(), partitions);
+        group.rebalance(Instant::now(), partitions, &spec.category);
         drop(st);
         self.broker.notify.notify_waiters();
         let lease_cfg = if spec.ordered {
@@ -406,6 +406,7 @@ impl Transport for MemoryTransport {
             ordered: spec.ordered,
             lease_cfg,
             leases: HashMap::new(),
+            events: Vec::new(),
             cursor: 0,
             closed: false,
         }))
@@ -458,6 +459,7 @@ struct MemorySource {
     ordered: bool,
     lease_cfg: LeaseConfig,
     leases: HashMap<u32, Arc<ScopeLease>>,
+    events: Vec<SourceEvent>,
     cursor: u32,
     closed: bool,
 }
@@ -474,13 +476,14 @@ impl fmt::Debug for MemorySource {
 
 impl MemorySource {
     /// Heartbeat, rebalance, lease bookkeeping: one fenced round trip.
-    /// Returns the member's pending events, or `Fenced` if it was expired.
-    fn round_trip(&mut self, st: &mut BrokerState) -> Result<Vec<SourceEvent>> {
+    /// Collects the member's events for the next `maintain`, or fails with
+    /// `Fenced` if the member was expired.
+    fn round_trip(&mut self, st: &mut BrokerState) -> Result<()> {
         let sent = Instant::now();
         let partitions = self.broker.partitions;
         let cat = self.broker.category(st, &self.category);
         let group = cat.group_mut(&self.group)?;
-        group.rebalance(sent, partitions);
+        group.rebalance(sent, partitions, &self.category);
         let Some(me) = group.members.get_mut(&self.member) else {
             for lease in self.leases.values() {
                 lease.lose();
@@ -524,13 +527,8 @@ impl MemorySource {
                 (None, None) => {}
             }
         }
-        Ok(events
-            .into_iter()
-            .map(|e| match e {
-                SourceEvent::Revoke(p) => SourceEvent::Revoke(scope_name(&self.category, parse_scope(&p).unwrap_or(0))),
-                other => other,
-            })
-            .collect())
+        self.events.extend(events);
+        Ok(())
     }
 
     fn try_fetch(&mut self, max: usize, paused: &HashSet<Arc<str>>) -> Result<Vec<Inbound>> {
@@ -627,7 +625,8 @@ impl TransportSource for MemorySource {
     async fn maintain(&mut self) -> Result<Vec<SourceEvent>> {
         let broker = self.broker.clone();
         let mut st = broker.lock();
-        self.round_trip(&mut st)
+        self.round_trip(&mut st)?;
+        Ok(std::mem::take(&mut self.events))
     }
 
     async fn release(&mut self, scope: &str) -> Result<()> {

@@ -123,7 +123,7 @@ pub enum SourceEvent {
 
 /// A transport's source of deliveries for one instance.
 #[async_trait]
-pub trait TransportSource: Send + fmt::Debug {
+pub trait TransportSource: Send + Sync + fmt::Debug {
     /// Returns up to `max` deliveries from scopes not in `paused`, waiting up
     /// to `wait` when none is ready. Renews leases as needed.
     async fn fetch(&mut self, max: usize, paused: &HashSet<Arc<str>>, wait: Duration) -> Result<Vec<Inbound>>;

@@ -1,1 +1,59 @@
-//! testkit
+//! The keyorder conformance suite: scenarios C1-C16 of
+//! `shared/design/CONFORMANCE.md`, written once as functions over a
+//! [`Harness`] that each adapter implements, and the one [`checker`] that
+//! judges their event logs.
+//!
+//! A runner (see the workspace's `tests/conformance.rs`) turns
+//! [`Scenario::ALL`] × harnesses into named trials; a scenario whose
+//! [`Scenario::not_applicable`] gives a reason stays visible as an ignored
+//! trial, so the output is the capability matrix.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use keyorder_core::{Capabilities, Client, LeaseConfig, Result};
+
+pub mod broken;
+pub mod checker;
+pub mod eventlog;
+pub mod instance;
+pub mod scenarios;
+
+pub use checker::{check, Expectation, Published, Verdict};
+pub use eventlog::{Event, EventLog, EventStart, MemoryEventLog};
+pub use scenarios::Scenario;
+
+/// What a transport gives the suite.
+#[async_trait]
+pub trait Harness: Send + Sync {
+    /// The trial prefix (`memory`, `redis`, `rabbitmq-hash`, ...).
+    fn name(&self) -> &str;
+
+    /// The transport's capabilities in this test set-up.
+    fn capabilities(&self) -> Capabilities;
+
+    /// A new instance: a client with its own connections.
+    async fn client(&self) -> Result<Client>;
+
+    /// A reason the test broker rules a scenario out, beyond capabilities.
+    fn not_applicable(&self, scenario: Scenario) -> Option<String> {
+        let _ = scenario;
+        None
+    }
+
+    /// A client whose configuration lacks cross-instance affinity, where the
+    /// transport can be configured so (C9).
+    async fn client_without_affinity(&self) -> Option<Result<Client>> {
+        None
+    }
+
+    /// Lease timing for the scenarios (seconds, so a loaded machine keeps it).
+    fn lease(&self) -> LeaseConfig {
+        LeaseConfig::default()
+    }
+
+    /// How long a scenario may wait for a condition.
+    fn deadline(&self) -> Duration {
+        Duration::from_secs(90)
+    }
+}

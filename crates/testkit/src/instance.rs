@@ -1,0 +1,217 @@
+//! Running instances in a scenario: the logging handler, publishing helpers,
+//! and polling with a deadline.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use keyorder_core::{
+    Client, Delivery, HandlerError, HandlerResult, Message, Result, RunReport, Stats, SubscriptionBuilder,
+};
+use tokio::sync::{oneshot, Barrier};
+use tokio::task::JoinHandle;
+
+use crate::checker::Published;
+use crate::eventlog::{EventLog, EventStart};
+
+/// What a scenario's test message asks the handler to do (its JSON payload).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Payload {
+    /// The key (also the routing key, for checking).
+    pub key: String,
+    /// The per-key sequence.
+    pub seq: u64,
+    /// Sleep this long inside the handler.
+    pub sleep_ms: u64,
+    /// Fail (a retryable error) while the scenario's "broken" flag is set.
+    pub poison: bool,
+}
+
+impl Payload {
+    /// Encodes to the JSON payload bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        serde_json::json!({"key": self.key, "seq": self.seq, "sleep_ms": self.sleep_ms, "poison": self.poison})
+            .to_string()
+            .into_bytes()
+    }
+    /// Decodes from a delivery's payload (`None` if it is not one of ours).
+    pub fn decode(bytes: &[u8]) -> Option<Payload> {
+        let v: serde_json::Value = serde_json::from_slice(bytes).ok()?;
+        Some(Payload {
+            key: v.get("key")?.as_str()?.to_owned(),
+            seq: v.get("seq")?.as_u64()?,
+            sleep_ms: v.get("sleep_ms").and_then(|s| s.as_u64()).unwrap_or(0),
+            poison: v.get("poison").and_then(|s| s.as_bool()).unwrap_or(false),
+        })
+    }
+}
+
+/// Shared switches a scenario flips while handlers run.
+#[derive(Debug, Default)]
+pub struct Switches {
+    /// While set, messages with `poison: true` fail as poison.
+    pub broken: AtomicBool,
+    /// When set, every handler first waits on this barrier.
+    pub barrier: std::sync::Mutex<Option<Arc<Barrier>>>,
+}
+
+/// The handler every scenario uses: logs start and end to the event log,
+/// sleeps as asked, fails poison messages while broken.
+pub fn logging_handler(
+    log: Arc<dyn EventLog>,
+    instance: String,
+    switches: Arc<Switches>,
+) -> impl Fn(Delivery) -> std::pin::Pin<Box<dyn Future<Output = HandlerResult> + Send>> + Send + Sync + 'static {
+    move |d: Delivery| {
+        let log = log.clone();
+        let instance = instance.clone();
+        let switches = switches.clone();
+        Box::pin(async move {
+            let p = Payload::decode(d.payload()).unwrap_or_default();
+            let key = d.key().map_or_else(String::new, |k| k.as_str().to_owned());
+            let id = log
+                .start(EventStart {
+                    message_id: d.id().to_owned(),
+                    key,
+                    seq: p.seq,
+                    instance,
+                    generation: d.fencing_token(),
+                })
+                .await
+                .map_err(HandlerError::retry)?;
+            let barrier = switches.barrier.lock().unwrap().clone();
+            if let Some(barrier) = barrier {
+                barrier.wait().await;
+            }
+            if p.sleep_ms > 0 {
+                tokio::time::sleep(Duration::from_millis(p.sleep_ms)).await;
+            }
+            let fail = p.poison && switches.broken.load(Ordering::SeqCst);
+            log.end(id, !fail).await.map_err(HandlerError::retry)?;
+            if fail {
+                return Err(HandlerError::retry("poison message (scenario)"));
+            }
+            Ok(())
+        })
+    }
+}
+
+/// A running instance.
+#[derive(Debug)]
+pub struct Instance {
+    /// The instance id.
+    pub id: String,
+    /// Its live counters.
+    pub stats: Arc<Stats>,
+    stop: Option<oneshot::Sender<()>>,
+    join: JoinHandle<Result<RunReport>>,
+}
+
+impl Instance {
+    /// Builds the subscription with `builder` and runs it with the logging handler.
+    pub async fn start(
+        builder: SubscriptionBuilder,
+        id: &str,
+        log: Arc<dyn EventLog>,
+        switches: Arc<Switches>,
+    ) -> Result<Instance> {
+        let subscription = builder.instance_id(id).build().await?;
+        let stats = subscription.stats();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let handler = logging_handler(log, id.to_owned(), switches);
+        let join = tokio::spawn(subscription.run(handler, async move {
+            let _ = stopped.await;
+        }));
+        Ok(Instance {
+            id: id.to_owned(),
+            stats,
+            stop: Some(stop),
+            join,
+        })
+    }
+
+    /// Graceful shutdown; returns the run's report.
+    pub async fn stop(mut self) -> std::result::Result<RunReport, String> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        match tokio::time::timeout(Duration::from_secs(60), &mut self.join).await {
+            Ok(Ok(Ok(report))) => Ok(report),
+            Ok(Ok(Err(e))) => Err(format!("instance {} failed: {e}", self.id)),
+            Ok(Err(e)) => Err(format!("instance {} panicked: {e}", self.id)),
+            Err(_) => Err(format!("instance {} did not drain within 60 s", self.id)),
+        }
+    }
+
+    /// Whether the run ended (it should not have before `stop`).
+    pub fn is_finished(&self) -> bool {
+        self.join.is_finished()
+    }
+}
+
+/// Publishes `per_key` messages for each of `keys`, interleaved round-robin,
+/// each awaited before the next; returns what was acknowledged.
+pub async fn publish_keys(
+    client: &Client,
+    category: &str,
+    keys: &[String],
+    per_key: u64,
+    sleep_ms: u64,
+) -> Result<Vec<Published>> {
+    publish_range(client, category, keys, 0..per_key, sleep_ms).await
+}
+
+/// Like [`publish_keys`], with the per-key sequences `seqs`.
+pub async fn publish_range(
+    client: &Client,
+    category: &str,
+    keys: &[String],
+    seqs: std::ops::Range<u64>,
+    sleep_ms: u64,
+) -> Result<Vec<Published>> {
+    let publisher = client.publisher(category).await?;
+    let mut out = Vec::new();
+    for seq in seqs {
+        for key in keys {
+            let payload = Payload {
+                key: key.clone(),
+                seq,
+                sleep_ms,
+                poison: false,
+            };
+            let msg = Message::new(payload.encode()).with_key(key)?;
+            let id = msg.id().to_owned();
+            publisher.publish(msg).await?;
+            out.push(Published {
+                id,
+                key: key.clone(),
+                seq,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// `n` distinct test keys with a prefix.
+pub fn keys(prefix: &str, n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("{prefix}-{i}")).collect()
+}
+
+/// Polls `cond` every 20 ms until it holds or `deadline` passes.
+pub async fn wait_until<F, Fut>(what: &str, deadline: Duration, mut cond: F) -> std::result::Result<(), String>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let until = tokio::time::Instant::now() + deadline;
+    loop {
+        if cond().await {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= until {
+            return Err(format!("timed out after {deadline:?} waiting for {what}"));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -1,0 +1,761 @@
+//! Scenarios C1-C16, written once.
+
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use keyorder_core::{
+    Client, Error, HeadAction, KeyRule, KeyRules, KeySource, KeylessPolicy, Message, MessageType, PoisonPolicy,
+    Resolved, RetryPolicy, Strategy, SubscriptionBuilder,
+};
+use tokio::sync::Barrier;
+
+use crate::checker::{check, Expectation, Published};
+use crate::eventlog::{EventLog, MemoryEventLog};
+use crate::instance::{keys, publish_keys, publish_range, wait_until, Instance, Payload, Switches};
+use crate::Harness;
+
+/// One conformance scenario.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Scenario {
+    /// C1 per-key order.
+    C1,
+    /// C2 single processor per key.
+    C2,
+    /// C3 parallel across keys.
+    C3,
+    /// C4 halt on poison.
+    C4,
+    /// C5 park and release.
+    C5,
+    /// C6 crash failover (process).
+    C6,
+    /// C7 stall failover (process).
+    C7,
+    /// C8 registration validation.
+    C8,
+    /// C9 capability gating.
+    C9,
+    /// C10 one key per category.
+    C10,
+    /// C11 correlated categories.
+    C11,
+    /// C12 unsafe keys.
+    C12,
+    /// C13 keyless messages.
+    C13,
+    /// C14 broker restart.
+    C14,
+    /// C15 concurrent producers.
+    C15,
+    /// C16 rebalance / scale out.
+    C16,
+}
+
+type Outcome = std::result::Result<(), String>;
+
+fn err(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+impl Scenario {
+    /// Every scenario, in order.
+    pub const ALL: [Scenario; 16] = [
+        Scenario::C1,
+        Scenario::C2,
+        Scenario::C3,
+        Scenario::C4,
+        Scenario::C5,
+        Scenario::C6,
+        Scenario::C7,
+        Scenario::C8,
+        Scenario::C9,
+        Scenario::C10,
+        Scenario::C11,
+        Scenario::C12,
+        Scenario::C13,
+        Scenario::C14,
+        Scenario::C15,
+        Scenario::C16,
+    ];
+
+    /// The trial name's scenario part, e.g. `c1_per_key_order`.
+    pub fn slug(self) -> &'static str {
+        match self {
+            Scenario::C1 => "c1_per_key_order",
+            Scenario::C2 => "c2_single_processor",
+            Scenario::C3 => "c3_parallel_across_keys",
+            Scenario::C4 => "c4_halt_on_poison",
+            Scenario::C5 => "c5_park_and_release",
+            Scenario::C6 => "c6_crash_failover",
+            Scenario::C7 => "c7_stall_failover",
+            Scenario::C8 => "c8_registration_validation",
+            Scenario::C9 => "c9_capability_gating",
+            Scenario::C10 => "c10_one_key_per_category",
+            Scenario::C11 => "c11_correlated_categories",
+            Scenario::C12 => "c12_unsafe_keys",
+            Scenario::C13 => "c13_keyless_messages",
+            Scenario::C14 => "c14_broker_restart",
+            Scenario::C15 => "c15_concurrent_producers",
+            Scenario::C16 => "c16_rebalance",
+        }
+    }
+
+    /// Why `harness` cannot run this scenario (capabilities or test broker),
+    /// or `None` when it must run.
+    pub fn not_applicable(self, harness: &dyn Harness) -> Option<String> {
+        let caps = harness.capabilities();
+        let need = |flags: &[(&str, bool)]| {
+            let missing: Vec<&str> = flags.iter().filter(|(_, on)| !on).map(|(n, _)| *n).collect();
+            (!missing.is_empty()).then(|| format!("transport `{}` lacks {}", harness.name(), missing.join(", ")))
+        };
+        let by_caps = match self {
+            Scenario::C4 => need(&[("halt_on_poison", caps.halt_on_poison)]),
+            Scenario::C5 => need(&[("park_and_release", caps.park_and_release)]),
+            Scenario::C6 => need(&[
+                ("crash_reclaim", caps.crash_reclaim),
+                ("multi_process (kill -9 needs a broker shared across processes)", caps.multi_process),
+            ]),
+            Scenario::C7 => need(&[
+                ("fencing or self_fencing", caps.fencing || caps.self_fencing),
+                ("multi_process (SIGSTOP needs a broker shared across processes)", caps.multi_process),
+            ]),
+            Scenario::C11 => need(&[("correlated_ownership", caps.correlated_ownership)]),
+            Scenario::C14 => need(&[("persistent (the test broker keeps nothing across a restart)", caps.persistent)]),
+            _ => None,
+        };
+        by_caps.or_else(|| harness.not_applicable(self))
+    }
+
+    /// Runs the scenario; `Err` explains the failure.
+    pub async fn run(self, harness: &dyn Harness) -> Outcome {
+        let ctx = Ctx::new(harness, self);
+        match self {
+            Scenario::C1 => c1(&ctx).await,
+            Scenario::C2 => c2(&ctx).await,
+            Scenario::C3 => c3(&ctx).await,
+            Scenario::C4 => c4(&ctx).await,
+            Scenario::C5 => c5(&ctx).await,
+            Scenario::C8 => c8(&ctx).await,
+            Scenario::C9 => c9(&ctx).await,
+            Scenario::C10 => c10(&ctx).await,
+            Scenario::C12 => c12(&ctx).await,
+            Scenario::C13 => c13(&ctx).await,
+            Scenario::C15 => c15(&ctx).await,
+            Scenario::C16 => c16(&ctx).await,
+            Scenario::C6 | Scenario::C7 | Scenario::C11 | Scenario::C14 => Err(format!(
+                "{} has no runner for the in-process harness yet: an adapter that declares the capability \
+                 must bring its worker/broker hooks",
+                self.slug()
+            )),
+        }
+    }
+}
+
+/// What every scenario shares: the harness, a fresh namespace, the event log.
+pub(crate) struct Ctx<'a> {
+    h: &'a dyn Harness,
+    ns: String,
+    log: Arc<dyn EventLog>,
+    switches: Arc<Switches>,
+}
+
+impl<'a> Ctx<'a> {
+    fn new(h: &'a dyn Harness, s: Scenario) -> Self {
+        let tag = uuid::Uuid::new_v4().simple().to_string();
+        Ctx {
+            h,
+            ns: format!("{}-{}", s.slug().split('_').next().unwrap_or("c"), &tag[..10]),
+            log: Arc::new(MemoryEventLog::default()),
+            switches: Arc::new(Switches::default()),
+        }
+    }
+
+    fn category(&self, suffix: &str) -> String {
+        format!("{}-{suffix}", self.ns)
+    }
+
+    async fn client(&self) -> std::result::Result<Client, String> {
+        self.h.client().await.map_err(err)
+    }
+
+    /// The scenarios' default ordered subscription.
+    fn ordered(&self, client: &Client, category: &str, group: &str) -> SubscriptionBuilder {
+        client
+            .subscribe(category, group)
+            .ordered_by(KeySource::routing_key())
+            .lease(self.h.lease())
+            .retry(RetryPolicy {
+                max_attempts: 3,
+                initial_backoff: Duration::from_millis(20),
+                max_backoff: Duration::from_millis(200),
+            })
+    }
+
+    async fn start(&self, builder: SubscriptionBuilder, id: &str) -> std::result::Result<Instance, String> {
+        Instance::start(builder, id, self.log.clone(), self.switches.clone())
+            .await
+            .map_err(err)
+    }
+
+    /// Waits until every published id not in `excused` was applied.
+    async fn wait_applied(&self, published: &[Published], excused: &HashSet<String>) -> Outcome {
+        let want: HashSet<&str> = published
+            .iter()
+            .map(|p| p.id.as_str())
+            .filter(|id| !excused.contains(*id))
+            .collect();
+        let log = self.log.clone();
+        let missing = std::sync::atomic::AtomicUsize::new(want.len());
+        let res = wait_until("every published message to be applied", self.h.deadline(), || {
+            let log = log.clone();
+            let want = &want;
+            let missing = &missing;
+            async move {
+                let events = log.events().await.unwrap_or_default();
+                let done: HashSet<&str> = events.iter().filter(|e| e.ok).map(|e| e.message_id.as_str()).collect();
+                let n = want.iter().filter(|id| !done.contains(**id)).count();
+                missing.store(n, Ordering::Relaxed);
+                n == 0
+            }
+        })
+        .await;
+        res.map_err(|e| format!("{e} ({} of {} still missing)", missing.load(Ordering::Relaxed), want.len()))
+    }
+
+    async fn applied_count(&self, pred: impl Fn(&crate::Event) -> bool) -> usize {
+        self.log
+            .events()
+            .await
+            .unwrap_or_default()
+            .iter()
+            .filter(|e| e.ok && pred(e))
+            .count()
+    }
+
+    async fn verdict(&self, expect: &Expectation) -> std::result::Result<crate::Verdict, String> {
+        let events = self.log.events().await.map_err(err)?;
+        Ok(check(&events, expect))
+    }
+}
+
+async fn stop_all(instances: Vec<Instance>) -> Outcome {
+    for i in instances {
+        i.stop().await?;
+    }
+    Ok(())
+}
+
+fn ensure(cond: bool, what: impl FnOnce() -> String) -> Outcome {
+    if cond {
+        Ok(())
+    } else {
+        Err(what())
+    }
+}
+
+/// C1: messages that share a key are applied in publish order; nothing lost.
+async fn c1(ctx: &Ctx<'_>) -> Outcome {
+    let client = ctx.client().await?;
+    let cat = ctx.category("orders");
+    let ks = keys("k", 16);
+    let mut published = publish_keys(&client, &cat, &ks, 10, 0).await.map_err(err)?;
+    let inst = ctx.start(ctx.ordered(&client, &cat, "g"), "i1").await?;
+    published.extend(publish_range(&client, &cat, &ks, 10..25, 1).await.map_err(err)?);
+    ctx.wait_applied(&published, &HashSet::new()).await?;
+    stop_all(vec![inst]).await?;
+    let v = ctx
+        .verdict(&Expectation {
+            published,
+            ..Default::default()
+        })
+        .await?;
+    v.assert_ok()
+}
+
+/// C2: with three instances no key runs twice at once, and every instance works.
+async fn c2(ctx: &Ctx<'_>) -> Outcome {
+    let cat = ctx.category("orders");
+    let mut instances = Vec::new();
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        let client = ctx.client().await?;
+        let id = format!("i{i}");
+        instances.push(ctx.start(ctx.ordered(&client, &cat, "g"), &id).await?);
+        ids.push(id);
+    }
+    let client = ctx.client().await?;
+    let published = publish_keys(&client, &cat, &keys("k", 24), 15, 2).await.map_err(err)?;
+    ctx.wait_applied(&published, &HashSet::new()).await?;
+    stop_all(instances).await?;
+    ctx.verdict(&Expectation {
+        published,
+        spread_over: ids,
+        ..Default::default()
+    })
+    .await?
+    .assert_ok()
+}
+
+/// C3: K handlers of K keys all enter one barrier (across two instances).
+async fn c3(ctx: &Ctx<'_>) -> Outcome {
+    const K: usize = 8;
+    let cat = ctx.category("orders");
+    *ctx.switches.barrier.lock().unwrap() = Some(Arc::new(Barrier::new(K)));
+    let mut instances = Vec::new();
+    for i in 0..2 {
+        let client = ctx.client().await?;
+        instances.push(ctx.start(ctx.ordered(&client, &cat, "g").concurrency(K), &format!("i{i}")).await?);
+    }
+    let client = ctx.client().await?;
+    let published = publish_keys(&client, &cat, &keys("k", K), 1, 0).await.map_err(err)?;
+    let res = ctx.wait_applied(&published, &HashSet::new()).await;
+    let entered = ctx.log.events().await.map_err(err)?.len();
+    *ctx.switches.barrier.lock().unwrap() = None;
+    res.map_err(|e| format!("only {entered} of {K} handlers of distinct keys entered the barrier: {e}"))?;
+    stop_all(instances).await
+}
+
+/// C4: a poison head halts its key; other keys complete; skip and resume release it in order.
+async fn c4(ctx: &Ctx<'_>) -> Outcome {
+    let client = ctx.client().await?;
+    let cat = ctx.category("orders");
+    let admin = client.admin();
+    ctx.switches.broken.store(true, Ordering::SeqCst);
+    let publisher = client.publisher(&cat).await.map_err(err)?;
+    let mut published = Vec::new();
+    let (skip_key, resume_key) = ("halt-skip".to_owned(), "halt-resume".to_owned());
+    let healthy = keys("ok", 6);
+    for seq in 0..5u64 {
+        for key in healthy.iter().chain([&skip_key, &resume_key]) {
+            let poison = seq == 2 && (key == &skip_key || key == &resume_key);
+            let payload = Payload {
+                key: key.clone(),
+                seq,
+                sleep_ms: 0,
+                poison,
+            };
+            let msg = Message::new(payload.encode()).with_key(key).map_err(err)?;
+            published.push(Published {
+                id: msg.id().to_owned(),
+                key: key.clone(),
+                seq,
+            });
+            publisher.publish(msg).await.map_err(err)?;
+        }
+    }
+    let inst = ctx
+        .start(ctx.ordered(&client, &cat, "g").poison(PoisonPolicy::Halt), "i1")
+        .await?;
+    let healthy_ids: Vec<Published> = published.iter().filter(|p| p.key.starts_with("ok-")).cloned().collect();
+    ctx.wait_applied(&healthy_ids, &HashSet::new()).await?;
+    wait_until("both poisoned keys to show as halted", ctx.h.deadline(), || {
+        let admin = admin.clone();
+        let cat = cat.clone();
+        async move { admin.halted(&cat, "g").await.map(|h| h.len() == 2).unwrap_or(false) }
+    })
+    .await?;
+    let halted = admin.halted(&cat, "g").await.map_err(err)?;
+    ensure(halted.iter().all(|h| h.attempts == 3), || format!("halted heads should show 3 attempts: {halted:?}"))?;
+    for key in [&skip_key, &resume_key] {
+        let later = ctx.applied_count(|e| &e.key == key && e.seq >= 2).await;
+        ensure(later == 0, || format!("a halted key applied {later} events at or after its poison head"))?;
+    }
+    ensure(admin.dead_letters(&cat, "g").await.map_err(err)?.is_empty(), || "halt dead-lettered something".into())?;
+    ensure(inst.stats.snapshot().halted_now == 2, || format!("stats: {:?}", inst.stats.snapshot()))?;
+
+    // Operator: skip one head (released in order without it) ...
+    admin.resolve(&cat, "g", &skip_key, HeadAction::Skip).await.map_err(err)?;
+    let skipped: HashSet<String> = published
+        .iter()
+        .filter(|p| p.key == skip_key && p.seq == 2)
+        .map(|p| p.id.clone())
+        .collect();
+    let skip_rest: Vec<Published> = published.iter().filter(|p| p.key == skip_key).cloned().collect();
+    ctx.wait_applied(&skip_rest, &skipped).await?;
+    // ... and resume the other once the cause is fixed (its head runs again).
+    ctx.switches.broken.store(false, Ordering::SeqCst);
+    let label = keyorder_core::OrderingKey::new(&resume_key).map_err(err)?.label();
+    ensure(halted.iter().any(|h| h.label == label), || "the resume key is not listed as halted".into())?;
+    admin.resolve(&cat, "g", &label, HeadAction::Resume).await.map_err(err)?;
+    ctx.wait_applied(&published, &skipped).await?;
+    ensure(admin.dead_letters(&cat, "g").await.map_err(err)?.is_empty(), || "resume dead-lettered something".into())?;
+    stop_all(vec![inst]).await?;
+    ctx.verdict(&Expectation {
+        published,
+        excused: skipped,
+        ..Default::default()
+    })
+    .await?
+    .assert_ok()
+}
+
+/// C5: after max attempts the head is dead-lettered and the key resumes.
+async fn c5(ctx: &Ctx<'_>) -> Outcome {
+    let client = ctx.client().await?;
+    let cat = ctx.category("orders");
+    ctx.switches.broken.store(true, Ordering::SeqCst);
+    let publisher = client.publisher(&cat).await.map_err(err)?;
+    let mut published = Vec::new();
+    for seq in 0..4u64 {
+        for key in keys("k", 4) {
+            let payload = Payload {
+                key: key.clone(),
+                seq,
+                sleep_ms: 0,
+                poison: key == "k-0" && seq == 1,
+            };
+            let msg = Message::new(payload.encode()).with_key(&key).map_err(err)?;
+            published.push(Published {
+                id: msg.id().to_owned(),
+                key,
+                seq,
+            });
+            publisher.publish(msg).await.map_err(err)?;
+        }
+    }
+    let poison_id = published.iter().find(|p| p.key == "k-0" && p.seq == 1).unwrap().id.clone();
+    let excused: HashSet<String> = [poison_id.clone()].into();
+    let inst = ctx
+        .start(
+            ctx.ordered(&client, &cat, "g")
+                .poison(PoisonPolicy::Park { max_attempts: 3 }),
+            "i1",
+        )
+        .await?;
+    ctx.wait_applied(&published, &excused).await?;
+    let dead = client.admin().dead_letters(&cat, "g").await.map_err(err)?;
+    ensure(dead.len() == 1 && dead[0].id == poison_id, || format!("dead letters: {dead:?}"))?;
+    let runs = ctx
+        .log
+        .events()
+        .await
+        .map_err(err)?
+        .iter()
+        .filter(|e| e.message_id == poison_id)
+        .count();
+    // Attempts are counted durably: exactly max_attempts runs, then the park.
+    ensure(runs == 3, || format!("the poison head ran {runs} times, expected 3"))?;
+    let stats = inst.stats.snapshot();
+    ensure(stats.parked == 1, || format!("parked count: {stats:?}"))?;
+    stop_all(vec![inst]).await?;
+    ctx.verdict(&Expectation {
+        published,
+        excused,
+        ..Default::default()
+    })
+    .await?
+    .assert_ok()
+}
+
+/// C8: ordering by a key the message types cannot yield fails at build.
+async fn c8(ctx: &Ctx<'_>) -> Outcome {
+    let client = ctx.client().await?;
+    let cat = ctx.category("orders");
+    let bad = client
+        .subscribe(&cat, "g")
+        .ordered_by(KeySource::field("customer_id"))
+        .message_type(MessageType::new("OrderPlaced").with_fields(["order_id", "customer_id"]))
+        .message_type(MessageType::new("RefundIssued").with_fields(["order_id"]))
+        .build()
+        .await;
+    match bad {
+        Err(Error::Registration(msg)) if msg.contains("RefundIssued") => {}
+        other => return Err(format!("expected a registration error naming RefundIssued, got {other:?}")),
+    }
+    let ok = client
+        .subscribe(&cat, "g")
+        .ordered_by(KeySource::field("customer_id").or_correlation_id())
+        .message_type(MessageType::new("RefundIssued").with_fields(["order_id"]))
+        .build()
+        .await
+        .map_err(|e| format!("a fallback step makes the key yieldable: {e}"))?;
+    drop(ok);
+    Ok(())
+}
+
+/// C9: `Auto` without cross-instance affinity fails naming the fix.
+async fn c9(ctx: &Ctx<'_>) -> Outcome {
+    let client = ctx.client().await?;
+    let cat = ctx.category("orders");
+    let caps = client.capabilities();
+    let sub = client
+        .subscribe(&cat, "auto")
+        .ordered_by(KeySource::routing_key())
+        .build()
+        .await;
+    match (caps.cross_instance_affinity, sub) {
+        (true, Ok(s)) => ensure(s.resolved() == Some(Resolved::TransportNative), || "Auto must resolve natively".into())?,
+        (false, Err(Error::Unsupported { fix, .. })) => ensure(fix.contains("LocalPartitioned"), || fix)?,
+        (_, other) => return Err(format!("Auto with affinity={} gave {other:?}", caps.cross_instance_affinity)),
+    }
+    let local = client
+        .subscribe(&cat, "local")
+        .ordered_by(KeySource::routing_key())
+        .strategy(Strategy::LocalPartitioned)
+        .build()
+        .await
+        .map_err(err)?;
+    ensure(local.resolved() == Some(Resolved::LocalPartitioned), || "LocalPartitioned must be honoured".into())?;
+    if let Some(plain) = ctx.h.client_without_affinity().await {
+        let plain = plain.map_err(err)?;
+        match plain.subscribe(&cat, "plain").ordered_by(KeySource::routing_key()).build().await {
+            Err(Error::Unsupported { capability, fix, .. })
+                if capability == "cross_instance_affinity" && fix.contains("LocalPartitioned") => {}
+            other => return Err(format!("Auto without affinity must fail naming the fix, got {other:?}")),
+        }
+    }
+    // The resolver itself, with the affinity flag cleared.
+    let without = keyorder_core::Capabilities {
+        cross_instance_affinity: false,
+        ..caps
+    };
+    match Strategy::Auto.resolve(ctx.h.name(), &without, "declare an affinity") {
+        Err(Error::Unsupported { fix, .. }) if fix.contains("LocalPartitioned") => Ok(()),
+        other => Err(format!("resolver without affinity gave {other:?}")),
+    }
+}
+
+/// C10: two handlers on one category with different keys fail at registration.
+async fn c10(ctx: &Ctx<'_>) -> Outcome {
+    let client = ctx.client().await?;
+    let cat = ctx.category("orders");
+    let first = client
+        .subscribe(&cat, "billing")
+        .ordered_by(KeySource::header("customer"))
+        .build()
+        .await
+        .map_err(err)?;
+    let same = client
+        .subscribe(&cat, "shipping")
+        .ordered_by(KeySource::header("customer"))
+        .build()
+        .await
+        .map_err(|e| format!("the same key on another group must be accepted: {e}"))?;
+    match client.subscribe(&cat, "audit").ordered_by(KeySource::header("order")).build().await {
+        Err(Error::Registration(msg)) if msg.contains("header(customer)") => {}
+        other => return Err(format!("expected a registration error, got {other:?}")),
+    }
+    drop((first, same));
+    Ok(())
+}
+
+/// C12: unsafe keys fail in the caller's call and store nothing.
+async fn c12(ctx: &Ctx<'_>) -> Outcome {
+    let rules = KeyRules::default().with_lane("backfill");
+    let client = ctx.client().await?.with_key_rules(rules.clone());
+    let cat = ctx.category("orders");
+    let publisher = client.publisher(&cat).await.map_err(err)?;
+    let cases: Vec<(String, KeyRule)> = vec![
+        (String::new(), KeyRule::Empty),
+        ("x".repeat(256), KeyRule::TooLong),
+        ("tenant:42".into(), KeyRule::ForbiddenCharacter),
+        ("tag{x".into(), KeyRule::ForbiddenCharacter),
+        ("line\u{1}break".into(), KeyRule::ControlCharacter),
+        ("dlq".into(), KeyRule::ReservedLane),
+        ("backfill".into(), KeyRule::ReservedLane),
+        ("__partitions__".into(), KeyRule::Sentinel),
+    ];
+    for (bad, rule) in &cases {
+        match Message::new("x").with_key_rules(bad, &rules) {
+            Err(e) if e.rule() == *rule => {}
+            other => return Err(format!("key rule {rule:?}: expected rejection, got {:?}", other.map(|_| ()))),
+        }
+    }
+    // A key valid under the default rules but reserved by this deployment's
+    // lanes is refused by the publish call itself.
+    let lane = Message::new("x").with_key("backfill").map_err(err)?;
+    match publisher.publish(lane).await {
+        Err(Error::Key(e)) if e.rule() == KeyRule::ReservedLane => {}
+        other => return Err(format!("publish with a reserved lane key: expected a key error, got {other:?}")),
+    }
+    // Nothing was stored: a consumer sees exactly the one valid message.
+    let ok = publish_keys(&client, &cat, &["valid".to_owned()], 1, 0).await.map_err(err)?;
+    let inst = ctx.start(ctx.ordered(&client, &cat, "g"), "i1").await?;
+    ctx.wait_applied(&ok, &HashSet::new()).await?;
+    stop_all(vec![inst]).await?;
+    let events = ctx.log.events().await.map_err(err)?;
+    ensure(events.len() == 1, || format!("expected only the valid message, saw {} events", events.len()))
+}
+
+/// C13: keyless messages run in parallel and are counted, or are rejected;
+/// a routing-key mismatch is rejected and counted.
+async fn c13(ctx: &Ctx<'_>) -> Outcome {
+    const N: usize = 4;
+    let client = ctx.client().await?;
+    // 1. Keyless, parallel: N keyless handlers meet in one barrier.
+    let cat = ctx.category("keyless");
+    *ctx.switches.barrier.lock().unwrap() = Some(Arc::new(Barrier::new(N)));
+    let inst = ctx.start(ctx.ordered(&client, &cat, "g").concurrency(N), "i1").await?;
+    let publisher = client.publisher(&cat).await.map_err(err)?;
+    let mut published = Vec::new();
+    for seq in 0..N as u64 {
+        let msg = Message::new(
+            Payload {
+                key: String::new(),
+                seq,
+                ..Default::default()
+            }
+            .encode(),
+        );
+        published.push(Published {
+            id: msg.id().to_owned(),
+            key: String::new(),
+            seq,
+        });
+        publisher.publish(msg).await.map_err(err)?;
+    }
+    let res = ctx.wait_applied(&published, &HashSet::new()).await;
+    *ctx.switches.barrier.lock().unwrap() = None;
+    res.map_err(|e| format!("keyless messages did not run in parallel: {e}"))?;
+    let keyless = inst.stats.snapshot().keyless;
+    ensure(keyless == N as u64, || format!("keyless counted {keyless}, expected {N}"))?;
+    stop_all(vec![inst]).await?;
+
+    // 2. Keyless, rejected by policy: dead-lettered, counted, never run.
+    let cat = ctx.category("reject");
+    let before = ctx.log.events().await.map_err(err)?.len();
+    let publisher = client.publisher(&cat).await.map_err(err)?;
+    for seq in 0..3 {
+        publisher
+            .publish(Message::new(Payload { seq, ..Default::default() }.encode()))
+            .await
+            .map_err(err)?;
+    }
+    let keyed = publish_keys(&client, &cat, &["keyed".to_owned()], 1, 0).await.map_err(err)?;
+    let inst = ctx
+        .start(ctx.ordered(&client, &cat, "g").keyless(KeylessPolicy::Reject), "i2")
+        .await?;
+    ctx.wait_applied(&keyed, &HashSet::new()).await?;
+    let admin = client.admin();
+    wait_until("3 keyless messages to be dead-lettered", ctx.h.deadline(), || {
+        let admin = admin.clone();
+        let cat = cat.clone();
+        async move { admin.dead_letters(&cat, "g").await.map(|d| d.len() == 3).unwrap_or(false) }
+    })
+    .await?;
+    let s = inst.stats.snapshot();
+    ensure(s.keyless_rejected == 3, || format!("keyless_rejected: {s:?}"))?;
+    stop_all(vec![inst]).await?;
+    let ran = ctx.log.events().await.map_err(err)?.len() - before;
+    ensure(ran == 1, || format!("rejected keyless messages ran: {ran} runs"))?;
+
+    // 3. Routing-key mismatch: the selected key differs from the routed one.
+    let cat = ctx.category("mismatch");
+    let publisher = client.publisher(&cat).await.map_err(err)?;
+    let body = |customer: &str, seq: u64| {
+        serde_json::json!({"key": customer, "seq": seq, "customer": customer}).to_string()
+    };
+    let good = Message::new(body("c-1", 0)).with_key("c-1").map_err(err)?;
+    let good_id = good.id().to_owned();
+    publisher.publish(good).await.map_err(err)?;
+    let bad = Message::new(body("c-9", 0)).with_key("c-2").map_err(err)?;
+    let bad_id = bad.id().to_owned();
+    publisher.publish(bad).await.map_err(err)?;
+    let inst = ctx
+        .start(
+            client
+                .subscribe(&cat, "g")
+                .ordered_by(KeySource::field("customer"))
+                .lease(ctx.h.lease()),
+            "i3",
+        )
+        .await?;
+    let good_pub = vec![Published {
+        id: good_id,
+        key: "c-1".into(),
+        seq: 0,
+    }];
+    ctx.wait_applied(&good_pub, &HashSet::new()).await?;
+    wait_until("the mismatched delivery to be rejected", ctx.h.deadline(), || {
+        let stats = inst.stats.clone();
+        async move { stats.snapshot().key_mismatches == 1 }
+    })
+    .await?;
+    stop_all(vec![inst]).await?;
+    let ran_bad = ctx.applied_count(|e| e.message_id == bad_id).await;
+    ensure(ran_bad == 0, || "a mismatched delivery was processed".into())
+}
+
+/// C15: several producers in parallel; no event skipped or out of order.
+async fn c15(ctx: &Ctx<'_>) -> Outcome {
+    let cat = ctx.category("orders");
+    let mut instances = Vec::new();
+    for i in 0..2 {
+        let client = ctx.client().await?;
+        instances.push(ctx.start(ctx.ordered(&client, &cat, "g"), &format!("i{i}")).await?);
+    }
+    let mut producers = Vec::new();
+    for p in 0..4 {
+        let client = ctx.client().await?;
+        let cat = cat.clone();
+        producers.push(tokio::spawn(async move {
+            publish_keys(&client, &cat, &keys(&format!("p{p}"), 6), 30, 0).await
+        }));
+    }
+    let mut published = Vec::new();
+    for p in producers {
+        published.extend(p.await.map_err(err)?.map_err(err)?);
+    }
+    ctx.wait_applied(&published, &HashSet::new()).await?;
+    stop_all(instances).await?;
+    ctx.verdict(&Expectation {
+        published,
+        ..Default::default()
+    })
+    .await?
+    .assert_ok()
+}
+
+/// C16: instances join and leave mid-stream; ownership moves; order, loss,
+/// overlap and spread hold.
+async fn c16(ctx: &Ctx<'_>) -> Outcome {
+    let cat = ctx.category("orders");
+    let producer_client = ctx.client().await?;
+    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    let producer = {
+        let cat = cat.clone();
+        tokio::spawn(async move {
+            let ks = keys("k", 12);
+            let mut all = Vec::new();
+            let mut seq = 0;
+            // Bounded: at most 400 rounds; paced so the stream spans the phases.
+            while !*stop_rx.borrow_and_update() && seq < 400 {
+                all.extend(publish_range(&producer_client, &cat, &ks, seq..seq + 1, 1).await?);
+                seq += 1;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Ok::<_, keyorder_core::Error>(all)
+        })
+    };
+    let c1 = ctx.client().await?;
+    let i1 = ctx.start(ctx.ordered(&c1, &cat, "g"), "i1").await?;
+    let log = ctx.log.clone();
+    let applied_by = |inst: &'static str| {
+        let log = log.clone();
+        move || {
+            let log = log.clone();
+            async move { log.events().await.unwrap_or_default().iter().any(|e| e.ok && e.instance == inst) }
+        }
+    };
+    wait_until("i1 to apply events", ctx.h.deadline(), applied_by("i1")).await?;
+    let c2 = ctx.client().await?;
+    let i2 = ctx.start(ctx.ordered(&c2, &cat, "g"), "i2").await?;
+    wait_until("i2 to take over partitions and apply events", ctx.h.deadline(), applied_by("i2")).await?;
+    let c3 = ctx.client().await?;
+    let i3 = ctx.start(ctx.ordered(&c3, &cat, "g"), "i3").await?;
+    wait_until("i3 to take over partitions and apply events", ctx.h.deadline(), applied_by("i3")).await?;
+    i2.stop().await?;
+    let _ = stop_tx.send(true);
+    let published = producer.await.map_err(err)?.map_err(err)?;
+    ctx.wait_applied(&published, &HashSet::new()).await?;
+    stop_all(vec![i1, i3]).await?;
+    ctx.verdict(&Expectation {
+        published,
+        spread_over: vec!["i1".into(), "i2".into(), "i3".into()],
+        ..Default::default()
+    })
+    .await?
+    .assert_ok()
+}
