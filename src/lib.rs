@@ -28,13 +28,18 @@ pub fn schemes() -> &'static [&'static str] {
 /// [`Error::Url`] for a URL that does not parse, a scheme no compiled-in
 /// adapter serves (the message lists the ones that are), or a bad option.
 pub async fn connect(url: &str) -> Result<Client> {
-    let parsed = url::Url::parse(url).map_err(|e| Error::Url(format!("{e}: expected e.g. memory:// or redis://127.0.0.1:6379")))?;
+    let parsed = url::Url::parse(url)
+        .map_err(|e| Error::Url(format!("{e}: expected e.g. memory:// or redis://127.0.0.1:6379")))?;
     match parsed.scheme() {
         "memory" => Ok(Client::new(std::sync::Arc::new(MemoryTransport::from_url(&parsed)?))),
         other => Err(Error::Url(format!(
             "no adapter for `{other}://` in this build (compiled in: {}); enable the adapter's feature of the \
              `keyorder` crate",
-            schemes().iter().map(|s| format!("{s}://")).collect::<Vec<_>>().join(", ")
+            schemes()
+                .iter()
+                .map(|s| format!("{s}://"))
+                .collect::<Vec<_>>()
+                .join(", ")
         ))),
     }
 }

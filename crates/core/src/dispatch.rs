@@ -285,7 +285,10 @@ impl Dispatcher {
         }
         drop(st);
         for _ in 0..halted_cleared {
-            self.inner.stats.halted_now.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            self.inner
+                .stats
+                .halted_now
+                .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         }
         self.inner.changed.notify_waiters();
         dropped.len()
@@ -318,7 +321,10 @@ impl Dispatcher {
             st.forget(job);
         }
         drop(st);
-        self.inner.stats.halted_now.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner
+            .stats
+            .halted_now
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         self.inner.changed.notify_waiters();
         if start {
             let inner = self.inner.clone();
@@ -335,7 +341,7 @@ impl Dispatcher {
             .iter()
             .map(|(k, q)| (q.queue.len() + usize::from(q.running), k))
             .collect();
-        keys.sort_by(|a, b| b.0.cmp(&a.0));
+        keys.sort_by_key(|k| std::cmp::Reverse(k.0));
         keys.into_iter()
             .take(limit)
             .map(|(n, k)| HotKey {
@@ -484,7 +490,11 @@ impl Inner {
         let now = Instant::now();
         let mut h = self.health.lock().unwrap_or_else(|e| e.into_inner());
         h.failures.push_back((now, key.map_or(0, OrderingKey::stable_hash)));
-        while h.failures.front().is_some_and(|(t, _)| now.duration_since(*t) > gb.window) {
+        while h
+            .failures
+            .front()
+            .is_some_and(|(t, _)| now.duration_since(*t) > gb.window)
+        {
             h.failures.pop_front();
         }
         if h.failures.len() > 4 * gb.distinct_keys.max(64) {
@@ -642,9 +652,16 @@ impl Inner {
     }
 
     async fn exhausted(&self, job: &Job, reason: &str) -> Outcome {
-        let label = job.key.as_ref().map_or_else(|| "keyless".to_owned(), OrderingKey::label);
+        let label = job
+            .key
+            .as_ref()
+            .map_or_else(|| "keyless".to_owned(), OrderingKey::label);
         // A keyless message holds no key to halt: it is parked.
-        let policy = if job.key.is_none() { PoisonPolicy::Park { max_attempts: 1 } } else { self.cfg.poison };
+        let policy = if job.key.is_none() {
+            PoisonPolicy::Park { max_attempts: 1 }
+        } else {
+            self.cfg.poison
+        };
         match policy {
             PoisonPolicy::Park { .. } => {
                 match self.settle_until(job, "park", |j| j.inbound.settle.park(reason)).await {
@@ -656,18 +673,16 @@ impl Inner {
                     Err(outcome) => outcome,
                 }
             }
-            PoisonPolicy::Halt => {
-                match self.settle_until(job, "halt", |j| j.inbound.settle.halt(reason)).await {
-                    Ok(()) => {
-                        bump(&self.stats.halts, "keyorder_halts_total");
-                        self.stats.halted_now.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        metrics::gauge!("keyorder_halted_keys").increment(1.0);
-                        tracing::error!(key = %label, id = job.inbound.message.id(), reason, "key halted at a poison head");
-                        Outcome::Halted
-                    }
-                    Err(outcome) => outcome,
+            PoisonPolicy::Halt => match self.settle_until(job, "halt", |j| j.inbound.settle.halt(reason)).await {
+                Ok(()) => {
+                    bump(&self.stats.halts, "keyorder_halts_total");
+                    self.stats.halted_now.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    metrics::gauge!("keyorder_halted_keys").increment(1.0);
+                    tracing::error!(key = %label, id = job.inbound.message.id(), reason, "key halted at a poison head");
+                    Outcome::Halted
                 }
-            }
+                Err(outcome) => outcome,
+            },
         }
     }
 }

@@ -227,7 +227,12 @@ impl Category {
             return;
         }
         for (p, log) in self.logs.iter_mut().enumerate() {
-            let floor = self.groups.values().map(|g| g.parts[p].acked_upto).min().unwrap_or(log.base);
+            let floor = self
+                .groups
+                .values()
+                .map(|g| g.parts[p].acked_upto)
+                .min()
+                .unwrap_or(log.base);
             while log.base < floor && !log.entries.is_empty() {
                 log.entries.pop_front();
                 log.base += 1;
@@ -376,7 +381,10 @@ impl Transport for MemoryTransport {
             )));
         }
         if group.members.contains_key(&spec.instance) {
-            return Err(Error::Config(format!("instance id `{}` is already a member of the group", spec.instance)));
+            return Err(Error::Config(format!(
+                "instance id `{}` is already a member of the group",
+                spec.instance
+            )));
         }
         group.members.insert(
             spec.instance.clone(),
@@ -426,7 +434,9 @@ struct MemoryPublisher {
 
 impl fmt::Debug for MemoryPublisher {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MemoryPublisher").field("category", &self.category).finish()
+        f.debug_struct("MemoryPublisher")
+            .field("category", &self.category)
+            .finish()
     }
 }
 
@@ -544,7 +554,9 @@ impl MemorySource {
         let mut out = Vec::new();
         if !self.ordered {
             while out.len() < max {
-                let Some((p, off)) = group.redeliver.pop_first() else { break };
+                let Some((p, off)) = group.redeliver.pop_first() else {
+                    break;
+                };
                 if let Some(s) = logs[p as usize].get(off) {
                     group.inflight.insert((p, off), self.member.clone());
                     out.push(self.inbound(p, off, s.message.clone()));
@@ -759,7 +771,12 @@ impl fmt::Debug for MemoryAdmin {
 }
 
 impl MemoryAdmin {
-    fn with_group<T>(&self, category: &str, group: &str, f: impl FnOnce(&mut Category, &str) -> Result<T>) -> Result<T> {
+    fn with_group<T>(
+        &self,
+        category: &str,
+        group: &str,
+        f: impl FnOnce(&mut Category, &str) -> Result<T>,
+    ) -> Result<T> {
         let mut st = self.broker.lock();
         let Some(cat) = st.categories.get_mut(category) else {
             return Err(Error::NotFound(format!("category `{category}`")));

@@ -44,9 +44,7 @@ impl Strategy {
     pub fn resolve(self, transport: &str, caps: &Capabilities, fix: &str) -> Result<Resolved> {
         match self {
             Strategy::LocalPartitioned => Ok(Resolved::LocalPartitioned),
-            Strategy::Auto | Strategy::TransportNative if caps.cross_instance_affinity => {
-                Ok(Resolved::TransportNative)
-            }
+            Strategy::Auto | Strategy::TransportNative if caps.cross_instance_affinity => Ok(Resolved::TransportNative),
             Strategy::Auto | Strategy::TransportNative => Err(Error::Unsupported {
                 transport: transport.to_owned(),
                 capability: "cross_instance_affinity",
@@ -60,10 +58,11 @@ impl Strategy {
 }
 
 /// What happens when a key's retries are exhausted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PoisonPolicy {
     /// The head stays pending and the key stops until an operator resumes it
     /// (the default for ordered subscriptions).
+    #[default]
     Halt,
     /// The head is dead-lettered after `max_attempts` and the key is released
     /// once the transport durably confirmed the park.
@@ -71,12 +70,6 @@ pub enum PoisonPolicy {
         /// Attempts before the head is parked (at least 1).
         max_attempts: u32,
     },
-}
-
-impl Default for PoisonPolicy {
-    fn default() -> Self {
-        PoisonPolicy::Halt
-    }
 }
 
 /// Retry with exponential back-off before the poison policy applies.

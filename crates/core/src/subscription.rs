@@ -154,7 +154,9 @@ impl SubscriptionBuilder {
         let resolved = match &self.key_source {
             None => None,
             Some(source) => {
-                let resolved = self.strategy.resolve(&name, &caps, &self.client.transport.affinity_fix())?;
+                let resolved = self
+                    .strategy
+                    .resolve(&name, &caps, &self.client.transport.affinity_fix())?;
                 let need = |on: bool, capability: &'static str, fix: &str| {
                     if on {
                         Ok(())
@@ -226,7 +228,10 @@ impl SubscriptionBuilder {
         let spec = SourceSpec {
             category: self.category.clone(),
             group: self.group.clone(),
-            instance: self.instance.clone().unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
+            instance: self
+                .instance
+                .clone()
+                .unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
             ordered: resolved == Some(Resolved::TransportNative),
             lease: self.lease,
             key_rules: self.client.rules.clone(),
@@ -359,7 +364,9 @@ impl Subscription {
         // overtakes one that was handed back.
         let scopes: Vec<Arc<str>> = st.paused.keys().cloned().collect();
         for scope in scopes {
-            let Some(queue) = st.paused.get_mut(&scope) else { continue };
+            let Some(queue) = st.paused.get_mut(&scope) else {
+                continue;
+            };
             while let Some(job) = queue.pop_front() {
                 if job.inbound.lease.is_lost() {
                     bump(&self.stats.self_fence_discards, "keyorder_self_fence_discards_total");
@@ -380,10 +387,16 @@ impl Subscription {
             return Ok(());
         }
         let paused: HashSet<Arc<str>> = st.paused.keys().chain(st.revoking.iter()).cloned().collect();
-        let wait = if paused.is_empty() { Duration::from_millis(100) } else { Duration::from_millis(10) };
+        let wait = if paused.is_empty() {
+            Duration::from_millis(100)
+        } else {
+            Duration::from_millis(10)
+        };
         let batch = self.source.fetch(room, &paused, wait).await?;
         for inbound in batch {
-            let Some(job) = self.admit(inbound).await? else { continue };
+            let Some(job) = self.admit(inbound).await? else {
+                continue;
+            };
             let scope = job.scope().clone();
             if let Some(queue) = st.paused.get_mut(&scope) {
                 queue.push_back(job);

@@ -128,13 +128,21 @@ impl fmt::Display for Verdict {
             self.applied
         )?;
         if let Some(v) = self.order.first() {
-            write!(f, "\n  order: key {} applied seq {} after seq {}", v.key, v.after, v.before)?;
+            write!(
+                f,
+                "\n  order: key {} applied seq {} after seq {}",
+                v.key, v.after, v.before
+            )?;
         }
         if let Some(p) = self.lost.first() {
             write!(f, "\n  loss: key {} seq {} (id {}) never applied", p.key, p.seq, p.id)?;
         }
         if let Some(o) = self.overlaps.first() {
-            write!(f, "\n  overlap: key {} seq {:?} and seq {:?} ran at once", o.key, o.first, o.second)?;
+            write!(
+                f,
+                "\n  overlap: key {} seq {:?} and seq {:?} ran at once",
+                o.key, o.first, o.second
+            )?;
         }
         if !self.idle_instances.is_empty() {
             write!(f, "\n  spread: instances {:?} applied nothing", self.idle_instances)?;
@@ -304,7 +312,11 @@ mod tests {
         };
         let v = check(&log, &expect);
         assert!(v.is_ok(), "{v}");
-        assert_eq!(v.stragglers.len(), 1, "one straggling run, overlapping two runs of the new owner");
+        assert_eq!(
+            v.stragglers.len(),
+            1,
+            "one straggling run, overlapping two runs of the new owner"
+        );
         assert_eq!(v.duplicates, 1);
         // ... but if the stale owner starts anything later, it is an overlap.
         let mut bad = log.clone();

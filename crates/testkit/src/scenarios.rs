@@ -115,14 +115,23 @@ impl Scenario {
             Scenario::C5 => need(&[("park_and_release", caps.park_and_release)]),
             Scenario::C6 => need(&[
                 ("crash_reclaim", caps.crash_reclaim),
-                ("multi_process (kill -9 needs a broker shared across processes)", caps.multi_process),
+                (
+                    "multi_process (kill -9 needs a broker shared across processes)",
+                    caps.multi_process,
+                ),
             ]),
             Scenario::C7 => need(&[
                 ("fencing or self_fencing", caps.fencing || caps.self_fencing),
-                ("multi_process (SIGSTOP needs a broker shared across processes)", caps.multi_process),
+                (
+                    "multi_process (SIGSTOP needs a broker shared across processes)",
+                    caps.multi_process,
+                ),
             ]),
             Scenario::C11 => need(&[("correlated_ownership", caps.correlated_ownership)]),
-            Scenario::C14 => need(&[("persistent (the test broker keeps nothing across a restart)", caps.persistent)]),
+            Scenario::C14 => need(&[(
+                "persistent (the test broker keeps nothing across a restart)",
+                caps.persistent,
+            )]),
             _ => None,
         };
         by_caps.or_else(|| harness.not_applicable(self))
@@ -221,7 +230,13 @@ impl<'a> Ctx<'a> {
             }
         })
         .await;
-        res.map_err(|e| format!("{e} ({} of {} still missing)", missing.load(Ordering::Relaxed), want.len()))
+        res.map_err(|e| {
+            format!(
+                "{e} ({} of {} still missing)",
+                missing.load(Ordering::Relaxed),
+                want.len()
+            )
+        })
     }
 
     async fn applied_count(&self, pred: impl Fn(&crate::Event) -> bool) -> usize {
@@ -306,7 +321,10 @@ async fn c3(ctx: &Ctx<'_>) -> Outcome {
     let mut instances = Vec::new();
     for i in 0..2 {
         let client = ctx.client().await?;
-        instances.push(ctx.start(ctx.ordered(&client, &cat, "g").concurrency(K), &format!("i{i}")).await?);
+        instances.push(
+            ctx.start(ctx.ordered(&client, &cat, "g").concurrency(K), &format!("i{i}"))
+                .await?,
+        );
     }
     let client = ctx.client().await?;
     let published = publish_keys(&client, &cat, &keys("k", K), 1, 0).await.map_err(err)?;
@@ -357,16 +375,27 @@ async fn c4(ctx: &Ctx<'_>) -> Outcome {
     })
     .await?;
     let halted = admin.halted(&cat, "g").await.map_err(err)?;
-    ensure(halted.iter().all(|h| h.attempts == 3), || format!("halted heads should show 3 attempts: {halted:?}"))?;
+    ensure(halted.iter().all(|h| h.attempts == 3), || {
+        format!("halted heads should show 3 attempts: {halted:?}")
+    })?;
     for key in [&skip_key, &resume_key] {
         let later = ctx.applied_count(|e| &e.key == key && e.seq >= 2).await;
-        ensure(later == 0, || format!("a halted key applied {later} events at or after its poison head"))?;
+        ensure(later == 0, || {
+            format!("a halted key applied {later} events at or after its poison head")
+        })?;
     }
-    ensure(admin.dead_letters(&cat, "g").await.map_err(err)?.is_empty(), || "halt dead-lettered something".into())?;
-    ensure(inst.stats.snapshot().halted_now == 2, || format!("stats: {:?}", inst.stats.snapshot()))?;
+    ensure(admin.dead_letters(&cat, "g").await.map_err(err)?.is_empty(), || {
+        "halt dead-lettered something".into()
+    })?;
+    ensure(inst.stats.snapshot().halted_now == 2, || {
+        format!("stats: {:?}", inst.stats.snapshot())
+    })?;
 
     // Operator: skip one head (released in order without it) ...
-    admin.resolve(&cat, "g", &skip_key, HeadAction::Skip).await.map_err(err)?;
+    admin
+        .resolve(&cat, "g", &skip_key, HeadAction::Skip)
+        .await
+        .map_err(err)?;
     let skipped: HashSet<String> = published
         .iter()
         .filter(|p| p.key == skip_key && p.seq == 2)
@@ -377,10 +406,17 @@ async fn c4(ctx: &Ctx<'_>) -> Outcome {
     // ... and resume the other once the cause is fixed (its head runs again).
     ctx.switches.broken.store(false, Ordering::SeqCst);
     let label = keyorder_core::OrderingKey::new(&resume_key).map_err(err)?.label();
-    ensure(halted.iter().any(|h| h.label == label), || "the resume key is not listed as halted".into())?;
-    admin.resolve(&cat, "g", &label, HeadAction::Resume).await.map_err(err)?;
+    ensure(halted.iter().any(|h| h.label == label), || {
+        "the resume key is not listed as halted".into()
+    })?;
+    admin
+        .resolve(&cat, "g", &label, HeadAction::Resume)
+        .await
+        .map_err(err)?;
     ctx.wait_applied(&published, &skipped).await?;
-    ensure(admin.dead_letters(&cat, "g").await.map_err(err)?.is_empty(), || "resume dead-lettered something".into())?;
+    ensure(admin.dead_letters(&cat, "g").await.map_err(err)?.is_empty(), || {
+        "resume dead-lettered something".into()
+    })?;
     stop_all(vec![inst]).await?;
     ctx.verdict(&Expectation {
         published,
@@ -415,7 +451,12 @@ async fn c5(ctx: &Ctx<'_>) -> Outcome {
             publisher.publish(msg).await.map_err(err)?;
         }
     }
-    let poison_id = published.iter().find(|p| p.key == "k-0" && p.seq == 1).unwrap().id.clone();
+    let poison_id = published
+        .iter()
+        .find(|p| p.key == "k-0" && p.seq == 1)
+        .unwrap()
+        .id
+        .clone();
     let excused: HashSet<String> = [poison_id.clone()].into();
     let inst = ctx
         .start(
@@ -426,7 +467,9 @@ async fn c5(ctx: &Ctx<'_>) -> Outcome {
         .await?;
     ctx.wait_applied(&published, &excused).await?;
     let dead = client.admin().dead_letters(&cat, "g").await.map_err(err)?;
-    ensure(dead.len() == 1 && dead[0].id == poison_id, || format!("dead letters: {dead:?}"))?;
+    ensure(dead.len() == 1 && dead[0].id == poison_id, || {
+        format!("dead letters: {dead:?}")
+    })?;
     let runs = ctx
         .log
         .events()
@@ -462,7 +505,11 @@ async fn c8(ctx: &Ctx<'_>) -> Outcome {
         .await;
     match bad {
         Err(Error::Registration(msg)) if msg.contains("RefundIssued") => {}
-        other => return Err(format!("expected a registration error naming RefundIssued, got {other:?}")),
+        other => {
+            return Err(format!(
+                "expected a registration error naming RefundIssued, got {other:?}"
+            ))
+        }
     }
     let ok = client
         .subscribe(&cat, "g")
@@ -486,9 +533,16 @@ async fn c9(ctx: &Ctx<'_>) -> Outcome {
         .build()
         .await;
     match (caps.cross_instance_affinity, sub) {
-        (true, Ok(s)) => ensure(s.resolved() == Some(Resolved::TransportNative), || "Auto must resolve natively".into())?,
+        (true, Ok(s)) => ensure(s.resolved() == Some(Resolved::TransportNative), || {
+            "Auto must resolve natively".into()
+        })?,
         (false, Err(Error::Unsupported { fix, .. })) => ensure(fix.contains("LocalPartitioned"), || fix)?,
-        (_, other) => return Err(format!("Auto with affinity={} gave {other:?}", caps.cross_instance_affinity)),
+        (_, other) => {
+            return Err(format!(
+                "Auto with affinity={} gave {other:?}",
+                caps.cross_instance_affinity
+            ))
+        }
     }
     let local = client
         .subscribe(&cat, "local")
@@ -497,10 +551,17 @@ async fn c9(ctx: &Ctx<'_>) -> Outcome {
         .build()
         .await
         .map_err(err)?;
-    ensure(local.resolved() == Some(Resolved::LocalPartitioned), || "LocalPartitioned must be honoured".into())?;
+    ensure(local.resolved() == Some(Resolved::LocalPartitioned), || {
+        "LocalPartitioned must be honoured".into()
+    })?;
     if let Some(plain) = ctx.h.client_without_affinity().await {
         let plain = plain.map_err(err)?;
-        match plain.subscribe(&cat, "plain").ordered_by(KeySource::routing_key()).build().await {
+        match plain
+            .subscribe(&cat, "plain")
+            .ordered_by(KeySource::routing_key())
+            .build()
+            .await
+        {
             Err(Error::Unsupported { capability, fix, .. })
                 if capability == "cross_instance_affinity" && fix.contains("LocalPartitioned") => {}
             other => return Err(format!("Auto without affinity must fail naming the fix, got {other:?}")),
@@ -533,7 +594,12 @@ async fn c10(ctx: &Ctx<'_>) -> Outcome {
         .build()
         .await
         .map_err(|e| format!("the same key on another group must be accepted: {e}"))?;
-    match client.subscribe(&cat, "audit").ordered_by(KeySource::header("order")).build().await {
+    match client
+        .subscribe(&cat, "audit")
+        .ordered_by(KeySource::header("order"))
+        .build()
+        .await
+    {
         Err(Error::Registration(msg)) if msg.contains("header(customer)") => {}
         other => return Err(format!("expected a registration error, got {other:?}")),
     }
@@ -560,7 +626,12 @@ async fn c12(ctx: &Ctx<'_>) -> Outcome {
     for (bad, rule) in &cases {
         match Message::new("x").with_key_rules(bad, &rules) {
             Err(e) if e.rule() == *rule => {}
-            other => return Err(format!("key rule {rule:?}: expected rejection, got {:?}", other.map(|_| ()))),
+            other => {
+                return Err(format!(
+                    "key rule {rule:?}: expected rejection, got {:?}",
+                    other.map(|_| ())
+                ))
+            }
         }
     }
     // A key valid under the default rules but reserved by this deployment's
@@ -568,15 +639,23 @@ async fn c12(ctx: &Ctx<'_>) -> Outcome {
     let lane = Message::new("x").with_key("backfill").map_err(err)?;
     match publisher.publish(lane).await {
         Err(Error::Key(e)) if e.rule() == KeyRule::ReservedLane => {}
-        other => return Err(format!("publish with a reserved lane key: expected a key error, got {other:?}")),
+        other => {
+            return Err(format!(
+                "publish with a reserved lane key: expected a key error, got {other:?}"
+            ))
+        }
     }
     // Nothing was stored: a consumer sees exactly the one valid message.
-    let ok = publish_keys(&client, &cat, &["valid".to_owned()], 1, 0).await.map_err(err)?;
+    let ok = publish_keys(&client, &cat, &["valid".to_owned()], 1, 0)
+        .await
+        .map_err(err)?;
     let inst = ctx.start(ctx.ordered(&client, &cat, "g"), "i1").await?;
     ctx.wait_applied(&ok, &HashSet::new()).await?;
     stop_all(vec![inst]).await?;
     let events = ctx.log.events().await.map_err(err)?;
-    ensure(events.len() == 1, || format!("expected only the valid message, saw {} events", events.len()))
+    ensure(events.len() == 1, || {
+        format!("expected only the valid message, saw {} events", events.len())
+    })
 }
 
 /// C13: keyless messages run in parallel and are counted, or are rejected;
@@ -610,7 +689,9 @@ async fn c13(ctx: &Ctx<'_>) -> Outcome {
     *ctx.switches.barrier.lock().unwrap() = None;
     res.map_err(|e| format!("keyless messages did not run in parallel: {e}"))?;
     let keyless = inst.stats.snapshot().keyless;
-    ensure(keyless == N as u64, || format!("keyless counted {keyless}, expected {N}"))?;
+    ensure(keyless == N as u64, || {
+        format!("keyless counted {keyless}, expected {N}")
+    })?;
     stop_all(vec![inst]).await?;
 
     // 2. Keyless, rejected by policy: dead-lettered, counted, never run.
@@ -619,11 +700,19 @@ async fn c13(ctx: &Ctx<'_>) -> Outcome {
     let publisher = client.publisher(&cat).await.map_err(err)?;
     for seq in 0..3 {
         publisher
-            .publish(Message::new(Payload { seq, ..Default::default() }.encode()))
+            .publish(Message::new(
+                Payload {
+                    seq,
+                    ..Default::default()
+                }
+                .encode(),
+            ))
             .await
             .map_err(err)?;
     }
-    let keyed = publish_keys(&client, &cat, &["keyed".to_owned()], 1, 0).await.map_err(err)?;
+    let keyed = publish_keys(&client, &cat, &["keyed".to_owned()], 1, 0)
+        .await
+        .map_err(err)?;
     let inst = ctx
         .start(ctx.ordered(&client, &cat, "g").keyless(KeylessPolicy::Reject), "i2")
         .await?;
@@ -632,7 +721,13 @@ async fn c13(ctx: &Ctx<'_>) -> Outcome {
     wait_until("3 keyless messages to be dead-lettered", ctx.h.deadline(), || {
         let admin = admin.clone();
         let cat = cat.clone();
-        async move { admin.dead_letters(&cat, "g").await.map(|d| d.len() == 3).unwrap_or(false) }
+        async move {
+            admin
+                .dead_letters(&cat, "g")
+                .await
+                .map(|d| d.len() == 3)
+                .unwrap_or(false)
+        }
     })
     .await?;
     let s = inst.stats.snapshot();
@@ -644,9 +739,8 @@ async fn c13(ctx: &Ctx<'_>) -> Outcome {
     // 3. Routing-key mismatch: the selected key differs from the routed one.
     let cat = ctx.category("mismatch");
     let publisher = client.publisher(&cat).await.map_err(err)?;
-    let body = |customer: &str, seq: u64| {
-        serde_json::json!({"key": customer, "seq": seq, "customer": customer}).to_string()
-    };
+    let body =
+        |customer: &str, seq: u64| serde_json::json!({"key": customer, "seq": seq, "customer": customer}).to_string();
     let good = Message::new(body("c-1", 0)).with_key("c-1").map_err(err)?;
     let good_id = good.id().to_owned();
     publisher.publish(good).await.map_err(err)?;
@@ -736,16 +830,32 @@ async fn c16(ctx: &Ctx<'_>) -> Outcome {
         let log = log.clone();
         move || {
             let log = log.clone();
-            async move { log.events().await.unwrap_or_default().iter().any(|e| e.ok && e.instance == inst) }
+            async move {
+                log.events()
+                    .await
+                    .unwrap_or_default()
+                    .iter()
+                    .any(|e| e.ok && e.instance == inst)
+            }
         }
     };
     wait_until("i1 to apply events", ctx.h.deadline(), applied_by("i1")).await?;
     let c2 = ctx.client().await?;
     let i2 = ctx.start(ctx.ordered(&c2, &cat, "g"), "i2").await?;
-    wait_until("i2 to take over partitions and apply events", ctx.h.deadline(), applied_by("i2")).await?;
+    wait_until(
+        "i2 to take over partitions and apply events",
+        ctx.h.deadline(),
+        applied_by("i2"),
+    )
+    .await?;
     let c3 = ctx.client().await?;
     let i3 = ctx.start(ctx.ordered(&c3, &cat, "g"), "i3").await?;
-    wait_until("i3 to take over partitions and apply events", ctx.h.deadline(), applied_by("i3")).await?;
+    wait_until(
+        "i3 to take over partitions and apply events",
+        ctx.h.deadline(),
+        applied_by("i3"),
+    )
+    .await?;
     i2.stop().await?;
     let _ = stop_tx.send(true);
     let published = producer.await.map_err(err)?.map_err(err)?;

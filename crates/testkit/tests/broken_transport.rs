@@ -12,7 +12,13 @@ use keyorder_testkit::{check, EventLog, Expectation, MemoryEventLog};
 
 /// Publishes, runs `instances` ordered instances on the broken transport
 /// until the log stops growing, and returns the checker's defect names.
-async fn defects_of(defect: Defect, instances: usize, key_count: usize, per_key: u64, sleep_ms: u64) -> Vec<&'static str> {
+async fn defects_of(
+    defect: Defect,
+    instances: usize,
+    key_count: usize,
+    per_key: u64,
+    sleep_ms: u64,
+) -> Vec<&'static str> {
     let client = Client::new(Arc::new(BrokenTransport::new(defect)));
     let log = Arc::new(MemoryEventLog::default());
     let switches = Arc::new(Switches::default());
@@ -24,7 +30,11 @@ async fn defects_of(defect: Defect, instances: usize, key_count: usize, per_key:
     for i in 0..instances {
         let id = format!("i{i}");
         let builder = client.subscribe("orders", "g").ordered_by(KeySource::routing_key());
-        running.push(Instance::start(builder, &id, log.clone(), switches.clone()).await.unwrap());
+        running.push(
+            Instance::start(builder, &id, log.clone(), switches.clone())
+                .await
+                .unwrap(),
+        );
         ids.push(id);
     }
     // Every delivery the broken transport hands over gets run: wait until the
@@ -35,10 +45,14 @@ async fn defects_of(defect: Defect, instances: usize, key_count: usize, per_key:
         Defect::Reorder => published.len(),
     };
     let l = log.clone();
-    wait_until("the broken transport's deliveries to run", Duration::from_secs(60), || {
-        let l = l.clone();
-        async move { l.events().await.unwrap().iter().filter(|e| e.ok).count() >= expected_runs }
-    })
+    wait_until(
+        "the broken transport's deliveries to run",
+        Duration::from_secs(60),
+        || {
+            let l = l.clone();
+            async move { l.events().await.unwrap().iter().filter(|e| e.ok).count() >= expected_runs }
+        },
+    )
     .await
     .unwrap();
     for i in running {

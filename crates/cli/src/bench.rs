@@ -1,0 +1,165 @@
+//! `keyorder bench`: the ordered subscription beside the transport's plain
+//! unordered competing consumers, same transport, handler, concurrency,
+//! prefetch and instance count, in one run.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use clap::Args;
+use keyorder_testkit::{check, EventLog, Expectation};
+use serde_json::json;
+
+use crate::demo::uuid_like;
+use crate::run;
+
+#[derive(Debug, Args)]
+pub(crate) struct BenchArgs {
+    /// The transport URL.
+    #[arg(long, env = "KEYORDER_URL", default_value = "memory://")]
+    url: String,
+    /// Distinct keys.
+    #[arg(long, default_value_t = 100)]
+    keys: usize,
+    /// Messages per side (ordered, baseline).
+    #[arg(long, default_value_t = 20_000)]
+    messages: u64,
+    /// Consumer instances per side.
+    #[arg(long, default_value_t = 2)]
+    instances: usize,
+    /// Handler time in ms (0: no-op).
+    #[arg(long, default_value_t = 0)]
+    handler_ms: u64,
+    /// Handlers running at once per instance (prefetch is 16x this).
+    #[arg(long, default_value_t = 64)]
+    concurrency: usize,
+    /// Probe messages for the publish-to-handler latency at low load.
+    #[arg(long, default_value_t = 200)]
+    probes: u64,
+    /// Probe rate (messages per second).
+    #[arg(long, default_value_t = 200)]
+    probe_rate: u64,
+    /// Print one JSON object as the last line on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+struct Side {
+    msgs_per_s: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    violations: usize,
+    lost: usize,
+    secs: f64,
+}
+
+async fn side(a: &BenchArgs, ordered: bool) -> anyhow::Result<Side> {
+    let label = if ordered { "ordered" } else { "baseline" };
+    let clients = run::clients(&a.url, a.instances).await?;
+    let category = format!("keyorder-bench-{label}-{}", &uuid_like()[..8]);
+    let keys: Vec<String> = (0..a.keys).map(|i| format!("key-{i}")).collect();
+    // Throughput: the backlog is published first; timing runs from the first
+    // message consumed to the last.
+    eprintln!("{label}: publishing {} messages over {} keys", a.messages, a.keys);
+    let h = a.handler_ms;
+    let published = run::produce(&clients, &category, &keys, a.messages, move || h, 8, None).await?;
+    let rec = run::Recorder::new();
+    let mut instances = Vec::new();
+    for (i, client) in clients.iter().enumerate() {
+        let b = run::builder(client, &category, ordered, a.concurrency);
+        instances.push(run::start(b, format!("{label}-{i}"), rec.clone()).await?);
+    }
+    let target = published.len() as u64;
+    let deadline = Duration::from_secs(120 + target * (a.handler_ms + 1) / 100);
+    let res = run::wait_for("the backlog to be consumed", deadline, || {
+        rec.applied.load(Ordering::Relaxed) >= target
+    })
+    .await;
+    let secs = rec.busy_secs();
+    // Latency at low load: probes paced at `probe_rate`, publish to handler start.
+    if res.is_ok() && a.probes > 0 {
+        let publisher = clients[0].publisher(&category).await?;
+        let gap = Duration::from_secs_f64(1.0 / a.probe_rate.max(1) as f64);
+        let mut tick = tokio::time::interval(gap);
+        for i in 0..a.probes {
+            tick.tick().await;
+            let key = &keys[i as usize % keys.len()];
+            let msg = keyorder::Message::new(run::payload(u64::MAX / 2 + i, a.handler_ms, true)).with_key(key)?;
+            publisher.publish(msg).await?;
+        }
+        run::wait_for("the latency probes", Duration::from_secs(60), || {
+            rec.probes.load(Ordering::Relaxed) >= a.probes
+        })
+        .await?;
+    }
+    for i in instances {
+        i.stop().await?;
+    }
+    res?;
+    let events: Vec<_> = rec
+        .log
+        .events()
+        .await?
+        .into_iter()
+        .filter(|e| e.seq < u64::MAX / 2)
+        .collect();
+    let verdict = check(
+        &events,
+        &Expectation {
+            published,
+            ..Default::default()
+        },
+    );
+    Ok(Side {
+        msgs_per_s: target as f64 / secs.max(1e-9),
+        p50_ms: rec.latency_ms(0.5),
+        p99_ms: rec.latency_ms(0.99),
+        violations: verdict.order.len(),
+        lost: verdict.lost.len(),
+        secs,
+    })
+}
+
+pub(crate) async fn run(a: BenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        a.instances >= 1 && a.keys >= 1 && a.messages >= 1,
+        "instances, keys and messages must be >= 1"
+    );
+    let transport = keyorder::connect(&a.url).await?.transport_name().to_owned();
+    let ordered = side(&a, true).await?;
+    let baseline = side(&a, false).await?;
+    let ratio = ordered.msgs_per_s / baseline.msgs_per_s.max(1e-9);
+    println!(
+        "{transport}: keys={} messages={} instances={} handler={}ms concurrency={}",
+        a.keys, a.messages, a.instances, a.handler_ms, a.concurrency
+    );
+    for (name, s) in [("ordered", &ordered), ("baseline", &baseline)] {
+        println!(
+            "  {name:<8} {:>10.0} msg/s ({:.2} s)  latency p50 {:.2} ms  p99 {:.2} ms  order violations {}  lost {}",
+            s.msgs_per_s, s.secs, s.p50_ms, s.p99_ms, s.violations, s.lost
+        );
+    }
+    println!("  ratio (ordered/baseline) {ratio:.2}");
+    if a.json {
+        println!(
+            "{}",
+            json!({
+                "transport": transport,
+                "keys": a.keys,
+                "messages": a.messages,
+                "instances": a.instances,
+                "handler_ms": a.handler_ms,
+                "concurrency": a.concurrency,
+                "ordered": {"msgs_per_s": ordered.msgs_per_s, "p50_ms": ordered.p50_ms, "p99_ms": ordered.p99_ms},
+                "baseline": {"msgs_per_s": baseline.msgs_per_s, "p50_ms": baseline.p50_ms, "p99_ms": baseline.p99_ms,
+                             "order_violations": baseline.violations},
+                "ratio": ratio,
+                "order_violations": ordered.violations,
+                "lost": ordered.lost + baseline.lost,
+            })
+        );
+    }
+    if ordered.violations > 0 || ordered.lost > 0 || baseline.lost > 0 {
+        anyhow::bail!("ordering or loss defects found");
+    }
+    Ok(())
+}

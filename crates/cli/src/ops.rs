@@ -1,0 +1,125 @@
+//! Operator actions over the admin view.
+
+use clap::{Args, ValueEnum};
+use keyorder::HeadAction;
+
+/// Which transport, category and group.
+#[derive(Debug, Args)]
+pub(crate) struct Target {
+    /// The transport URL (memory://, redis://, amqp://, kafka://, postgres://).
+    #[arg(long, env = "KEYORDER_URL", default_value = "memory://")]
+    url: String,
+    /// The category.
+    #[arg(long)]
+    category: String,
+    /// The consumer group.
+    #[arg(long)]
+    group: String,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum HeadVerb {
+    /// List halted keys with their heads.
+    Show,
+    /// Acknowledge the head without processing (logged) and release the key.
+    Skip,
+    /// Move the head to the dead-letter destination and release the key.
+    Dlq,
+    /// Reset the head's attempts and run it again.
+    Resume,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct HeadArgs {
+    /// What to do.
+    #[arg(value_enum)]
+    verb: HeadVerb,
+    #[command(flatten)]
+    target: Target,
+    /// The halted key: its value, or its label (`k#...`) as `head show` prints it.
+    #[arg(long, required_if_eq_any([("verb", "skip"), ("verb", "dlq"), ("verb", "resume")]))]
+    key: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct HotKeysArgs {
+    #[command(flatten)]
+    target: Target,
+    /// How many keys to list.
+    #[arg(long, default_value_t = 10)]
+    limit: usize,
+}
+
+pub(crate) async fn scopes(t: Target) -> anyhow::Result<()> {
+    let client = keyorder::connect(&t.url).await?;
+    let scopes = client.admin().scopes(&t.category, &t.group).await?;
+    println!(
+        "{:<32} {:<38} {:>10} {:>10} {:>7}",
+        "scope", "owner", "generation", "lag", "halted"
+    );
+    for s in scopes {
+        println!(
+            "{:<32} {:<38} {:>10} {:>10} {:>7}",
+            s.scope,
+            s.owner.as_deref().unwrap_or("-"),
+            s.generation,
+            s.lag,
+            s.halted
+        );
+    }
+    Ok(())
+}
+
+pub(crate) async fn head(a: HeadArgs) -> anyhow::Result<()> {
+    let client = keyorder::connect(&a.target.url).await?;
+    let admin = client.admin();
+    let (category, group) = (&a.target.category, &a.target.group);
+    let action = match a.verb {
+        HeadVerb::Show => {
+            let halted = admin.halted(category, group).await?;
+            if halted.is_empty() {
+                println!("no halted keys");
+            }
+            for h in halted {
+                println!(
+                    "{} {} scope={} head={} attempts={} reason={}",
+                    h.label, h.preview, h.scope, h.head_id, h.attempts, h.reason
+                );
+            }
+            return Ok(());
+        }
+        HeadVerb::Skip => HeadAction::Skip,
+        HeadVerb::Dlq => HeadAction::DeadLetter,
+        HeadVerb::Resume => HeadAction::Resume,
+    };
+    let key = a.key.expect("clap requires --key for this verb");
+    admin.resolve(category, group, &key, action).await?;
+    println!("{action:?}: done");
+    Ok(())
+}
+
+pub(crate) async fn hot_keys(a: HotKeysArgs) -> anyhow::Result<()> {
+    let client = keyorder::connect(&a.target.url).await?;
+    let hot = client
+        .admin()
+        .hot_keys(&a.target.category, &a.target.group, a.limit)
+        .await?;
+    let total: u64 = hot.iter().map(|h| h.backlog).sum();
+    for h in hot {
+        println!(
+            "{} backlog={} share={:.1}%",
+            h.label,
+            h.backlog,
+            100.0 * h.backlog as f64 / total.max(1) as f64
+        );
+    }
+    Ok(())
+}
+
+pub(crate) async fn dead_letters(t: Target) -> anyhow::Result<()> {
+    let client = keyorder::connect(&t.url).await?;
+    for d in client.admin().dead_letters(&t.category, &t.group).await? {
+        println!("{} {} reason={}", d.id, d.label, d.reason);
+    }
+    Ok(())
+}

@@ -1,0 +1,243 @@
+//! Shared by `demo` and `bench`: instances with a recording handler, and a
+//! producer that stamps per-key sequences and send times.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use keyorder::{Client, Delivery, HandlerError, KeySource, Message, RunReport, SubscriptionBuilder};
+use keyorder_testkit::{EventLog, EventStart, MemoryEventLog, Published};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// One client per instance: each its own connections. `memory://` instances
+/// share one in-process broker (a fresh `connect` would be another broker).
+pub(crate) async fn clients(url: &str, n: usize) -> anyhow::Result<Vec<Client>> {
+    let first = keyorder::connect(url).await.with_context(|| "connecting")?;
+    let mut out = vec![first.clone()];
+    for _ in 1..n {
+        out.push(if url.starts_with("memory:") {
+            first.clone()
+        } else {
+            keyorder::connect(url).await?
+        });
+    }
+    Ok(out)
+}
+
+fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+/// A compact payload: `seq sent_us sleep_ms probe`.
+pub(crate) fn payload(seq: u64, sleep_ms: u64, probe: bool) -> Vec<u8> {
+    format!("{seq} {} {sleep_ms} {}", now_us(), u8::from(probe)).into_bytes()
+}
+
+struct Parsed {
+    seq: u64,
+    sent_us: u64,
+    sleep_ms: u64,
+    probe: bool,
+}
+
+fn parse(bytes: &[u8]) -> Option<Parsed> {
+    let text = std::str::from_utf8(bytes).ok()?;
+    let mut it = text.split(' ').map(|s| s.parse::<u64>().ok());
+    Some(Parsed {
+        seq: it.next()??,
+        sent_us: it.next()??,
+        sleep_ms: it.next()??,
+        probe: it.next()?? == 1,
+    })
+}
+
+/// What the handlers of one run recorded.
+#[derive(Debug)]
+pub(crate) struct Recorder {
+    pub(crate) log: MemoryEventLog,
+    pub(crate) applied: AtomicU64,
+    pub(crate) probes: AtomicU64,
+    window: Mutex<(Option<std::time::Instant>, Option<std::time::Instant>)>,
+    latency_us: Mutex<hdrhistogram::Histogram<u64>>,
+}
+
+impl Recorder {
+    pub(crate) fn new() -> Arc<Self> {
+        Arc::new(Recorder {
+            log: MemoryEventLog::default(),
+            applied: AtomicU64::new(0),
+            probes: AtomicU64::new(0),
+            window: Mutex::new((None, None)),
+            latency_us: Mutex::new(hdrhistogram::Histogram::new(3).expect("sigfig 3 is valid")),
+        })
+    }
+
+    /// Seconds from the first handler start to the last handler end.
+    pub(crate) fn busy_secs(&self) -> f64 {
+        match *self.window.lock().unwrap() {
+            (Some(a), Some(b)) => b.duration_since(a).as_secs_f64(),
+            _ => 0.0,
+        }
+    }
+
+    /// Publish-to-handler latency quantile of the probe messages, in ms.
+    pub(crate) fn latency_ms(&self, q: f64) -> f64 {
+        let h = self.latency_us.lock().unwrap();
+        if h.is_empty() {
+            return 0.0;
+        }
+        h.value_at_quantile(q) as f64 / 1000.0
+    }
+}
+
+/// A running instance.
+pub(crate) struct Running {
+    stop: oneshot::Sender<()>,
+    join: JoinHandle<keyorder::Result<RunReport>>,
+}
+
+impl Running {
+    pub(crate) async fn stop(self) -> anyhow::Result<RunReport> {
+        let _ = self.stop.send(());
+        Ok(self.join.await??)
+    }
+}
+
+/// Builds and runs one instance whose handler records into `rec`.
+pub(crate) async fn start(
+    builder: SubscriptionBuilder,
+    instance: String,
+    rec: Arc<Recorder>,
+) -> anyhow::Result<Running> {
+    let subscription = builder.instance_id(instance.clone()).build().await?;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let handler = move |d: Delivery| {
+        let rec = rec.clone();
+        let instance = instance.clone();
+        async move {
+            let started = std::time::Instant::now();
+            let p = parse(d.payload()).ok_or_else(|| HandlerError::poison("not a keyorder bench payload"))?;
+            if p.probe {
+                let lat = now_us().saturating_sub(p.sent_us);
+                let _ = rec.latency_us.lock().unwrap().record(lat.max(1));
+                rec.probes.fetch_add(1, Ordering::Relaxed);
+            }
+            let id = rec
+                .log
+                .start(EventStart {
+                    message_id: d.id().to_owned(),
+                    key: d.key().map_or_else(String::new, |k| k.as_str().to_owned()),
+                    seq: p.seq,
+                    instance,
+                    generation: d.fencing_token(),
+                })
+                .await
+                .map_err(HandlerError::retry)?;
+            if p.sleep_ms > 0 {
+                tokio::time::sleep(Duration::from_millis(p.sleep_ms)).await;
+            }
+            rec.log.end(id, true).await.map_err(HandlerError::retry)?;
+            {
+                let mut w = rec.window.lock().unwrap();
+                w.0 = Some(w.0.map_or(started, |a| a.min(started)));
+                let end = std::time::Instant::now();
+                w.1 = Some(w.1.map_or(end, |b| b.max(end)));
+            }
+            if !p.probe {
+                rec.applied.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(())
+        }
+    };
+    let join = tokio::spawn(subscription.run(handler, async move {
+        let _ = stopped.await;
+    }));
+    Ok(Running { stop, join })
+}
+
+/// The builder every run uses.
+pub(crate) fn builder(client: &Client, category: &str, ordered: bool, concurrency: usize) -> SubscriptionBuilder {
+    let b = client
+        .subscribe(category, "keyorder")
+        .concurrency(concurrency)
+        .budget(concurrency * 16);
+    if ordered {
+        b.ordered_by(KeySource::routing_key())
+    } else {
+        b
+    }
+}
+
+/// Publishes `per_key` messages to each key from `producers` tasks (each
+/// task owns a subset of the keys, so per-key publish order holds).
+pub(crate) async fn produce(
+    clients: &[Client],
+    category: &str,
+    keys: &[String],
+    total: u64,
+    sleep_ms: impl Fn() -> u64 + Send + Sync + Clone + 'static,
+    producers: usize,
+    progress: Option<indicatif::ProgressBar>,
+) -> anyhow::Result<Vec<Published>> {
+    let producers = producers.clamp(1, keys.len().max(1));
+    let n_keys = keys.len() as u64;
+    let mut tasks = Vec::new();
+    for p in 0..producers {
+        let client = clients[p % clients.len()].clone();
+        let category = category.to_owned();
+        // Message i goes to key i % K; this task owns keys p, p + P, ...
+        let mine: Vec<(String, u64)> = keys
+            .iter()
+            .enumerate()
+            .skip(p)
+            .step_by(producers)
+            .map(|(k, key)| (key.clone(), total / n_keys + u64::from((k as u64) < total % n_keys)))
+            .collect();
+        let sleep_ms = sleep_ms.clone();
+        let progress = progress.clone();
+        tasks.push(tokio::spawn(async move {
+            let publisher = client.publisher(&category).await?;
+            let mut out = Vec::new();
+            let rounds = mine.iter().map(|(_, n)| *n).max().unwrap_or(0);
+            for seq in 0..rounds {
+                for (key, n) in &mine {
+                    if seq >= *n {
+                        continue;
+                    }
+                    let msg = Message::new(payload(seq, sleep_ms(), false)).with_key(key)?;
+                    out.push(Published {
+                        id: msg.id().to_owned(),
+                        key: key.clone(),
+                        seq,
+                    });
+                    publisher.publish(msg).await?;
+                    if let Some(pb) = &progress {
+                        pb.inc(1);
+                    }
+                }
+            }
+            anyhow::Ok(out)
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await??);
+    }
+    Ok(all)
+}
+
+/// Polls `cond` every 50 ms until it holds or `deadline` passes.
+pub(crate) async fn wait_for(what: &str, deadline: Duration, cond: impl Fn() -> bool) -> anyhow::Result<()> {
+    let until = tokio::time::Instant::now() + deadline;
+    while !cond() {
+        if tokio::time::Instant::now() > until {
+            anyhow::bail!("timed out after {deadline:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
