@@ -39,7 +39,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let (seen, all_done) = (seen.clone(), all_done.clone());
             async move {
                 let step = String::from_utf8_lossy(d.payload());
-                println!("{} {step} (attempt {}, token {})", d.key().unwrap(), d.attempt(), d.fencing_token());
+                println!(
+                    "{} {step} (attempt {}, token {})",
+                    d.key().unwrap(),
+                    d.attempt(),
+                    d.fencing_token()
+                );
                 if seen.fetch_add(1, Ordering::SeqCst) + 1 == 9 {
                     all_done.notify_one();
                 }
@@ -48,7 +53,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     };
     // Runs until the shutdown future completes, then drains in-flight work.
-    let report = subscription.run(handler, async move { all_done.notified().await }).await?;
+    let report = subscription
+        .run(handler, async move { all_done.notified().await })
+        .await?;
     println!("applied {} messages", report.stats.applied);
     Ok(())
 }

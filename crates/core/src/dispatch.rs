@@ -113,9 +113,19 @@ pub enum Submit {
 
 #[derive(Default)]
 struct KeyQueue {
+    /// Waiting jobs; a halted key's head is the first.
     queue: VecDeque<Job>,
+    /// A worker task serves this key.
     running: bool,
+    /// A job was taken from the queue and is being processed.
+    busy: bool,
     halted: bool,
+}
+
+impl KeyQueue {
+    fn held(&self) -> usize {
+        self.queue.len() + usize::from(self.busy)
+    }
 }
 
 #[derive(Default)]
@@ -220,7 +230,7 @@ impl Dispatcher {
         };
         let depth = inner.cfg.per_key_depth;
         let q = st.keys.entry(key.clone()).or_default();
-        if q.queue.len() + usize::from(q.running) >= depth {
+        if q.held() >= depth {
             return Submit::Full(job, Widening::KeyDepth);
         }
         let scope = job.scope().clone();
@@ -336,11 +346,7 @@ impl Dispatcher {
     /// Keys holding the most messages, largest first (labels, never values).
     pub fn hot_keys(&self, limit: usize) -> Vec<HotKey> {
         let st = self.inner.lock();
-        let mut keys: Vec<(usize, &OrderingKey)> = st
-            .keys
-            .iter()
-            .map(|(k, q)| (q.queue.len() + usize::from(q.running), k))
-            .collect();
+        let mut keys: Vec<(usize, &OrderingKey)> = st.keys.iter().map(|(k, q)| (q.held(), k)).collect();
         keys.sort_by_key(|k| std::cmp::Reverse(k.0));
         keys.into_iter()
             .take(limit)
@@ -349,6 +355,11 @@ impl Dispatcher {
                 backlog: n as u64,
             })
             .collect()
+    }
+
+    /// Whether [`drain`](Self::drain) has started.
+    pub fn is_draining(&self) -> bool {
+        self.inner.is_stopping()
     }
 
     /// Waits until something changed (a job finished, a key was released),
@@ -363,7 +374,7 @@ impl Dispatcher {
     /// are unacknowledged, so the broker delivers them again). Returns how
     /// many waiting jobs were dropped.
     pub async fn drain(&self) -> usize {
-        let _ = self.inner.stopping.send(true);
+        self.inner.stopping.send_replace(true);
         loop {
             let notified = self.inner.changed.notified();
             if self.inner.lock().running == 0 {
@@ -425,7 +436,10 @@ impl Inner {
                     return;
                 }
                 match q.queue.pop_front() {
-                    Some(job) => job,
+                    Some(job) => {
+                        q.busy = true;
+                        job
+                    }
                     None => {
                         st.keys.remove(&key);
                         return;
@@ -438,6 +452,9 @@ impl Inner {
             drop(permit);
             let mut st = self.lock();
             st.running -= 1;
+            if let Some(q) = st.keys.get_mut(&key) {
+                q.busy = false;
+            }
             match outcome {
                 Outcome::Done | Outcome::Stopped => st.forget(&job),
                 Outcome::Halted => {
@@ -516,6 +533,25 @@ impl Inner {
         degraded
     }
 
+    /// Whether failures currently span enough keys to count as an outage.
+    fn is_degraded(&self) -> bool {
+        let gb = self.cfg.global_backoff;
+        if gb.distinct_keys == 0 {
+            return false;
+        }
+        let now = Instant::now();
+        let h = self.health.lock().unwrap_or_else(|e| e.into_inner());
+        let mut distinct: Vec<u64> = h
+            .failures
+            .iter()
+            .filter(|(t, _)| now.duration_since(*t) <= gb.window)
+            .map(|(_, k)| *k)
+            .collect();
+        distinct.sort_unstable();
+        distinct.dedup();
+        distinct.len() >= gb.distinct_keys
+    }
+
     async fn global_pause(&self) -> bool {
         let until = self.health.lock().unwrap_or_else(|e| e.into_inner()).paused_until;
         match until {
@@ -566,7 +602,10 @@ impl Inner {
                     continue;
                 }
             };
-            let (reason, poison) = if attempt > max {
+            // Attempts already spent (by an earlier owner, or during an
+            // outage): apply the policy without running, unless failures span
+            // many keys, when the run doubles as a probe of the dependency.
+            let (reason, poison) = if attempt > max && !self.is_degraded() {
                 (format!("{} attempts already made (limit {max})", attempt - 1), true)
             } else {
                 let delivery = Delivery {
