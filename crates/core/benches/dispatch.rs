@@ -15,7 +15,7 @@ use async_trait::async_trait;
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use keyorder_core::{
     DispatchConfig, Dispatcher, Handler, HandlerResult, Inbound, Job, LeaseConfig, Message, OrderingKey, ScopeLease,
-    Settle, Stats, Submit,
+    Settle, Stats, Submit, Widening,
 };
 use tokio::sync::{Notify, Semaphore};
 
@@ -103,11 +103,16 @@ async fn ordered(msgs: Vec<(Message, OrderingKey)>, sleep: Option<Duration>) {
             Some(key),
         );
         loop {
+            let epoch = dispatcher.epoch();
             match dispatcher.submit(job) {
                 Submit::Accepted => break,
+                Submit::Full(back, Widening::Budget) => {
+                    job = back;
+                    dispatcher.wait_room(Duration::from_millis(100)).await;
+                }
                 Submit::Full(back, _) => {
                     job = back;
-                    dispatcher.changed(Duration::from_millis(1)).await;
+                    dispatcher.changed_since(epoch, Duration::from_millis(100)).await;
                 }
             }
         }
@@ -150,8 +155,8 @@ fn bench(c: &mut Criterion) {
     ] {
         let mut group = c.benchmark_group(format!("dispatch-{handler}"));
         group.throughput(Throughput::Elements(n as u64));
-        group.sample_size(10);
-        group.measurement_time(Duration::from_secs(if handler == "noop" { 3 } else { 8 }));
+        group.sample_size(if handler == "noop" { 40 } else { 10 });
+        group.measurement_time(Duration::from_secs(if handler == "noop" { 4 } else { 8 }));
         for keys in [1usize, 100, 10_000] {
             if handler == "1ms" && keys == 1 {
                 // One key at 1 ms is serial by definition (2 s an iteration);

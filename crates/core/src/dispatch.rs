@@ -22,17 +22,18 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use futures::FutureExt;
-use tokio::sync::{watch, Notify, Semaphore};
+use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
 use crate::error::Error;
 use crate::handler::{Handler, HandlerError};
 use crate::key::OrderingKey;
 use crate::lease::LeaseState;
-use crate::message::Delivery;
+use crate::lease::ScopeLease;
+use crate::message::{Delivery, Message};
 use crate::stats::{bump, Stats};
 use crate::strategy::{GlobalBackoff, PoisonPolicy, RetryPolicy};
-use crate::transport::{HotKey, Inbound};
+use crate::transport::{HotKey, Inbound, Settle};
 
 /// Limits and policies of the dispatcher.
 #[derive(Debug, Clone, Copy)]
@@ -76,18 +77,29 @@ impl DispatchConfig {
 /// One message waiting in or running through the dispatcher.
 #[derive(Debug)]
 pub struct Job {
-    pub(crate) inbound: Inbound,
+    pub(crate) message: Arc<Message>,
+    pub(crate) lease: Arc<ScopeLease>,
+    pub(crate) settle: Box<dyn Settle>,
     pub(crate) key: Option<OrderingKey>,
 }
 
 impl Job {
     /// A job for `inbound`, ordered by `key` (`None`: unordered).
     pub fn new(inbound: Inbound, key: Option<OrderingKey>) -> Self {
-        Job { inbound, key }
+        Job {
+            message: Arc::new(inbound.message),
+            lease: inbound.lease,
+            settle: inbound.settle,
+            key,
+        }
     }
     /// The scope the job came from.
     pub fn scope(&self) -> &Arc<str> {
-        self.inbound.lease.scope()
+        self.lease.scope()
+    }
+    /// Whether the job's scope was lost.
+    pub fn is_lost(&self) -> bool {
+        self.lease.is_lost()
     }
 }
 
@@ -115,11 +127,18 @@ pub enum Submit {
 struct KeyQueue {
     /// Waiting jobs; a halted key's head is the first.
     queue: VecDeque<Job>,
-    /// A worker task serves this key.
-    running: bool,
+    /// In the ready queue or being processed by a worker (never both, and
+    /// at most once in the ready queue: one message of a key at a time).
+    scheduled: bool,
     /// A job was taken from the queue and is being processed.
     busy: bool,
     halted: bool,
+}
+
+/// Work a worker can pick up: a key with waiting jobs, or a keyless job.
+enum Ready {
+    Key(OrderingKey),
+    Keyless(Job),
 }
 
 impl KeyQueue {
@@ -131,6 +150,10 @@ impl KeyQueue {
 #[derive(Default)]
 struct State {
     keys: HashMap<OrderingKey, KeyQueue>,
+    /// Round-robin over ready keys: a key with more waiting jobs goes to the back.
+    ready: VecDeque<Ready>,
+    /// Worker tasks alive (at most `concurrency`).
+    workers: usize,
     total: usize,
     running: usize,
     scopes: HashMap<Arc<str>, usize>,
@@ -145,10 +168,13 @@ struct Health {
 struct Inner {
     cfg: DispatchConfig,
     handler: Arc<dyn Handler>,
-    permits: Semaphore,
     state: Mutex<State>,
     health: Mutex<Health>,
     changed: Notify,
+    /// Notified when the held count falls to `budget - low_water`.
+    room: Notify,
+    epoch: std::sync::atomic::AtomicU64,
+    waiters: std::sync::atomic::AtomicUsize,
     stopping: watch::Sender<bool>,
     stats: Arc<Stats>,
 }
@@ -192,12 +218,14 @@ impl Dispatcher {
         };
         Dispatcher {
             inner: Arc::new(Inner {
-                permits: Semaphore::new(cfg.concurrency),
                 cfg,
                 handler,
                 state: Mutex::new(State::default()),
                 health: Mutex::new(Health::default()),
                 changed: Notify::new(),
+                room: Notify::new(),
+                epoch: std::sync::atomic::AtomicU64::new(0),
+                waiters: std::sync::atomic::AtomicUsize::new(0),
                 stopping: watch::channel(false).0,
                 stats,
             }),
@@ -219,33 +247,33 @@ impl Dispatcher {
         if st.total >= inner.cfg.budget {
             return Submit::Full(job, Widening::Budget);
         }
-        let Some(key) = job.key.clone() else {
-            st.total += 1;
-            *st.scopes.entry(job.scope().clone()).or_default() += 1;
-            drop(st);
-            bump(&inner.stats.received, "keyorder_received_total");
-            let inner = self.inner.clone();
-            tokio::spawn(async move { inner.run_unordered(job).await });
-            return Submit::Accepted;
-        };
-        let depth = inner.cfg.per_key_depth;
-        let q = st.keys.entry(key.clone()).or_default();
-        if q.held() >= depth {
-            return Submit::Full(job, Widening::KeyDepth);
-        }
-        let scope = job.scope().clone();
-        q.queue.push_back(job);
-        let start = !q.running && !q.halted;
-        if start {
-            q.running = true;
-        }
         st.total += 1;
-        *st.scopes.entry(scope).or_default() += 1;
+        *st.scopes.entry(job.scope().clone()).or_default() += 1;
+        let ready = match job.key.clone() {
+            None => Some(Ready::Keyless(job)),
+            Some(key) => {
+                let depth = inner.cfg.per_key_depth;
+                let q = st.keys.entry(key.clone()).or_default();
+                if q.held() >= depth {
+                    st.total -= 1;
+                    st.forget_scope(job.scope());
+                    return Submit::Full(job, Widening::KeyDepth);
+                }
+                q.queue.push_back(job);
+                if q.scheduled || q.halted {
+                    None
+                } else {
+                    q.scheduled = true;
+                    Some(Ready::Key(key))
+                }
+            }
+        };
+        let spawn = ready.map(|r| st.make_ready(r, inner.cfg.concurrency)).unwrap_or(false);
         drop(st);
         bump(&inner.stats.received, "keyorder_received_total");
-        if start {
+        if spawn {
             let inner = self.inner.clone();
-            tokio::spawn(async move { inner.run_key(key).await });
+            tokio::spawn(inner.worker());
         }
         Submit::Accepted
     }
@@ -253,6 +281,23 @@ impl Dispatcher {
     /// Room left in the budget.
     pub fn room(&self) -> usize {
         self.inner.cfg.budget.saturating_sub(self.inner.lock().total)
+    }
+
+    /// The room [`wait_room`](Self::wait_room) waits for: a quarter of the
+    /// budget, so a full dispatcher refills in batches, not one by one.
+    pub fn low_water(&self) -> usize {
+        self.inner.low_water()
+    }
+
+    /// Waits until the budget has [`low_water`](Self::low_water) room, or
+    /// `timeout` passed.
+    pub async fn wait_room(&self, timeout: Duration) {
+        let notified = self.inner.room.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if self.room() < self.low_water() {
+            let _ = tokio::time::timeout(timeout, notified).await;
+        }
     }
 
     /// Messages held (waiting or running).
@@ -288,19 +333,37 @@ impl Dispatcher {
                 q.halted = false;
                 halted_cleared += 1;
             }
-            q.running || !q.queue.is_empty()
+            q.scheduled || q.busy || !q.queue.is_empty()
         });
         for job in &dropped {
             st.forget(job);
         }
+        // A key released from a lost head may still hold other scopes' work.
+        let orphans: Vec<OrderingKey> = st
+            .keys
+            .iter()
+            .filter(|(_, q)| !q.scheduled && !q.halted && !q.busy && !q.queue.is_empty())
+            .map(|(k, _)| k.clone())
+            .collect();
+        let mut spawn = 0;
+        for key in orphans {
+            if let Some(q) = st.keys.get_mut(&key) {
+                q.scheduled = true;
+            }
+            spawn += usize::from(st.make_ready(Ready::Key(key), self.inner.cfg.concurrency));
+        }
         drop(st);
+        self.inner.room.notify_waiters();
+        for _ in 0..spawn {
+            tokio::spawn(self.inner.clone().worker());
+        }
         for _ in 0..halted_cleared {
             self.inner
                 .stats
                 .halted_now
                 .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         }
-        self.inner.changed.notify_waiters();
+        self.inner.signal();
         dropped.len()
     }
 
@@ -321,10 +384,11 @@ impl Dispatcher {
         let q = st.keys.get_mut(&found).expect("found above");
         q.halted = false;
         let head = if drop_head { q.queue.pop_front() } else { None };
-        let start = !q.queue.is_empty() && !q.running;
-        if start {
-            q.running = true;
-        } else if q.queue.is_empty() && !q.running {
+        let mut spawn = false;
+        if !q.queue.is_empty() && !q.scheduled {
+            q.scheduled = true;
+            spawn = st.make_ready(Ready::Key(found.clone()), self.inner.cfg.concurrency);
+        } else if q.queue.is_empty() && !q.scheduled && !q.busy {
             st.keys.remove(&found);
         }
         if let Some(job) = &head {
@@ -335,10 +399,10 @@ impl Dispatcher {
             .stats
             .halted_now
             .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-        self.inner.changed.notify_waiters();
-        if start {
+        self.inner.signal();
+        if spawn {
             let inner = self.inner.clone();
-            tokio::spawn(async move { inner.run_key(found).await });
+            tokio::spawn(inner.worker());
         }
         true
     }
@@ -362,11 +426,27 @@ impl Dispatcher {
         self.inner.is_stopping()
     }
 
-    /// Waits until something changed (a job finished, a key was released),
-    /// or `timeout` passed.
-    pub async fn changed(&self, timeout: Duration) {
+    /// A counter that grows whenever a job finishes or a key is released:
+    /// read it before [`submit`](Self::submit) and pass it to
+    /// [`changed_since`](Self::changed_since) so no change is missed.
+    pub fn epoch(&self) -> u64 {
+        self.inner.epoch.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Waits until something changed since `epoch` (a job finished, a key
+    /// was released), or `timeout` passed.
+    pub async fn changed_since(&self, epoch: u64, timeout: Duration) {
+        use std::sync::atomic::Ordering::SeqCst;
+        // Announce the waiter before checking the epoch; `signal` bumps the
+        // epoch before checking for waiters: one of the two sees the other.
+        self.inner.waiters.fetch_add(1, SeqCst);
         let notified = self.inner.changed.notified();
-        let _ = tokio::time::timeout(timeout, notified).await;
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if self.epoch() == epoch {
+            let _ = tokio::time::timeout(timeout, notified).await;
+        }
+        self.inner.waiters.fetch_sub(1, SeqCst);
     }
 
     /// Graceful shutdown: starts nothing new, waits until every running
@@ -376,14 +456,18 @@ impl Dispatcher {
     pub async fn drain(&self) -> usize {
         self.inner.stopping.send_replace(true);
         loop {
-            let notified = self.inner.changed.notified();
+            let epoch = self.epoch();
             if self.inner.lock().running == 0 {
                 break;
             }
-            let _ = tokio::time::timeout(Duration::from_millis(50), notified).await;
+            self.changed_since(epoch, Duration::from_millis(50)).await;
         }
         let mut st = self.inner.lock();
-        let jobs: Vec<Job> = st.keys.drain().flat_map(|(_, q)| q.queue).collect();
+        let mut jobs: Vec<Job> = st.keys.drain().flat_map(|(_, q)| q.queue).collect();
+        jobs.extend(st.ready.drain(..).filter_map(|r| match r {
+            Ready::Keyless(job) => Some(job),
+            Ready::Key(_) => None,
+        }));
         for job in &jobs {
             st.forget(job);
         }
@@ -394,16 +478,88 @@ impl Dispatcher {
 impl State {
     fn forget(&mut self, job: &Job) {
         self.total -= 1;
-        if let Some(n) = self.scopes.get_mut(&**job.scope()) {
+        self.forget_scope(job.scope());
+    }
+
+    fn forget_scope(&mut self, scope: &Arc<str>) {
+        if let Some(n) = self.scopes.get_mut(&**scope) {
             *n -= 1;
             if *n == 0 {
-                self.scopes.remove(&**job.scope());
+                self.scopes.remove(&**scope);
             }
+        }
+    }
+
+    /// Queues ready work; returns whether a new worker must be spawned.
+    fn make_ready(&mut self, ready: Ready, concurrency: usize) -> bool {
+        self.ready.push_back(ready);
+        if self.workers < concurrency {
+            self.workers += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Settles the bookkeeping of a processed job and reschedules its key.
+    fn finish(&mut self, key: Option<OrderingKey>, job: Job, outcome: Outcome, stats: &Stats) {
+        self.running -= 1;
+        let Some(key) = key else {
+            self.forget(&job);
+            return;
+        };
+        match outcome {
+            Outcome::Done | Outcome::Stopped => self.forget(&job),
+            Outcome::Halted => {
+                let q = self.keys.entry(key).or_default();
+                q.queue.push_front(job);
+                q.halted = true;
+                q.busy = false;
+                q.scheduled = false;
+                return;
+            }
+            Outcome::Lost => {
+                let scope = job.scope().clone();
+                self.forget(&job);
+                let mut dropped = VecDeque::new();
+                if let Some(q) = self.keys.get_mut(&key) {
+                    let (gone, kept): (VecDeque<Job>, VecDeque<Job>) =
+                        q.queue.drain(..).partition(|j| j.scope() == &scope);
+                    q.queue = kept;
+                    dropped = gone;
+                }
+                for j in &dropped {
+                    self.forget(j);
+                    bump(&stats.self_fence_discards, "keyorder_self_fence_discards_total");
+                }
+            }
+        }
+        let Some(q) = self.keys.get_mut(&key) else { return };
+        q.busy = false;
+        if q.halted {
+            q.scheduled = false;
+        } else if q.queue.is_empty() {
+            self.keys.remove(&key);
+        } else {
+            // Round-robin: the key goes to the back of the ready queue.
+            self.ready.push_back(Ready::Key(key));
         }
     }
 }
 
 impl Inner {
+    fn low_water(&self) -> usize {
+        (self.cfg.budget / 4).max(1)
+    }
+
+    fn signal(&self) {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.epoch.fetch_add(1, SeqCst);
+        if self.waiters.load(SeqCst) > 0 {
+            self.changed.notify_waiters();
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -412,78 +568,66 @@ impl Inner {
         *self.stopping.borrow()
     }
 
-    async fn run_unordered(self: Arc<Self>, job: Job) {
-        let permit = self.permits.acquire().await;
-        self.lock().running += 1;
-        let outcome = self.process(&job).await;
-        drop(permit);
-        let mut st = self.lock();
-        st.running -= 1;
-        // Every outcome finishes an unordered job: it holds no key.
-        let _ = outcome;
-        st.forget(&job);
-        drop(st);
-        self.changed.notify_waiters();
-    }
-
-    async fn run_key(self: Arc<Self>, key: OrderingKey) {
+    /// A worker: takes ready work until there is none (or shutdown), one
+    /// message at a time. At most `concurrency` workers run.
+    async fn worker(self: Arc<Self>) {
+        let mut last: Option<(Option<OrderingKey>, Job, Outcome)> = None;
         loop {
-            let job = {
+            let finished = last.is_some();
+            let mut refilled = false;
+            let next = {
                 let mut st = self.lock();
-                let Some(q) = st.keys.get_mut(&key) else { return };
-                if q.halted || self.is_stopping() {
-                    q.running = false;
-                    return;
+                if let Some((key, job, outcome)) = last.take() {
+                    let mark = self.cfg.budget - self.low_water();
+                    let before = st.total;
+                    st.finish(key, job, outcome, &self.stats);
+                    refilled = before > mark && st.total <= mark;
                 }
-                match q.queue.pop_front() {
-                    Some(job) => {
-                        q.busy = true;
-                        job
-                    }
-                    None => {
-                        st.keys.remove(&key);
-                        return;
+                let stopping = self.is_stopping();
+                loop {
+                    let item = if stopping { None } else { st.ready.pop_front() };
+                    match item {
+                        None => {
+                            st.workers -= 1;
+                            break None;
+                        }
+                        Some(Ready::Keyless(job)) => {
+                            st.running += 1;
+                            break Some((None, job));
+                        }
+                        Some(Ready::Key(key)) => {
+                            let Some(q) = st.keys.get_mut(&key) else { continue };
+                            if q.halted {
+                                q.scheduled = false;
+                                continue;
+                            }
+                            match q.queue.pop_front() {
+                                Some(job) => {
+                                    q.busy = true;
+                                    st.running += 1;
+                                    break Some((Some(key), job));
+                                }
+                                None => {
+                                    st.keys.remove(&key);
+                                }
+                            }
+                        }
                     }
                 }
             };
-            let permit = self.permits.acquire().await;
-            self.lock().running += 1;
-            let outcome = self.process(&job).await;
-            drop(permit);
-            let mut st = self.lock();
-            st.running -= 1;
-            if let Some(q) = st.keys.get_mut(&key) {
-                q.busy = false;
+            if finished {
+                self.signal();
             }
-            match outcome {
-                Outcome::Done | Outcome::Stopped => st.forget(&job),
-                Outcome::Halted => {
-                    let q = st.keys.entry(key.clone()).or_default();
-                    q.queue.push_front(job);
-                    q.halted = true;
-                    q.running = false;
-                    drop(st);
-                    self.changed.notify_waiters();
-                    return;
-                }
-                Outcome::Lost => {
-                    let scope = job.scope().clone();
-                    st.forget(&job);
-                    let mut dropped = Vec::new();
-                    if let Some(q) = st.keys.get_mut(&key) {
-                        let (gone, kept): (VecDeque<Job>, VecDeque<Job>) =
-                            q.queue.drain(..).partition(|j| j.scope() == &scope);
-                        q.queue = kept;
-                        dropped.extend(gone);
-                    }
-                    for j in &dropped {
-                        st.forget(j);
-                        bump(&self.stats.self_fence_discards, "keyorder_self_fence_discards_total");
-                    }
-                }
+            if refilled {
+                self.room.notify_waiters();
             }
-            drop(st);
-            self.changed.notify_waiters();
+            let Some((key, job)) = next else { return };
+            let outcome = if self.is_stopping() {
+                Outcome::Stopped
+            } else {
+                self.process(&job).await
+            };
+            last = Some((key, job, outcome));
         }
     }
 
@@ -561,8 +705,8 @@ impl Inner {
     }
 
     async fn process(&self, job: &Job) -> Outcome {
-        let lease = &job.inbound.lease;
-        let settle = &job.inbound.settle;
+        let lease = &job.lease;
+        let settle = &job.settle;
         let max = self.cfg.max_attempts();
         if !lease
             .usable(|| bump(&self.stats.self_fence_pauses, "keyorder_self_fence_pauses_total"))
@@ -609,7 +753,7 @@ impl Inner {
                 (format!("{} attempts already made (limit {max})", attempt - 1), true)
             } else {
                 let delivery = Delivery {
-                    message: job.inbound.message.clone(),
+                    message: job.message.clone(),
                     key: job.key.clone(),
                     attempt,
                     fencing_token: lease.generation(),
@@ -621,8 +765,8 @@ impl Inner {
                     attempt,
                     token = lease.generation(),
                 );
-                let _ = span.enter();
-                match AssertUnwindSafe(self.handler.handle(delivery)).catch_unwind().await {
+                let run = AssertUnwindSafe(self.handler.handle(delivery)).catch_unwind();
+                match tracing::Instrument::instrument(run, span).await {
                     Ok(Ok(())) => return self.ack(job).await,
                     Ok(Err(HandlerError::Retryable(e))) => (e.to_string(), false),
                     Ok(Err(HandlerError::Poison(e))) => (e.to_string(), true),
@@ -651,7 +795,7 @@ impl Inner {
 
     fn fenced(&self, job: &Job) -> Outcome {
         bump(&self.stats.fence_rejections, "keyorder_fence_rejections_total");
-        job.inbound.lease.lose();
+        job.lease.lose();
         Outcome::Lost
     }
 
@@ -668,7 +812,7 @@ impl Inner {
                 Err(Error::Fenced { .. }) => return Err(self.fenced(job)),
                 Err(err) => {
                     tracing::warn!(error = %err, op = what, "broker settlement failed; retrying (the key waits)");
-                    if job.inbound.lease.is_lost() {
+                    if job.lease.is_lost() {
                         return Err(Outcome::Lost);
                     }
                     if !self.nap(self.cfg.retry.backoff(attempt)).await {
@@ -681,7 +825,7 @@ impl Inner {
     }
 
     async fn ack(&self, job: &Job) -> Outcome {
-        match self.settle_until(job, "ack", |j| j.inbound.settle.ack()).await {
+        match self.settle_until(job, "ack", |j| j.settle.ack()).await {
             Ok(()) => {
                 bump(&self.stats.applied, "keyorder_applied_total");
                 Outcome::Done
@@ -702,22 +846,20 @@ impl Inner {
             self.cfg.poison
         };
         match policy {
-            PoisonPolicy::Park { .. } => {
-                match self.settle_until(job, "park", |j| j.inbound.settle.park(reason)).await {
-                    Ok(()) => {
-                        bump(&self.stats.parked, "keyorder_parked_total");
-                        tracing::warn!(key = %label, id = job.inbound.message.id(), reason, "head parked; key released (gap)");
-                        Outcome::Done
-                    }
-                    Err(outcome) => outcome,
+            PoisonPolicy::Park { .. } => match self.settle_until(job, "park", |j| j.settle.park(reason)).await {
+                Ok(()) => {
+                    bump(&self.stats.parked, "keyorder_parked_total");
+                    tracing::warn!(key = %label, id = job.message.id(), reason, "head parked; key released (gap)");
+                    Outcome::Done
                 }
-            }
-            PoisonPolicy::Halt => match self.settle_until(job, "halt", |j| j.inbound.settle.halt(reason)).await {
+                Err(outcome) => outcome,
+            },
+            PoisonPolicy::Halt => match self.settle_until(job, "halt", |j| j.settle.halt(reason)).await {
                 Ok(()) => {
                     bump(&self.stats.halts, "keyorder_halts_total");
                     self.stats.halted_now.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     metrics::gauge!("keyorder_halted_keys").increment(1.0);
-                    tracing::error!(key = %label, id = job.inbound.message.id(), reason, "key halted at a poison head");
+                    tracing::error!(key = %label, id = job.message.id(), reason, "key halted at a poison head");
                     Outcome::Halted
                 }
                 Err(outcome) => outcome,

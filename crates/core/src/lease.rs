@@ -7,8 +7,8 @@
 //! until a fenced round trip succeeds again, and discards buffered deliveries
 //! of a scope marked lost.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::Notify;
@@ -59,7 +59,11 @@ pub struct ScopeLease {
     scope: Arc<str>,
     generation: u64,
     fresh_for: Duration,
-    confirmed: Mutex<Instant>,
+    /// The instant every confirmation is measured from.
+    base: Instant,
+    /// Nanoseconds after `base` of the last confirmation (lock-free: read
+    /// before every handler start).
+    confirmed_ns: AtomicU64,
     lost: AtomicBool,
     changed: Notify,
 }
@@ -68,11 +72,15 @@ impl ScopeLease {
     /// A lease confirmed at `confirmed_at` (the instant the confirming
     /// round trip was *sent*, which errs on the safe side).
     pub fn new(scope: impl Into<Arc<str>>, generation: u64, config: &LeaseConfig, confirmed_at: Instant) -> Arc<Self> {
+        // `base` precedes every instant this lease will see, so offsets are
+        // never negative (a confirmation older than `base` counts as `base`).
+        let base = confirmed_at;
         Arc::new(ScopeLease {
             scope: scope.into(),
             generation,
             fresh_for: config.fresh_for(),
-            confirmed: Mutex::new(confirmed_at),
+            base,
+            confirmed_ns: AtomicU64::new(0),
             lost: AtomicBool::new(false),
             changed: Notify::new(),
         })
@@ -90,11 +98,8 @@ impl ScopeLease {
 
     /// Records a fenced round trip that succeeded; `sent_at` is when it was sent.
     pub fn confirm(&self, sent_at: Instant) {
-        let mut confirmed = self.confirmed.lock().unwrap_or_else(|e| e.into_inner());
-        if sent_at > *confirmed {
-            *confirmed = sent_at;
-        }
-        drop(confirmed);
+        let ns = sent_at.saturating_duration_since(self.base).as_nanos() as u64;
+        self.confirmed_ns.fetch_max(ns, Ordering::SeqCst);
         self.changed.notify_waiters();
     }
 
@@ -114,7 +119,7 @@ impl ScopeLease {
         if self.is_lost() {
             return LeaseState::Lost;
         }
-        let confirmed = *self.confirmed.lock().unwrap_or_else(|e| e.into_inner());
+        let confirmed = self.base + Duration::from_nanos(self.confirmed_ns.load(Ordering::SeqCst));
         if confirmed.elapsed() <= self.fresh_for {
             LeaseState::Fresh
         } else {

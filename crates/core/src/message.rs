@@ -133,7 +133,7 @@ impl Message {
 /// attempt number and the owner's fencing token.
 #[derive(Debug, Clone)]
 pub struct Delivery {
-    pub(crate) message: Message,
+    pub(crate) message: Arc<Message>,
     pub(crate) key: Option<OrderingKey>,
     pub(crate) attempt: u32,
     pub(crate) fencing_token: u64,

@@ -368,7 +368,7 @@ impl Subscription {
                 continue;
             };
             while let Some(job) = queue.pop_front() {
-                if job.inbound.lease.is_lost() {
+                if job.is_lost() {
                     bump(&self.stats.self_fence_discards, "keyorder_self_fence_discards_total");
                     continue;
                 }
@@ -383,7 +383,8 @@ impl Subscription {
         }
         let room = dispatcher.room().min(self.batch);
         if room == 0 {
-            dispatcher.changed(Duration::from_millis(50)).await;
+            // Full: refill in batches once a quarter of the budget is free.
+            dispatcher.wait_room(Duration::from_millis(50)).await;
             return Ok(());
         }
         let paused: HashSet<Arc<str>> = st.paused.keys().chain(st.revoking.iter()).cloned().collect();
