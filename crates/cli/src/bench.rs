@@ -29,8 +29,10 @@ pub(crate) struct BenchArgs {
     /// Handler time in ms (0: no-op).
     #[arg(long, default_value_t = 0)]
     handler_ms: u64,
-    /// Handlers running at once per instance (prefetch is 16x this).
-    #[arg(long, default_value_t = 64)]
+    /// Handlers running at once per instance (prefetch is 16x this). The
+    /// default keeps total concurrency below the default key count, so the
+    /// comparison measures ordering, not a key shortage.
+    #[arg(long, default_value_t = 32)]
     concurrency: usize,
     /// Probe messages for the publish-to-handler latency at low load.
     #[arg(long, default_value_t = 200)]
@@ -61,7 +63,7 @@ async fn side(a: &BenchArgs, ordered: bool) -> anyhow::Result<Side> {
     // message consumed to the last.
     eprintln!("{label}: publishing {} messages over {} keys", a.messages, a.keys);
     let h = a.handler_ms;
-    let published = run::produce(&clients, &category, &keys, a.messages, move || h, 8, None).await?;
+    let published = run::produce(&clients, &category, &keys, a.messages, move || h, 4, None).await?;
     let rec = run::Recorder::new();
     let mut instances = Vec::new();
     for (i, client) in clients.iter().enumerate() {
@@ -92,6 +94,11 @@ async fn side(a: &BenchArgs, ordered: bool) -> anyhow::Result<Side> {
         .await?;
     }
     for i in instances {
+        let s = i.stats.snapshot();
+        eprintln!(
+            "{label}: applied={} widened={} self_fence_pauses={} fence_rejections={} scopes_released={}",
+            s.applied, s.widened, s.self_fence_pauses, s.fence_rejections, s.scopes_released
+        );
         i.stop().await?;
     }
     res?;

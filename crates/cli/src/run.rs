@@ -96,6 +96,7 @@ impl Recorder {
 
 /// A running instance.
 pub(crate) struct Running {
+    pub(crate) stats: std::sync::Arc<keyorder::Stats>,
     stop: oneshot::Sender<()>,
     join: JoinHandle<keyorder::Result<RunReport>>,
 }
@@ -114,6 +115,7 @@ pub(crate) async fn start(
     rec: Arc<Recorder>,
 ) -> anyhow::Result<Running> {
     let subscription = builder.instance_id(instance.clone()).build().await?;
+    let stats = subscription.stats();
     let (stop, stopped) = oneshot::channel::<()>();
     let handler = move |d: Delivery| {
         let rec = rec.clone();
@@ -156,7 +158,7 @@ pub(crate) async fn start(
     let join = tokio::spawn(subscription.run(handler, async move {
         let _ = stopped.await;
     }));
-    Ok(Running { stop, join })
+    Ok(Running { stats, stop, join })
 }
 
 /// The builder every run uses.
@@ -215,6 +217,9 @@ pub(crate) async fn produce(
                         seq,
                     });
                     publisher.publish(msg).await?;
+                    // Interleave with the other producers even where a publish
+                    // completes without waiting (memory://).
+                    tokio::task::yield_now().await;
                     if let Some(pb) = &progress {
                         pb.inc(1);
                     }

@@ -183,14 +183,14 @@ fn bench(c: &mut Criterion) {
     let mut group = c.benchmark_group("dispatch-1ms-one-key");
     group.throughput(Throughput::Elements(200));
     group.sample_size(10);
-    group.bench_function("ordered/1", |b| {
+    group.bench_function(BenchmarkId::new("ordered", 1), |b| {
         b.to_async(&rt).iter_batched(
             || messages(200, 1),
             |m| ordered(m, Some(Duration::from_millis(1))),
             criterion::BatchSize::PerIteration,
         )
     });
-    group.bench_function("baseline/1", |b| {
+    group.bench_function(BenchmarkId::new("baseline", 1), |b| {
         b.to_async(&rt).iter_batched(
             || messages(200, 1),
             |m| baseline(m, Some(Duration::from_millis(1))),

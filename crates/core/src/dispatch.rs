@@ -35,12 +35,17 @@ use crate::stats::{bump, Stats};
 use crate::strategy::{GlobalBackoff, PoisonPolicy, RetryPolicy};
 use crate::transport::{HotKey, Inbound, Settle};
 
+/// The per-key depth the budget's fair share never goes below.
+const MIN_FAIR_DEPTH: usize = 4;
+
 /// Limits and policies of the dispatcher.
 #[derive(Debug, Clone, Copy)]
 pub struct DispatchConfig {
     /// Handlers running at once (keys in flight).
     pub concurrency: usize,
-    /// Messages one key may hold (running + waiting) before back-pressure widens.
+    /// Messages one key may hold (running + waiting) before back-pressure
+    /// widens; capped at a fair share of the budget among the keys holding
+    /// messages (never below 4), so deep keys cannot starve the others.
     pub per_key_depth: usize,
     /// Messages the whole dispatcher may hold (running + waiting).
     pub budget: usize,
@@ -252,7 +257,11 @@ impl Dispatcher {
         let ready = match job.key.clone() {
             None => Some(Ready::Keyless(job)),
             Some(key) => {
-                let depth = inner.cfg.per_key_depth;
+                // A key may hold its configured depth, but never more than a
+                // fair share of the budget among the keys holding messages,
+                // so a few deep keys cannot starve the rest of the budget.
+                let fair = (inner.cfg.budget / (st.keys.len() + 1)).max(MIN_FAIR_DEPTH);
+                let depth = inner.cfg.per_key_depth.min(fair);
                 let q = st.keys.entry(key.clone()).or_default();
                 if q.held() >= depth {
                     st.total -= 1;
