@@ -15,7 +15,7 @@ use async_trait::async_trait;
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use keyorder_core::{
     DispatchConfig, Dispatcher, Handler, HandlerResult, Inbound, Job, LeaseConfig, Message, OrderingKey, ScopeLease,
-    Settle, Stats, Submit, Widening,
+    Settle, Stats, Submit,
 };
 use tokio::sync::{Notify, Semaphore};
 
@@ -103,16 +103,12 @@ async fn ordered(msgs: Vec<(Message, OrderingKey)>, sleep: Option<Duration>) {
             Some(key),
         );
         loop {
-            let epoch = dispatcher.epoch();
+            let epoch = dispatcher.room_epoch();
             match dispatcher.submit(job) {
                 Submit::Accepted => break,
-                Submit::Full(back, Widening::Budget) => {
-                    job = back;
-                    dispatcher.wait_room(Duration::from_millis(100)).await;
-                }
                 Submit::Full(back, _) => {
                     job = back;
-                    dispatcher.changed_since(epoch, Duration::from_millis(100)).await;
+                    dispatcher.wait_room_since(epoch, Duration::from_millis(100)).await;
                 }
             }
         }

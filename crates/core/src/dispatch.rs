@@ -35,17 +35,15 @@ use crate::stats::{bump, Stats};
 use crate::strategy::{GlobalBackoff, PoisonPolicy, RetryPolicy};
 use crate::transport::{HotKey, Inbound, Settle};
 
-/// The per-key depth the budget's fair share never goes below.
-const MIN_FAIR_DEPTH: usize = 4;
-
 /// Limits and policies of the dispatcher.
 #[derive(Debug, Clone, Copy)]
 pub struct DispatchConfig {
     /// Handlers running at once (keys in flight).
     pub concurrency: usize,
     /// Messages one key may hold (running + waiting) before back-pressure
-    /// widens; capped at a fair share of the budget among the keys holding
-    /// messages (never below 4), so deep keys cannot starve the others.
+    /// widens. Keep `budget` at least `per_key_depth` times the number of
+    /// keys that may be deep at once (slow or halted), so they cannot take
+    /// the whole budget from the others.
     pub per_key_depth: usize,
     /// Messages the whole dispatcher may hold (running + waiting).
     pub budget: usize,
@@ -176,8 +174,10 @@ struct Inner {
     state: Mutex<State>,
     health: Mutex<Health>,
     changed: Notify,
-    /// Notified when the held count falls to `budget - low_water`.
+    /// Notified when the held count falls to `budget - low_water`, or a
+    /// full key's to three quarters of its depth.
     room: Notify,
+    room_epoch: std::sync::atomic::AtomicU64,
     epoch: std::sync::atomic::AtomicU64,
     waiters: std::sync::atomic::AtomicUsize,
     stopping: watch::Sender<bool>,
@@ -229,6 +229,7 @@ impl Dispatcher {
                 health: Mutex::new(Health::default()),
                 changed: Notify::new(),
                 room: Notify::new(),
+                room_epoch: std::sync::atomic::AtomicU64::new(0),
                 epoch: std::sync::atomic::AtomicU64::new(0),
                 waiters: std::sync::atomic::AtomicUsize::new(0),
                 stopping: watch::channel(false).0,
@@ -257,11 +258,7 @@ impl Dispatcher {
         let ready = match job.key.clone() {
             None => Some(Ready::Keyless(job)),
             Some(key) => {
-                // A key may hold its configured depth, but never more than a
-                // fair share of the budget among the keys holding messages,
-                // so a few deep keys cannot starve the rest of the budget.
-                let fair = (inner.cfg.budget / (st.keys.len() + 1)).max(MIN_FAIR_DEPTH);
-                let depth = inner.cfg.per_key_depth.min(fair);
+                let depth = inner.cfg.per_key_depth;
                 let q = st.keys.entry(key.clone()).or_default();
                 if q.held() >= depth {
                     st.total -= 1;
@@ -296,6 +293,25 @@ impl Dispatcher {
     /// budget, so a full dispatcher refills in batches, not one by one.
     pub fn low_water(&self) -> usize {
         self.inner.low_water()
+    }
+
+    /// A counter that grows when room appears in batches: the budget fell
+    /// to [`low_water`](Self::low_water) free, or a key that was full has a
+    /// quarter of its depth free.
+    pub fn room_epoch(&self) -> u64 {
+        self.inner.room_epoch.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Waits until [`room_epoch`](Self::room_epoch) moved past `epoch` (read
+    /// it before the [`submit`](Self::submit) that was handed back), or
+    /// `timeout` passed: a refill in batches, not one message per completion.
+    pub async fn wait_room_since(&self, epoch: u64, timeout: Duration) {
+        let notified = self.inner.room.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if self.room_epoch() == epoch {
+            let _ = tokio::time::timeout(timeout, notified).await;
+        }
     }
 
     /// Waits until the budget has [`low_water`](Self::low_water) room, or
@@ -362,7 +378,7 @@ impl Dispatcher {
             spawn += usize::from(st.make_ready(Ready::Key(key), self.inner.cfg.concurrency));
         }
         drop(st);
-        self.inner.room.notify_waiters();
+        self.inner.refilled();
         for _ in 0..spawn {
             tokio::spawn(self.inner.clone().worker());
         }
@@ -511,11 +527,13 @@ impl State {
     }
 
     /// Settles the bookkeeping of a processed job and reschedules its key.
-    fn finish(&mut self, key: Option<OrderingKey>, job: Job, outcome: Outcome, stats: &Stats) {
+    /// Returns whether the key's held count fell to its low water
+    /// (`key_low`), so a caller waiting for room may retry.
+    fn finish(&mut self, key: Option<OrderingKey>, job: Job, outcome: Outcome, stats: &Stats, key_low: usize) -> bool {
         self.running -= 1;
         let Some(key) = key else {
             self.forget(&job);
-            return;
+            return false;
         };
         match outcome {
             Outcome::Done | Outcome::Stopped => self.forget(&job),
@@ -525,7 +543,7 @@ impl State {
                 q.halted = true;
                 q.busy = false;
                 q.scheduled = false;
-                return;
+                return false;
             }
             Outcome::Lost => {
                 let scope = job.scope().clone();
@@ -543,8 +561,9 @@ impl State {
                 }
             }
         }
-        let Some(q) = self.keys.get_mut(&key) else { return };
+        let Some(q) = self.keys.get_mut(&key) else { return false };
         q.busy = false;
+        let low = q.held() == key_low;
         if q.halted {
             q.scheduled = false;
         } else if q.queue.is_empty() {
@@ -553,10 +572,16 @@ impl State {
             // Round-robin: the key goes to the back of the ready queue.
             self.ready.push_back(Ready::Key(key));
         }
+        low
     }
 }
 
 impl Inner {
+    fn refilled(&self) {
+        self.room_epoch.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.room.notify_waiters();
+    }
+
     fn low_water(&self) -> usize {
         (self.cfg.budget / 4).max(1)
     }
@@ -589,8 +614,9 @@ impl Inner {
                 if let Some((key, job, outcome)) = last.take() {
                     let mark = self.cfg.budget - self.low_water();
                     let before = st.total;
-                    st.finish(key, job, outcome, &self.stats);
-                    refilled = before > mark && st.total <= mark;
+                    let key_low = self.cfg.per_key_depth - self.cfg.per_key_depth / 4;
+                    let key_refilled = st.finish(key, job, outcome, &self.stats, key_low);
+                    refilled = key_refilled || (before > mark && st.total <= mark);
                 }
                 let stopping = self.is_stopping();
                 loop {
@@ -628,7 +654,7 @@ impl Inner {
                 self.signal();
             }
             if refilled {
-                self.room.notify_waiters();
+                self.refilled();
             }
             let Some((key, job)) = next else { return };
             let outcome = if self.is_stopping() {
