@@ -7,6 +7,8 @@
 //! URLs `scripts/services` prints; `KEYORDER_REQUIRE_BROKERS=1` makes an
 //! unreachable broker fail the run).
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 
 use keyorder::{Capabilities, Client, MemoryTransport, Result, Transport};
@@ -37,7 +39,14 @@ fn harnesses() -> Vec<Arc<dyn Harness>> {
     })]
 }
 
+/// How a worker process (C6, C7) connects: the facade's `connect`.
+fn connect_boxed(url: String) -> Pin<Box<dyn Future<Output = Result<Client>> + Send>> {
+    Box::pin(async move { keyorder::connect(&url).await })
+}
+
 fn main() {
+    // Spawned as a worker process by a process scenario: run it and exit.
+    keyorder_testkit::worker::run_if_worker(connect_boxed);
     let args = Arguments::from_args();
     let mut trials = Vec::new();
     for harness in harnesses() {

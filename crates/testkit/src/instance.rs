@@ -54,6 +54,9 @@ pub struct Switches {
     pub broken: AtomicBool,
     /// When set, every handler first waits on this barrier.
     pub barrier: std::sync::Mutex<Option<Arc<Barrier>>>,
+    /// `(seq, d)`: the first message whose sequence is at least `seq` sleeps
+    /// `d` inside the handler, once (a place to kill or stop the process).
+    pub hold: std::sync::Mutex<Option<(u64, Duration)>>,
 }
 
 /// The handler every scenario uses: logs start and end to the event log,
@@ -83,6 +86,19 @@ pub fn logging_handler(
             let barrier = switches.barrier.lock().unwrap().clone();
             if let Some(barrier) = barrier {
                 barrier.wait().await;
+            }
+            let hold = {
+                let mut hold = switches.hold.lock().unwrap();
+                match *hold {
+                    Some((from, d)) if p.seq >= from => {
+                        *hold = None;
+                        Some(d)
+                    }
+                    _ => None,
+                }
+            };
+            if let Some(d) = hold {
+                tokio::time::sleep(d).await;
             }
             if p.sleep_ms > 0 {
                 tokio::time::sleep(Duration::from_millis(p.sleep_ms)).await;

@@ -17,7 +17,9 @@ pub mod broken;
 pub mod checker;
 pub mod eventlog;
 pub mod instance;
+pub mod pglog;
 pub mod scenarios;
+pub mod worker;
 
 pub use checker::{check, Expectation, Published, Verdict};
 pub use eventlog::{Event, EventLog, EventStart, MemoryEventLog};
@@ -55,5 +57,23 @@ pub trait Harness: Send + Sync {
     /// How long a scenario may wait for a condition.
     fn deadline(&self) -> Duration {
         Duration::from_secs(90)
+    }
+
+    /// The URL a worker process connects with (process scenarios C6, C7).
+    fn worker_url(&self) -> Option<String> {
+        None
+    }
+
+    /// The PostgreSQL URL of the event log shared by processes.
+    fn event_log_url(&self) -> String {
+        std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    }
+
+    /// Restarts the broker (C14), keeping what it persisted.
+    async fn restart_broker(&self) -> Result<()> {
+        Err(keyorder_core::Error::Config(format!(
+            "{}: no broker restart hook",
+            self.name()
+        )))
     }
 }

@@ -14,6 +14,8 @@ use tokio::sync::Barrier;
 use crate::checker::{check, Expectation, Published};
 use crate::eventlog::{EventLog, MemoryEventLog};
 use crate::instance::{keys, publish_keys, publish_range, wait_until, Instance, Payload, Switches};
+use crate::pglog::PgEventLog;
+use crate::worker::{WorkerConfig, WorkerProcess};
 use crate::Harness;
 
 /// One conformance scenario.
@@ -139,23 +141,33 @@ impl Scenario {
 
     /// Runs the scenario; `Err` explains the failure.
     pub async fn run(self, harness: &dyn Harness) -> Outcome {
-        let ctx = Ctx::new(harness, self);
+        let mut ctx = Ctx::new(harness, self);
+        if matches!(self, Scenario::C6 | Scenario::C7) {
+            // Separate processes share the event log in PostgreSQL.
+            let log = PgEventLog::connect(&harness.event_log_url(), &ctx.ns)
+                .await
+                .map_err(|e| format!("the process scenarios need the PostgreSQL event log: {e}"))?;
+            ctx.log = Arc::new(log);
+        }
         match self {
             Scenario::C1 => c1(&ctx).await,
             Scenario::C2 => c2(&ctx).await,
             Scenario::C3 => c3(&ctx).await,
             Scenario::C4 => c4(&ctx).await,
             Scenario::C5 => c5(&ctx).await,
+            Scenario::C6 => c6(&ctx).await,
+            Scenario::C7 => c7(&ctx).await,
             Scenario::C8 => c8(&ctx).await,
             Scenario::C9 => c9(&ctx).await,
             Scenario::C10 => c10(&ctx).await,
             Scenario::C12 => c12(&ctx).await,
             Scenario::C13 => c13(&ctx).await,
+            Scenario::C14 => c14(&ctx).await,
             Scenario::C15 => c15(&ctx).await,
             Scenario::C16 => c16(&ctx).await,
-            Scenario::C6 | Scenario::C7 | Scenario::C11 | Scenario::C14 => Err(format!(
-                "{} has no runner for the in-process harness yet: an adapter that declares the capability \
-                 must bring its worker/broker hooks",
+            Scenario::C11 => Err(format!(
+                "{}: the subscription API has no multi-category subscription yet; a transport that declares \
+                 correlated_ownership must bring it with its runner",
                 self.slug()
             )),
         }
@@ -864,6 +876,223 @@ async fn c16(ctx: &Ctx<'_>) -> Outcome {
     ctx.verdict(&Expectation {
         published,
         spread_over: vec!["i1".into(), "i2".into(), "i3".into()],
+        ..Default::default()
+    })
+    .await?
+    .assert_ok()
+}
+
+impl Ctx<'_> {
+    fn worker_config(
+        &self,
+        category: &str,
+        instance: &str,
+        hold_from_seq: Option<u64>,
+        hold: Duration,
+    ) -> Result<WorkerConfig, String> {
+        let url = self
+            .h
+            .worker_url()
+            .ok_or_else(|| format!("harness `{}` gives no worker URL", self.h.name()))?;
+        let lease = self.h.lease();
+        Ok(WorkerConfig {
+            url,
+            category: category.to_owned(),
+            group: "g".into(),
+            instance: instance.to_owned(),
+            log_url: self.h.event_log_url(),
+            run: self.ns.clone(),
+            hold_from_seq,
+            hold_ms: hold.as_millis() as u64,
+            lease_ms: (
+                lease.ttl.as_millis() as u64,
+                lease.heartbeat.as_millis() as u64,
+                lease.margin.as_millis() as u64,
+            ),
+        })
+    }
+
+    /// Waits until `instance` is inside a handler (started, not ended) of a
+    /// message with sequence >= `seq`; returns that message's key.
+    async fn wait_held(&self, instance: &str, seq: u64) -> Result<String, String> {
+        let log = self.log.clone();
+        let found = Arc::new(std::sync::Mutex::new(None));
+        let f = found.clone();
+        wait_until(
+            &format!("{instance} to be held inside a handler"),
+            self.h.deadline(),
+            || {
+                let (log, f) = (log.clone(), f.clone());
+                async move {
+                    let events = log.events().await.unwrap_or_default();
+                    let held = events
+                        .iter()
+                        .find(|e| e.instance == instance && e.seq >= seq && e.end.is_none());
+                    *f.lock().unwrap() = held.map(|e| e.key.clone());
+                    held.is_some()
+                }
+            },
+        )
+        .await?;
+        let key = found.lock().unwrap().clone();
+        key.ok_or_else(|| "held key vanished".into())
+    }
+}
+
+/// C6: `kill -9` an owner inside a handler; another instance reclaims its
+/// pending messages; order, loss and overlap hold.
+async fn c6(ctx: &Ctx<'_>) -> Outcome {
+    let cat = ctx.category("orders");
+    let w1 = WorkerProcess::spawn(&ctx.worker_config(&cat, "w1", Some(5), Duration::from_secs(3600))?).await?;
+    let client = ctx.client().await?;
+    let published = publish_keys(&client, &cat, &keys("k", 12), 20, 0).await.map_err(err)?;
+    ctx.wait_held("w1", 5).await?;
+    let killed_at = ctx.log.now().await.map_err(err)?;
+    w1.kill9().await?;
+    let i2 = ctx.start(ctx.ordered(&client, &cat, "g"), "i2").await?;
+    ctx.wait_applied(&published, &HashSet::new()).await?;
+    stop_all(vec![i2]).await?;
+    let events = ctx.log.events().await.map_err(err)?;
+    ensure(events.iter().any(|e| e.instance == "w1" && e.ok), || {
+        "w1 applied nothing before the kill".into()
+    })?;
+    ctx.verdict(&Expectation {
+        published,
+        kills: vec![("w1".into(), killed_at)],
+        ..Default::default()
+    })
+    .await?
+    .assert_ok()
+}
+
+/// C7: `SIGSTOP` an owner inside a handler past its lease while later
+/// messages of the key are buffered; another instance takes the key over;
+/// after `SIGCONT` the stalled process applies nothing more of it.
+async fn c7(ctx: &Ctx<'_>) -> Outcome {
+    let cat = ctx.category("orders");
+    // The held handler sleeps 1 s; the stop lasts past the lease, so on
+    // SIGCONT the handler returns at once: the one fenced straggler.
+    let w1 = WorkerProcess::spawn(&ctx.worker_config(&cat, "w1", Some(5), Duration::from_secs(1))?).await?;
+    let client = ctx.client().await?;
+    let published = publish_keys(&client, &cat, &keys("k", 12), 20, 0).await.map_err(err)?;
+    let key = ctx.wait_held("w1", 5).await?;
+    w1.stop()?;
+    let i2 = ctx.start(ctx.ordered(&client, &cat, "g"), "i2").await?;
+    let log = ctx.log.clone();
+    let k = key.clone();
+    wait_until(
+        "i2 to own the stalled key and apply its later messages",
+        ctx.h.deadline(),
+        || {
+            let (log, k) = (log.clone(), k.clone());
+            async move {
+                let events = log.events().await.unwrap_or_default();
+                events
+                    .iter()
+                    .any(|e| e.instance == "i2" && e.key == k && e.seq > 5 && e.ok)
+            }
+        },
+    )
+    .await?;
+    w1.cont()?;
+    wait_until("the stalled handler to return after SIGCONT", ctx.h.deadline(), || {
+        let log = log.clone();
+        async move {
+            let events = log.events().await.unwrap_or_default();
+            !events.iter().any(|e| e.instance == "w1" && e.end.is_none())
+        }
+    })
+    .await?;
+    ctx.wait_applied(&published, &HashSet::new()).await?;
+    let stats = w1.terminate().await?;
+    stop_all(vec![i2]).await?;
+    let refused = stats["fence_rejections"].as_u64().unwrap_or(0) + stats["self_fence_discards"].as_u64().unwrap_or(0);
+    ensure(refused >= 1, || {
+        format!("the resumed owner neither had an ack rejected nor self-fenced: {stats}")
+    })?;
+    let events = ctx.log.events().await.map_err(err)?;
+    let resumed_at = events
+        .iter()
+        .filter(|e| e.instance == "i2" && e.key == key)
+        .map(|e| e.start)
+        .min()
+        .unwrap_or(u64::MAX);
+    let late = events
+        .iter()
+        .filter(|e| e.instance == "w1" && e.key == key && e.start > resumed_at)
+        .count();
+    ensure(late == 0, || {
+        format!("the stalled owner started {late} messages of the key after the takeover")
+    })?;
+    ctx.verdict(&Expectation {
+        published,
+        max_stragglers: Some(1),
+        ..Default::default()
+    })
+    .await?
+    .assert_ok()
+}
+
+/// Publishes, retrying a failed publish of the same message (same id) until
+/// the broker acknowledges it: a restart may refuse publishes for a while.
+async fn publish_through_outage(
+    client: &Client,
+    cat: &str,
+    ks: &[String],
+    seqs: std::ops::Range<u64>,
+    deadline: Duration,
+) -> Result<Vec<Published>, String> {
+    let publisher = client.publisher(cat).await.map_err(err)?;
+    let mut out = Vec::new();
+    for seq in seqs {
+        for key in ks {
+            let payload = Payload {
+                key: key.clone(),
+                seq,
+                sleep_ms: 1,
+                poison: false,
+            };
+            let msg = Message::new(payload.encode()).with_key(key).map_err(err)?;
+            let until = tokio::time::Instant::now() + deadline;
+            loop {
+                match publisher.publish(msg.clone()).await {
+                    Ok(()) => break,
+                    Err(e) if tokio::time::Instant::now() < until => {
+                        tracing::debug!(error = %e, "publish failed during the outage; retrying");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    Err(e) => return Err(format!("publish never succeeded: {e}")),
+                }
+            }
+            out.push(Published {
+                id: msg.id().to_owned(),
+                key: key.clone(),
+                seq,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// C14: the broker restarts mid-stream; consumers reconnect; order and loss hold.
+async fn c14(ctx: &Ctx<'_>) -> Outcome {
+    let cat = ctx.category("orders");
+    let client = ctx.client().await?;
+    let ks = keys("k", 12);
+    let inst = ctx.start(ctx.ordered(&client, &cat, "g"), "i1").await?;
+    let mut published = publish_through_outage(&client, &cat, &ks, 0..15, ctx.h.deadline()).await?;
+    let log = ctx.log.clone();
+    wait_until("some events applied before the restart", ctx.h.deadline(), || {
+        let log = log.clone();
+        async move { log.events().await.unwrap_or_default().iter().filter(|e| e.ok).count() >= 12 }
+    })
+    .await?;
+    ctx.h.restart_broker().await.map_err(err)?;
+    published.extend(publish_through_outage(&client, &cat, &ks, 15..30, ctx.h.deadline()).await?);
+    ctx.wait_applied(&published, &HashSet::new()).await?;
+    stop_all(vec![inst]).await?;
+    ctx.verdict(&Expectation {
+        published,
         ..Default::default()
     })
     .await?

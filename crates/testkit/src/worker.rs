@@ -1,0 +1,243 @@
+//! Instances as separate OS processes, for the scenarios where only a real
+//! process makes a kill or a stall real (C6, C7).
+//!
+//! The conformance runner re-executes itself: its `main` first calls
+//! [`run_if_worker`], which, when the process was spawned as a worker, runs
+//! one ordered subscription whose handler writes to the shared
+//! [`PgEventLog`](crate::pglog::PgEventLog) and exits. The test side holds a
+//! [`WorkerProcess`] and can `kill -9`, `SIGSTOP` and `SIGCONT` it.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use keyorder_core::{Client, KeySource, LeaseConfig, Result, StatsSnapshot};
+use serde::{Deserialize, Serialize};
+use tokio::io::AsyncBufReadExt;
+use tokio::process::{Child, Command};
+
+use crate::eventlog::EventLog;
+use crate::instance::{logging_handler, Switches};
+use crate::pglog::PgEventLog;
+
+/// The environment variable that carries a worker's configuration (JSON).
+pub const WORKER_ENV: &str = "KEYORDER_TESTKIT_WORKER";
+
+/// What a worker process runs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WorkerConfig {
+    /// The transport URL.
+    pub url: String,
+    /// The category.
+    pub category: String,
+    /// The consumer group.
+    pub group: String,
+    /// The instance id.
+    pub instance: String,
+    /// The event log's PostgreSQL URL.
+    pub log_url: String,
+    /// The event log's run id.
+    pub run: String,
+    /// The first message whose sequence is at least this one is held inside
+    /// the handler for `hold_ms` (once), so the test can kill or stop the
+    /// process there.
+    pub hold_from_seq: Option<u64>,
+    /// How long the held handler sleeps.
+    pub hold_ms: u64,
+    /// Lease TTL, heartbeat and margin in ms.
+    pub lease_ms: (u64, u64, u64),
+}
+
+/// Connects a client from a URL (the runner passes `keyorder::connect`).
+pub type Connector = fn(String) -> Pin<Box<dyn Future<Output = Result<Client>> + Send>>;
+
+/// If this process was spawned as a worker, runs it and exits; otherwise
+/// returns at once. Call it first in the runner's `main`.
+pub fn run_if_worker(connect: Connector) {
+    let Ok(raw) = std::env::var(WORKER_ENV) else { return };
+    let code = match serde_json::from_str::<WorkerConfig>(&raw) {
+        Ok(cfg) => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("a tokio runtime");
+            match rt.block_on(worker_main(cfg, connect)) {
+                Ok(stats) => {
+                    println!("KEYORDER_WORKER_STATS {}", stats_json(&stats));
+                    0
+                }
+                Err(e) => {
+                    eprintln!("worker failed: {e}");
+                    1
+                }
+            }
+        }
+        Err(e) => {
+            eprintln!("bad {WORKER_ENV}: {e}");
+            2
+        }
+    };
+    std::process::exit(code);
+}
+
+fn stats_json(s: &StatsSnapshot) -> String {
+    serde_json::json!({
+        "applied": s.applied,
+        "fence_rejections": s.fence_rejections,
+        "self_fence_pauses": s.self_fence_pauses,
+        "self_fence_discards": s.self_fence_discards,
+    })
+    .to_string()
+}
+
+async fn worker_main(cfg: WorkerConfig, connect: Connector) -> Result<StatsSnapshot> {
+    let client = connect(cfg.url.clone()).await?;
+    let log: Arc<dyn EventLog> = Arc::new(PgEventLog::connect(&cfg.log_url, &cfg.run).await?);
+    let switches = Arc::new(Switches::default());
+    *switches.hold.lock().unwrap() = cfg.hold_from_seq.map(|seq| (seq, Duration::from_millis(cfg.hold_ms)));
+    let (ttl, heartbeat, margin) = cfg.lease_ms;
+    let subscription = client
+        .subscribe(&cfg.category, &cfg.group)
+        .ordered_by(KeySource::routing_key())
+        .instance_id(&cfg.instance)
+        .lease(LeaseConfig {
+            ttl: Duration::from_millis(ttl),
+            heartbeat: Duration::from_millis(heartbeat),
+            margin: Duration::from_millis(margin),
+        })
+        .build()
+        .await?;
+    let handler = logging_handler(log, cfg.instance.clone(), switches);
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| keyorder_core::Error::Config(format!("SIGTERM handler: {e}")))?;
+    println!("KEYORDER_WORKER_READY");
+    let report = subscription
+        .run(handler, async move {
+            term.recv().await;
+        })
+        .await?;
+    Ok(report.stats)
+}
+
+/// A worker process the test controls.
+#[derive(Debug)]
+pub struct WorkerProcess {
+    /// The instance id.
+    pub id: String,
+    child: Child,
+    pid: u32,
+    stopped: AtomicBool,
+}
+
+impl WorkerProcess {
+    /// Spawns this executable as a worker with `cfg`; returns once the
+    /// worker's subscription is built.
+    pub async fn spawn(cfg: &WorkerConfig) -> std::result::Result<WorkerProcess, String> {
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let mut child = Command::new(exe)
+            .env(WORKER_ENV, serde_json::to_string(cfg).map_err(|e| e.to_string())?)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("spawning worker: {e}"))?;
+        let pid = child.id().ok_or("worker exited at once")?;
+        let stdout = child.stdout.take().ok_or("no worker stdout")?;
+        let mut lines = tokio::io::BufReader::new(stdout).lines();
+        let ready = tokio::time::timeout(Duration::from_secs(60), async {
+            while let Ok(Some(line)) = lines.next_line().await {
+                if line == "KEYORDER_WORKER_READY" {
+                    return true;
+                }
+            }
+            false
+        })
+        .await;
+        if ready != Ok(true) {
+            return Err(format!("worker {} did not become ready", cfg.instance));
+        }
+        // Keep reading stdout in the background (the stats line comes at exit).
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let mut stats = None;
+            while let Ok(Some(line)) = lines.next_line().await {
+                if let Some(json) = line.strip_prefix("KEYORDER_WORKER_STATS ") {
+                    stats = Some(json.to_owned());
+                }
+            }
+            let _ = tx.send(stats);
+        });
+        STATS.lock().unwrap().push((cfg.instance.clone(), rx));
+        Ok(WorkerProcess {
+            id: cfg.instance.clone(),
+            child,
+            pid,
+            stopped: AtomicBool::new(false),
+        })
+    }
+
+    fn signal(&self, sig: &str) -> std::result::Result<(), String> {
+        let status = std::process::Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.pid.to_string())
+            .status()
+            .map_err(|e| format!("kill -{sig}: {e}"))?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(format!("kill -{sig} {} failed", self.pid))
+        }
+    }
+
+    /// `kill -9`.
+    pub async fn kill9(mut self) -> std::result::Result<(), String> {
+        self.signal("KILL")?;
+        let _ = self.child.wait().await;
+        Ok(())
+    }
+
+    /// `SIGSTOP`: the process stops wherever it is.
+    pub fn stop(&self) -> std::result::Result<(), String> {
+        self.stopped.store(true, Ordering::SeqCst);
+        self.signal("STOP")
+    }
+
+    /// `SIGCONT`.
+    pub fn cont(&self) -> std::result::Result<(), String> {
+        self.stopped.store(false, Ordering::SeqCst);
+        self.signal("CONT")
+    }
+
+    /// `SIGTERM` (graceful: the worker drains), then its final counters.
+    pub async fn terminate(mut self) -> std::result::Result<serde_json::Value, String> {
+        if self.stopped.load(Ordering::SeqCst) {
+            self.cont()?;
+        }
+        self.signal("TERM")?;
+        let status = tokio::time::timeout(Duration::from_secs(60), self.child.wait())
+            .await
+            .map_err(|_| format!("worker {} did not exit within 60 s of SIGTERM", self.id))?
+            .map_err(|e| e.to_string())?;
+        if !status.success() {
+            return Err(format!("worker {} exited with {status}", self.id));
+        }
+        let rx = {
+            let mut all = STATS.lock().unwrap();
+            let i = all
+                .iter()
+                .position(|(id, _)| *id == self.id)
+                .ok_or("no stats channel")?;
+            all.remove(i).1
+        };
+        let json = rx.await.ok().flatten().ok_or("the worker printed no stats")?;
+        serde_json::from_str(&json).map_err(|e| e.to_string())
+    }
+}
+
+type StatsRx = tokio::sync::oneshot::Receiver<Option<String>>;
+static STATS: std::sync::Mutex<Vec<(String, StatsRx)>> = std::sync::Mutex::new(Vec::new());
