@@ -5,8 +5,15 @@ pub use keyorder_core::*;
 
 /// The URL schemes this build can connect to.
 pub fn schemes() -> &'static [&'static str] {
-    &["memory"]
+    &[
+        "memory",
+        #[cfg(feature = "postgres")]
+        "postgres",
+    ]
 }
+
+#[cfg(feature = "postgres")]
+pub use keyorder_postgres as postgres;
 
 /// Connects to the transport a URL names; the rest of the URL (host, query
 /// string) is the adapter's configuration, so a deployment swaps brokers by
@@ -15,6 +22,7 @@ pub fn schemes() -> &'static [&'static str] {
 /// | scheme | adapter | options |
 /// |---|---|---|
 /// | `memory://` | [`MemoryTransport`] (one process) | `partitions=N` |
+/// | `postgres://` | `keyorder_postgres::PgTransport` (feature `postgres`) | `schema`, `slots`, `pool`, `migrate` |
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> keyorder::Result<()> {
@@ -32,6 +40,10 @@ pub async fn connect(url: &str) -> Result<Client> {
         .map_err(|e| Error::Url(format!("{e}: expected e.g. memory:// or redis://127.0.0.1:6379")))?;
     match parsed.scheme() {
         "memory" => Ok(Client::new(std::sync::Arc::new(MemoryTransport::from_url(&parsed)?))),
+        #[cfg(feature = "postgres")]
+        "postgres" | "postgresql" => Ok(Client::new(std::sync::Arc::new(
+            keyorder_postgres::PgTransport::from_url(&parsed).await?,
+        ))),
         other => Err(Error::Url(format!(
             "no adapter for `{other}://` in this build (compiled in: {}); enable the adapter's feature of the \
              `keyorder` crate",

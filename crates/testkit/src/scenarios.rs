@@ -136,7 +136,7 @@ impl Scenario {
             )]),
             _ => None,
         };
-        by_caps.or_else(|| harness.not_applicable(self))
+        harness.not_applicable(self).or(by_caps)
     }
 
     /// Runs the scenario; `Err` explains the failure.
@@ -889,6 +889,7 @@ impl Ctx<'_> {
         instance: &str,
         hold_from_seq: Option<u64>,
         hold: Duration,
+        concurrency: usize,
     ) -> Result<WorkerConfig, String> {
         let url = self
             .h
@@ -904,6 +905,7 @@ impl Ctx<'_> {
             run: self.ns.clone(),
             hold_from_seq,
             hold_ms: hold.as_millis() as u64,
+            concurrency,
             lease_ms: (
                 lease.ttl.as_millis() as u64,
                 lease.heartbeat.as_millis() as u64,
@@ -943,7 +945,7 @@ impl Ctx<'_> {
 /// pending messages; order, loss and overlap hold.
 async fn c6(ctx: &Ctx<'_>) -> Outcome {
     let cat = ctx.category("orders");
-    let w1 = WorkerProcess::spawn(&ctx.worker_config(&cat, "w1", Some(5), Duration::from_secs(3600))?).await?;
+    let w1 = WorkerProcess::spawn(&ctx.worker_config(&cat, "w1", Some(5), Duration::from_secs(3600), 64)?).await?;
     let client = ctx.client().await?;
     let published = publish_keys(&client, &cat, &keys("k", 12), 20, 0).await.map_err(err)?;
     ctx.wait_held("w1", 5).await?;
@@ -971,8 +973,9 @@ async fn c6(ctx: &Ctx<'_>) -> Outcome {
 async fn c7(ctx: &Ctx<'_>) -> Outcome {
     let cat = ctx.category("orders");
     // The held handler sleeps 1 s; the stop lasts past the lease, so on
-    // SIGCONT the handler returns at once: the one fenced straggler.
-    let w1 = WorkerProcess::spawn(&ctx.worker_config(&cat, "w1", Some(5), Duration::from_secs(1))?).await?;
+    // SIGCONT the handler returns at once: the one fenced straggler. One
+    // handler at a time, so the held one is the only one in flight at the stop.
+    let w1 = WorkerProcess::spawn(&ctx.worker_config(&cat, "w1", Some(5), Duration::from_secs(1), 1)?).await?;
     let client = ctx.client().await?;
     let published = publish_keys(&client, &cat, &keys("k", 12), 20, 0).await.map_err(err)?;
     let key = ctx.wait_held("w1", 5).await?;

@@ -47,6 +47,8 @@ pub struct WorkerConfig {
     pub hold_from_seq: Option<u64>,
     /// How long the held handler sleeps.
     pub hold_ms: u64,
+    /// Handlers running at once.
+    pub concurrency: usize,
     /// Lease TTL, heartbeat and margin in ms.
     pub lease_ms: (u64, u64, u64),
 }
@@ -104,6 +106,7 @@ async fn worker_main(cfg: WorkerConfig, connect: Connector) -> Result<StatsSnaps
         .subscribe(&cfg.category, &cfg.group)
         .ordered_by(KeySource::routing_key())
         .instance_id(&cfg.instance)
+        .concurrency(cfg.concurrency)
         .lease(LeaseConfig {
             ttl: Duration::from_millis(ttl),
             heartbeat: Duration::from_millis(heartbeat),
@@ -131,6 +134,7 @@ pub struct WorkerProcess {
     child: Child,
     pid: u32,
     stopped: AtomicBool,
+    stats: tokio::sync::oneshot::Receiver<Option<String>>,
 }
 
 impl WorkerProcess {
@@ -172,12 +176,12 @@ impl WorkerProcess {
             }
             let _ = tx.send(stats);
         });
-        STATS.lock().unwrap().push((cfg.instance.clone(), rx));
         Ok(WorkerProcess {
             id: cfg.instance.clone(),
             child,
             pid,
             stopped: AtomicBool::new(false),
+            stats: rx,
         })
     }
 
@@ -226,18 +230,7 @@ impl WorkerProcess {
         if !status.success() {
             return Err(format!("worker {} exited with {status}", self.id));
         }
-        let rx = {
-            let mut all = STATS.lock().unwrap();
-            let i = all
-                .iter()
-                .position(|(id, _)| *id == self.id)
-                .ok_or("no stats channel")?;
-            all.remove(i).1
-        };
-        let json = rx.await.ok().flatten().ok_or("the worker printed no stats")?;
+        let json = self.stats.await.ok().flatten().ok_or("the worker printed no stats")?;
         serde_json::from_str(&json).map_err(|e| e.to_string())
     }
 }
-
-type StatsRx = tokio::sync::oneshot::Receiver<Option<String>>;
-static STATS: std::sync::Mutex<Vec<(String, StatsRx)>> = std::sync::Mutex::new(Vec::new());

@@ -1,0 +1,932 @@
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
+
+mod sql;
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use keyorder_core::{
+    Admin, Capabilities, DeadLetter, Error, HaltedKey, HeadAction, HotKey, Inbound, Message, OrderingKey, Result,
+    ScopeInfo, ScopeLease, Settle, SourceEvent, SourceSpec, Transport, TransportPublisher, TransportSource,
+};
+use sqlx::postgres::{PgListener, PgPool, PgPoolOptions};
+use sqlx::{AssertSqlSafe, Row};
+use tokio::time::Instant;
+
+use crate::sql::Sql;
+
+pub use sqlx;
+
+/// Default slot count of a queue.
+pub const DEFAULT_SLOTS: u32 = 16;
+
+fn db(e: sqlx::Error) -> Error {
+    Error::Broker(format!("postgres: {e}"))
+}
+
+fn q(sql: &Arc<str>) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(AssertSqlSafe(sql.clone()))
+}
+
+/// Configuration of the PostgreSQL transport.
+#[derive(Debug, Clone)]
+pub struct PgConfig {
+    /// The connection URL (without keyorder's own query options).
+    pub url: String,
+    /// The schema keyorder's tables live in.
+    pub schema: String,
+    /// Slots per queue (fixed once a queue exists).
+    pub slots: u32,
+    /// Connections in the pool.
+    pub max_connections: u32,
+    /// Run [`PgTransport::migrate`] when connecting (`?migrate=true`).
+    pub migrate: bool,
+}
+
+impl PgConfig {
+    /// Parses `postgres://user@host:port/db?schema=keyorder&slots=16&pool=8&migrate=true`;
+    /// the other query parameters go to the driver.
+    pub fn from_url(url: &url::Url) -> Result<Self> {
+        let mut cfg = PgConfig {
+            url: String::new(),
+            schema: "keyorder".into(),
+            slots: DEFAULT_SLOTS,
+            max_connections: 8,
+            migrate: false,
+        };
+        let mut rest = url.clone();
+        rest.set_query(None);
+        let mut driver = Vec::new();
+        for (k, v) in url.query_pairs() {
+            match &*k {
+                "schema" => cfg.schema = v.into_owned(),
+                "slots" => {
+                    cfg.slots = v
+                        .parse()
+                        .ok()
+                        .filter(|n| (1..=4096).contains(n))
+                        .ok_or_else(|| Error::Url(format!("slots={v}: expected 1..=4096")))?
+                }
+                "pool" => {
+                    cfg.max_connections = v
+                        .parse()
+                        .ok()
+                        .filter(|n| (1..=256).contains(n))
+                        .ok_or_else(|| Error::Url(format!("pool={v}: expected 1..=256")))?
+                }
+                "migrate" => {
+                    cfg.migrate = v
+                        .parse()
+                        .map_err(|_| Error::Url(format!("migrate={v}: expected true or false")))?
+                }
+                _ => driver.push((k.into_owned(), v.into_owned())),
+            }
+        }
+        if !driver.is_empty() {
+            rest.query_pairs_mut().extend_pairs(driver);
+        }
+        let ident_ok = !cfg.schema.is_empty()
+            && cfg.schema.len() <= 40
+            && cfg
+                .schema
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+            && !cfg.schema.starts_with(|c: char| c.is_ascii_digit());
+        if !ident_ok {
+            return Err(Error::Url(format!(
+                "schema={}: expected a lower-case identifier of [a-z0-9_], at most 40 characters",
+                keyorder_core::key::redact(&cfg.schema)
+            )));
+        }
+        cfg.url = rest.to_string();
+        Ok(cfg)
+    }
+}
+
+/// The PostgreSQL transport. Clones share one pool.
+#[derive(Clone)]
+pub struct PgTransport {
+    pool: PgPool,
+    cfg: Arc<PgConfig>,
+    sql: Arc<Sql>,
+}
+
+impl fmt::Debug for PgTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgTransport")
+            .field("schema", &self.cfg.schema)
+            .field("slots", &self.cfg.slots)
+            .finish()
+    }
+}
+
+impl PgTransport {
+    /// Connects (no migration: call [`PgTransport::migrate`] once per schema).
+    pub async fn connect(cfg: PgConfig) -> Result<Self> {
+        let pool = PgPoolOptions::new()
+            .max_connections(cfg.max_connections)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect(&cfg.url)
+            .await
+            .map_err(db)?;
+        let t = PgTransport {
+            pool,
+            sql: Arc::new(Sql::new(&cfg.schema)),
+            cfg: Arc::new(cfg),
+        };
+        if t.cfg.migrate {
+            t.migrate().await?;
+        }
+        Ok(t)
+    }
+
+    /// Connects from a `postgres://` URL (see [`PgConfig::from_url`]).
+    pub async fn from_url(url: &url::Url) -> Result<Self> {
+        Self::connect(PgConfig::from_url(url)?).await
+    }
+
+    /// Creates the schema and tables if they do not exist (idempotent; safe
+    /// to run from several processes at once).
+    pub async fn migrate(&self) -> Result<()> {
+        let mut tx = self.pool.begin().await.map_err(db)?;
+        sqlx::query("select pg_advisory_xact_lock(7306172002)")
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        for stmt in &self.sql.migrate {
+            q(stmt).execute(&mut *tx).await.map_err(db)?;
+        }
+        tx.commit().await.map_err(db)
+    }
+
+    fn missing_schema(&self, e: sqlx::Error) -> Error {
+        let text = e.to_string();
+        if text.contains("does not exist") && text.contains(&self.cfg.schema) {
+            Error::Config(format!(
+                "schema `{}` has no keyorder tables: run PgTransport::migrate() once (keyorder bench and the \
+                 test runner do)",
+                self.cfg.schema
+            ))
+        } else {
+            db(e)
+        }
+    }
+
+    /// The queue's slot count, created with this transport's count if new;
+    /// a different persisted count is refused (keys would move).
+    async fn slots_of(&self, queue: &str) -> Result<u32> {
+        q(&self.sql.ensure_queue)
+            .bind(queue)
+            .bind(self.cfg.slots as i32)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.missing_schema(e))?;
+        let n: i32 = sqlx::query_scalar(AssertSqlSafe(self.sql.queue_slots.clone()))
+            .bind(queue)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db)?;
+        if n as u32 != self.cfg.slots {
+            return Err(Error::Config(format!(
+                "queue `{queue}` has {n} slots but this transport is configured with {}: a different slot count \
+                 would move keys between owners; use ?slots={n}",
+                self.cfg.slots
+            )));
+        }
+        Ok(n as u32)
+    }
+}
+
+/// The slot of a key: `stable_hash(key) % slots` (FNV-1a 64, see
+/// [`keyorder_core::key::stable_hash`]); keyless messages by their id.
+pub fn slot_of(key: Option<&OrderingKey>, message_id: &str, slots: u32) -> u32 {
+    let h = match key {
+        Some(k) => k.stable_hash(),
+        None => keyorder_core::key::stable_hash(message_id.as_bytes()),
+    };
+    (h % u64::from(slots.max(1))) as u32
+}
+
+#[async_trait]
+impl Transport for PgTransport {
+    fn name(&self) -> &str {
+        "postgres"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            cross_instance_affinity: true,
+            fencing: true,
+            self_fencing: true,
+            crash_reclaim: true,
+            halt_on_poison: true,
+            park_and_release: true,
+            multi_process: true,
+            ..Capabilities::default()
+        }
+    }
+
+    fn affinity_fix(&self) -> String {
+        "the PostgreSQL transport always pins a key to its slot's owner".into()
+    }
+
+    async fn publisher(&self, category: &str) -> Result<Arc<dyn TransportPublisher>> {
+        let slots = self.slots_of(category).await?;
+        Ok(Arc::new(PgPublisher {
+            t: self.clone(),
+            queue: category.to_owned(),
+            slots,
+        }))
+    }
+
+    async fn open(&self, spec: &SourceSpec) -> Result<Box<dyn TransportSource>> {
+        let slots = self.slots_of(&spec.category).await?;
+        q(&self.sql.ensure_slots)
+            .bind(&spec.category)
+            .bind(&spec.group)
+            .bind(slots as i32)
+            .execute(&self.pool)
+            .await
+            .map_err(db)?;
+        let mut listener = PgListener::connect(&self.cfg.url).await.map_err(db)?;
+        listener.listen(&self.sql.channel).await.map_err(db)?;
+        let mut source = PgSource {
+            t: self.clone(),
+            spec: spec.clone(),
+            slots,
+            owned: BTreeMap::new(),
+            events: Vec::new(),
+            listener,
+            last_maintain: None,
+            cursor: 0,
+        };
+        source.maintain_now().await?;
+        Ok(Box::new(source))
+    }
+
+    fn admin(&self) -> Arc<dyn Admin> {
+        Arc::new(PgAdmin { t: self.clone() })
+    }
+}
+
+struct PgPublisher {
+    t: PgTransport,
+    queue: String,
+    slots: u32,
+}
+
+impl fmt::Debug for PgPublisher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgPublisher").field("queue", &self.queue).finish()
+    }
+}
+
+#[async_trait]
+impl TransportPublisher for PgPublisher {
+    async fn publish(&self, message: Message) -> Result<()> {
+        let slot = slot_of(message.key(), message.id(), self.slots);
+        let headers = serde_json::to_string(message.headers()).map_err(|e| Error::Broker(e.to_string()))?;
+        q(&self.t.sql.publish)
+            .bind(&self.queue)
+            .bind(slot as i32)
+            .bind(message.key().map(OrderingKey::as_str))
+            .bind(message.id())
+            .bind(message.correlation_id())
+            .bind(headers)
+            .bind(message.payload().as_ref())
+            .bind(&self.t.sql.channel)
+            .execute(&self.t.pool)
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+}
+
+/// Delivered events of one owned slot, in read order, and which are settled:
+/// the cursor advances only over a settled prefix.
+#[derive(Debug, Default)]
+struct Track {
+    delivered: VecDeque<(u64, i64)>,
+    done: HashSet<i64>,
+}
+
+struct Owned {
+    generation: i64,
+    lease: Arc<ScopeLease>,
+    read: (u64, i64),
+    track: Arc<Mutex<Track>>,
+    revoking: bool,
+}
+
+struct PgSource {
+    t: PgTransport,
+    spec: SourceSpec,
+    slots: u32,
+    owned: BTreeMap<u32, Owned>,
+    events: Vec<SourceEvent>,
+    listener: PgListener,
+    last_maintain: Option<Instant>,
+    cursor: u32,
+}
+
+impl fmt::Debug for PgSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgSource")
+            .field("queue", &self.spec.category)
+            .field("group", &self.spec.group)
+            .field("owned", &self.owned.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+fn scope_name(queue: &str, slot: u32) -> Arc<str> {
+    Arc::from(format!("{queue}/s{slot}"))
+}
+
+fn parse_scope(scope: &str) -> Option<u32> {
+    scope.rsplit_once("/s").and_then(|(_, n)| n.parse().ok())
+}
+
+impl PgSource {
+    fn ms(d: Duration) -> f64 {
+        d.as_millis() as f64
+    }
+
+    /// Heartbeat, lease renewal, rebalance, cursor advance, operator actions.
+    async fn maintain_now(&mut self) -> Result<()> {
+        let sql = self.t.sql.clone();
+        let pool = self.t.pool.clone();
+        let pool = &pool;
+        let spec = self.spec.clone();
+        let (queue, grp, me) = (&spec.category, &spec.group, &spec.instance);
+        let ttl = self.spec.lease.ttl;
+        let sent = Instant::now();
+        tracing::debug!(member = %me, owned = self.owned.len(), "maintain");
+        q(&sql.heartbeat)
+            .bind(queue)
+            .bind(grp)
+            .bind(me)
+            .execute(pool)
+            .await
+            .map_err(db)?;
+        // Renew what we hold; a slot not renewed is lost.
+        let renewed: HashMap<u32, i64> = q(&sql.renew)
+            .bind(queue)
+            .bind(grp)
+            .bind(me)
+            .bind(Self::ms(ttl))
+            .fetch_all(pool)
+            .await
+            .map_err(db)?
+            .iter()
+            .map(|r| (r.get::<i32, _>(0) as u32, r.get::<i64, _>(1)))
+            .collect();
+        let mut lost = Vec::new();
+        for (slot, o) in &self.owned {
+            if renewed.get(slot) == Some(&o.generation) {
+                o.lease.confirm(sent);
+            } else {
+                lost.push(*slot);
+            }
+        }
+        for slot in lost {
+            if let Some(o) = self.owned.remove(&slot) {
+                tracing::warn!(slot, generation = o.generation, "slot lease lost");
+                o.lease.lose();
+            }
+        }
+        self.advance_cursors().await?;
+        // Fair share over live members, by the database's clock.
+        let live: Vec<String> = q(&sql.live_members)
+            .bind(queue)
+            .bind(grp)
+            .bind(Self::ms(ttl))
+            .fetch_all(pool)
+            .await
+            .map_err(db)?
+            .iter()
+            .map(|r| r.get::<String, _>(0))
+            .collect();
+        if !live.is_empty() {
+            for slot in 0..self.slots {
+                let want = &live[slot as usize % live.len()];
+                let mine = want == me;
+                match self.owned.get_mut(&slot) {
+                    Some(o) if !mine && !o.revoking => {
+                        o.revoking = true;
+                        self.events.push(SourceEvent::Revoke(o.lease.scope().clone()));
+                    }
+                    None if mine => self.acquire(slot, sent).await?,
+                    _ => {}
+                }
+            }
+        }
+        // Operator actions on halted heads of our slots.
+        let slots: Vec<i32> = self.owned.keys().map(|s| *s as i32).collect();
+        if !slots.is_empty() {
+            for r in q(&sql.resolved)
+                .bind(queue)
+                .bind(grp)
+                .bind(&slots)
+                .fetch_all(pool)
+                .await
+                .map_err(db)?
+            {
+                let key: String = r.get(0);
+                let action: String = r.get(1);
+                self.events.push(SourceEvent::Resolved {
+                    key,
+                    drop_head: action != "resume",
+                });
+            }
+        }
+        self.last_maintain = Some(sent);
+        Ok(())
+    }
+
+    async fn acquire(&mut self, slot: u32, sent: Instant) -> Result<()> {
+        let row = q(&self.t.sql.acquire)
+            .bind(&self.spec.category)
+            .bind(&self.spec.group)
+            .bind(slot as i32)
+            .bind(&self.spec.instance)
+            .bind(Self::ms(self.spec.lease.ttl))
+            .fetch_optional(&self.t.pool)
+            .await
+            .map_err(db)?;
+        if let Some(r) = row {
+            let generation: i64 = r.get(0);
+            let txid: String = r.get(1);
+            let id: i64 = r.get(2);
+            let lease = ScopeLease::new(
+                scope_name(&self.spec.category, slot),
+                generation as u64,
+                &self.spec.lease,
+                sent,
+            );
+            tracing::debug!(slot, generation, "slot acquired");
+            self.owned.insert(
+                slot,
+                Owned {
+                    generation,
+                    lease,
+                    read: (txid.parse().unwrap_or(0), id),
+                    track: Arc::default(),
+                    revoking: false,
+                },
+            );
+        }
+        Ok(())
+    }
+
+    /// Moves each owned slot's cursor over its settled prefix (fenced).
+    async fn advance_cursors(&mut self) -> Result<()> {
+        let mut lost = Vec::new();
+        for (slot, o) in &self.owned {
+            let (last, ids) = {
+                let mut t = o.track.lock().unwrap_or_else(|e| e.into_inner());
+                let mut last = None;
+                let mut ids = Vec::new();
+                while let Some(&(txid, id)) = t.delivered.front() {
+                    if !t.done.remove(&id) {
+                        break;
+                    }
+                    t.delivered.pop_front();
+                    last = Some((txid, id));
+                    ids.push(id);
+                }
+                (last, ids)
+            };
+            let Some((txid, id)) = last else { continue };
+            let owned: i64 = sqlx::query_scalar(AssertSqlSafe(self.t.sql.advance.clone()))
+                .bind(&self.spec.category)
+                .bind(&self.spec.group)
+                .bind(*slot as i32)
+                .bind(&self.spec.instance)
+                .bind(o.generation)
+                .bind(txid.to_string())
+                .bind(id)
+                .bind(&ids)
+                .fetch_one(&self.t.pool)
+                .await
+                .map_err(db)?;
+            if owned == 0 {
+                lost.push(*slot);
+            }
+        }
+        for slot in lost {
+            if let Some(o) = self.owned.remove(&slot) {
+                o.lease.lose();
+            }
+        }
+        Ok(())
+    }
+
+    async fn read(&mut self, max: usize, paused: &HashSet<Arc<str>>) -> Result<Vec<Inbound>> {
+        let mut out = Vec::new();
+        let slots: Vec<u32> = self.owned.keys().copied().collect();
+        if slots.is_empty() {
+            return Ok(out);
+        }
+        let n = slots.len();
+        for i in 0..n {
+            if out.len() >= max {
+                break;
+            }
+            let slot = slots[(self.cursor as usize + i) % n];
+            let Some(o) = self.owned.get(&slot) else { continue };
+            if o.revoking || paused.contains(o.lease.scope()) || o.lease.is_lost() {
+                continue;
+            }
+            let share = (max - out.len()).div_ceil(n - i).max(1);
+            let rows = q(&self.t.sql.read)
+                .bind(&self.spec.category)
+                .bind(&self.spec.group)
+                .bind(slot as i32)
+                .bind(&self.spec.instance)
+                .bind(o.generation)
+                .bind(o.read.0.to_string())
+                .bind(o.read.1)
+                .bind(share as i64)
+                .fetch_all(&self.t.pool)
+                .await
+                .map_err(db)?;
+            let o = self.owned.get_mut(&slot).expect("present above");
+            for r in rows {
+                let id: i64 = r.get(0);
+                let txid: u64 = r.get::<String, _>(1).parse().unwrap_or(0);
+                let key: Option<String> = r.get(2);
+                let message_id: String = r.get(3);
+                let correlation: Option<String> = r.get(4);
+                let headers: String = r.get(5);
+                let payload: Vec<u8> = r.get(6);
+                let mut msg = Message::new(payload).with_id(message_id.clone());
+                if let Ok(h) = serde_json::from_str::<BTreeMap<String, String>>(&headers) {
+                    for (k, v) in h {
+                        msg = msg.with_header(k, v);
+                    }
+                }
+                if let Some(c) = correlation {
+                    msg = msg.with_correlation_id(c);
+                }
+                let key = key.and_then(|k| OrderingKey::with_rules(k, &self.spec.key_rules).ok());
+                if let Some(k) = &key {
+                    msg = msg.with_ordering_key(k.clone());
+                }
+                o.read = (txid, id);
+                o.track
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .delivered
+                    .push_back((txid, id));
+                out.push(Inbound {
+                    message: msg,
+                    lease: o.lease.clone(),
+                    settle: Box::new(PgSettle {
+                        t: self.t.clone(),
+                        queue: self.spec.category.clone(),
+                        grp: self.spec.group.clone(),
+                        me: self.spec.instance.clone(),
+                        slot,
+                        generation: o.generation,
+                        event_id: id,
+                        message_id,
+                        key,
+                        track: o.track.clone(),
+                    }),
+                });
+            }
+        }
+        self.cursor = self.cursor.wrapping_add(1);
+        Ok(out)
+    }
+}
+
+#[async_trait]
+impl TransportSource for PgSource {
+    async fn fetch(&mut self, max: usize, paused: &HashSet<Arc<str>>, wait: Duration) -> Result<Vec<Inbound>> {
+        let batch = self.read(max, paused).await?;
+        if !batch.is_empty() {
+            return Ok(batch);
+        }
+        // LISTEN/NOTIFY wakes us early; the timeout is the polling fallback.
+        match tokio::time::timeout(wait, self.listener.recv()).await {
+            Ok(Ok(_)) => while self.listener.next_buffered().is_some() {},
+            Ok(Err(e)) => tracing::warn!(error = %e, "LISTEN connection failed; polling"),
+            Err(_) => {}
+        }
+        self.read(max, paused).await
+    }
+
+    async fn maintain(&mut self) -> Result<Vec<SourceEvent>> {
+        let due = self
+            .last_maintain
+            .is_none_or(|t| t.elapsed() >= self.spec.lease.heartbeat);
+        if due {
+            self.maintain_now().await?;
+        } else {
+            self.advance_cursors().await?;
+        }
+        Ok(std::mem::take(&mut self.events))
+    }
+
+    async fn release(&mut self, scope: &str) -> Result<()> {
+        let Some(slot) = parse_scope(scope) else {
+            return Err(Error::NotFound(format!("scope `{scope}`")));
+        };
+        self.advance_cursors().await?;
+        if let Some(o) = self.owned.remove(&slot) {
+            o.lease.lose();
+            q(&self.t.sql.release)
+                .bind(&self.spec.category)
+                .bind(&self.spec.group)
+                .bind(slot as i32)
+                .bind(&self.spec.instance)
+                .bind(o.generation)
+                .execute(&self.t.pool)
+                .await
+                .map_err(db)?;
+        }
+        Ok(())
+    }
+
+    async fn close(&mut self) -> Result<()> {
+        let slots: Vec<u32> = self.owned.keys().copied().collect();
+        for slot in slots {
+            self.release(&scope_name(&self.spec.category, slot)).await?;
+        }
+        q(&self.t.sql.leave)
+            .bind(&self.spec.category)
+            .bind(&self.spec.group)
+            .bind(&self.spec.instance)
+            .execute(&self.t.pool)
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+}
+
+struct PgSettle {
+    t: PgTransport,
+    queue: String,
+    grp: String,
+    me: String,
+    slot: u32,
+    generation: i64,
+    event_id: i64,
+    message_id: String,
+    key: Option<OrderingKey>,
+    track: Arc<Mutex<Track>>,
+}
+
+impl fmt::Debug for PgSettle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgSettle")
+            .field("slot", &self.slot)
+            .field("event_id", &self.event_id)
+            .finish()
+    }
+}
+
+impl PgSettle {
+    fn fenced(&self) -> Error {
+        Error::Fenced {
+            scope: scope_name(&self.queue, self.slot).to_string(),
+            generation: self.generation as u64,
+        }
+    }
+
+    fn bind_own<'q>(
+        &'q self,
+        query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+        query
+            .bind(&self.queue)
+            .bind(&self.grp)
+            .bind(self.slot as i32)
+            .bind(&self.me)
+            .bind(self.generation)
+            .bind(self.event_id)
+    }
+
+    fn settled(&self) {
+        self.track
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .done
+            .insert(self.event_id);
+    }
+}
+
+#[async_trait]
+impl Settle for PgSettle {
+    async fn begin_attempt(&self) -> Result<u32> {
+        let n: Option<i32> = self
+            .bind_own(q(&self.t.sql.attempt))
+            .fetch_optional(&self.t.pool)
+            .await
+            .map_err(db)?
+            .map(|r| r.get(0));
+        n.map(|n| n as u32).ok_or_else(|| self.fenced())
+    }
+
+    async fn ack(&self) -> Result<()> {
+        let owned: i64 = self
+            .bind_own(q(&self.t.sql.ack))
+            .fetch_one(&self.t.pool)
+            .await
+            .map_err(db)?
+            .get(0);
+        if owned == 0 {
+            return Err(self.fenced());
+        }
+        self.settled();
+        Ok(())
+    }
+
+    async fn park(&self, reason: &str) -> Result<()> {
+        let owned: i64 = self
+            .bind_own(q(&self.t.sql.park))
+            .bind(&self.message_id)
+            .bind(self.key.as_ref().map(OrderingKey::as_str))
+            .bind(reason)
+            .fetch_one(&self.t.pool)
+            .await
+            .map_err(db)?
+            .get(0);
+        if owned == 0 {
+            return Err(self.fenced());
+        }
+        self.settled();
+        Ok(())
+    }
+
+    async fn halt(&self, reason: &str) -> Result<()> {
+        let owned: i64 = self
+            .bind_own(q(&self.t.sql.halt))
+            .bind(&self.message_id)
+            .bind(self.key.as_ref().map_or("", OrderingKey::as_str))
+            .bind(reason)
+            .fetch_one(&self.t.pool)
+            .await
+            .map_err(db)?
+            .get(0);
+        if owned == 0 {
+            return Err(self.fenced());
+        }
+        Ok(())
+    }
+}
+
+struct PgAdmin {
+    t: PgTransport,
+}
+
+impl fmt::Debug for PgAdmin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgAdmin").field("schema", &self.t.cfg.schema).finish()
+    }
+}
+
+fn label(key: &str) -> String {
+    format!("k#{:016x}", keyorder_core::key::stable_hash(key.as_bytes()))
+}
+
+#[async_trait]
+impl Admin for PgAdmin {
+    async fn scopes(&self, category: &str, group: &str) -> Result<Vec<ScopeInfo>> {
+        let rows = q(&self.t.sql.scopes)
+            .bind(category)
+            .bind(group)
+            .fetch_all(&self.t.pool)
+            .await
+            .map_err(|e| self.t.missing_schema(e))?;
+        Ok(rows
+            .iter()
+            .map(|r| ScopeInfo {
+                scope: scope_name(category, r.get::<i32, _>(0) as u32).to_string(),
+                owner: r.get(1),
+                generation: r.get::<i64, _>(2) as u64,
+                lag: r.get::<i64, _>(3) as u64,
+                halted: r.get::<i64, _>(4) as usize,
+            })
+            .collect())
+    }
+
+    async fn halted(&self, category: &str, group: &str) -> Result<Vec<HaltedKey>> {
+        let rows = q(&self.t.sql.halted)
+            .bind(category)
+            .bind(group)
+            .fetch_all(&self.t.pool)
+            .await
+            .map_err(|e| self.t.missing_schema(e))?;
+        Ok(rows
+            .iter()
+            .map(|r| {
+                let key: String = r.get(0);
+                HaltedKey {
+                    label: label(&key),
+                    preview: keyorder_core::key::redact(&key),
+                    scope: scope_name(category, r.get::<i32, _>(1) as u32).to_string(),
+                    head_id: r.get(2),
+                    reason: r.get(3),
+                    attempts: r.get::<i32, _>(4) as u32,
+                }
+            })
+            .collect())
+    }
+
+    async fn hot_keys(&self, category: &str, group: &str, limit: usize) -> Result<Vec<HotKey>> {
+        let rows = q(&self.t.sql.hot_keys)
+            .bind(category)
+            .bind(group)
+            .bind(limit as i64)
+            .fetch_all(&self.t.pool)
+            .await
+            .map_err(|e| self.t.missing_schema(e))?;
+        Ok(rows
+            .iter()
+            .map(|r| HotKey {
+                label: label(&r.get::<String, _>(0)),
+                backlog: r.get::<i64, _>(1) as u64,
+            })
+            .collect())
+    }
+
+    async fn dead_letters(&self, category: &str, group: &str) -> Result<Vec<DeadLetter>> {
+        let rows = q(&self.t.sql.dead)
+            .bind(category)
+            .bind(group)
+            .fetch_all(&self.t.pool)
+            .await
+            .map_err(|e| self.t.missing_schema(e))?;
+        Ok(rows
+            .iter()
+            .map(|r| DeadLetter {
+                id: r.get(0),
+                label: r
+                    .get::<Option<String>, _>(1)
+                    .map_or_else(|| "keyless".into(), |k| label(&k)),
+                reason: r.get(2),
+            })
+            .collect())
+    }
+
+    async fn resolve(&self, category: &str, group: &str, key: &str, action: HeadAction) -> Result<()> {
+        let halted = q(&self.t.sql.halted)
+            .bind(category)
+            .bind(group)
+            .fetch_all(&self.t.pool)
+            .await
+            .map_err(|e| self.t.missing_schema(e))?;
+        let Some(found) = halted
+            .iter()
+            .map(|r| r.get::<String, _>(0))
+            .find(|k| k == key || label(k) == key)
+        else {
+            return Err(Error::NotFound(format!(
+                "no halted key {}",
+                keyorder_core::key::redact(key)
+            )));
+        };
+        let mut tx = self.t.pool.begin().await.map_err(db)?;
+        let (stmt, mark) = match action {
+            HeadAction::Skip => (&self.t.sql.op_ack, "skip"),
+            HeadAction::DeadLetter => (&self.t.sql.op_dead, "dlq"),
+            HeadAction::Resume => (&self.t.sql.op_resume, "resume"),
+        };
+        q(stmt)
+            .bind(category)
+            .bind(group)
+            .bind(&found)
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        if action == HeadAction::DeadLetter {
+            q(&self.t.sql.op_ack)
+                .bind(category)
+                .bind(group)
+                .bind(&found)
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+        }
+        q(&self.t.sql.op_mark)
+            .bind(category)
+            .bind(group)
+            .bind(&found)
+            .bind(mark)
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        tx.commit().await.map_err(db)?;
+        if action == HeadAction::Skip {
+            tracing::warn!(key = %label(&found), "operator skipped a halted head");
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,173 @@
+//! Every statement, built once per schema.
+
+use std::sync::Arc;
+
+/// The statements of one schema (`AssertSqlSafe`: the schema name is
+/// validated as an identifier before it is formatted in).
+#[derive(Debug)]
+pub(crate) struct Sql {
+    pub(crate) channel: String,
+    pub(crate) migrate: Vec<Arc<str>>,
+    pub(crate) ensure_queue: Arc<str>,
+    pub(crate) queue_slots: Arc<str>,
+    pub(crate) ensure_slots: Arc<str>,
+    pub(crate) publish: Arc<str>,
+    pub(crate) heartbeat: Arc<str>,
+    pub(crate) live_members: Arc<str>,
+    pub(crate) leave: Arc<str>,
+    pub(crate) renew: Arc<str>,
+    pub(crate) acquire: Arc<str>,
+    pub(crate) release: Arc<str>,
+    pub(crate) advance: Arc<str>,
+    pub(crate) read: Arc<str>,
+    pub(crate) attempt: Arc<str>,
+    pub(crate) ack: Arc<str>,
+    pub(crate) park: Arc<str>,
+    pub(crate) halt: Arc<str>,
+    pub(crate) resolved: Arc<str>,
+    pub(crate) scopes: Arc<str>,
+    pub(crate) halted: Arc<str>,
+    pub(crate) hot_keys: Arc<str>,
+    pub(crate) dead: Arc<str>,
+    pub(crate) op_ack: Arc<str>,
+    pub(crate) op_dead: Arc<str>,
+    pub(crate) op_resume: Arc<str>,
+    pub(crate) op_mark: Arc<str>,
+}
+
+/// The fence every guarded statement starts with: this owner, this
+/// generation, a lease unexpired on the database's clock.
+const OWN: &str = "own as (select 1 from {s}.slots where queue = $1 and grp = $2 and slot = $3 and owner = $4 \
+                   and generation = $5 and lease_expiry > clock_timestamp() for update)";
+
+impl Sql {
+    pub(crate) fn new(schema: &str) -> Sql {
+        let f = |t: &str| -> Arc<str> { Arc::from(t.replace("{own}", OWN).replace("{s}", schema)) };
+        let migrate = [
+            "create schema if not exists {s}",
+            "create table if not exists {s}.queues (queue text primary key, slots int not null)",
+            "create table if not exists {s}.events (
+                id bigserial primary key,
+                queue text not null,
+                slot int not null,
+                key text,
+                message_id text not null,
+                correlation_id text,
+                headers jsonb not null default '{}',
+                payload bytea not null,
+                txid xid8 not null default pg_current_xact_id(),
+                enqueued_at timestamptz not null default clock_timestamp())",
+            "create index if not exists events_read on {s}.events (queue, slot, txid, id)",
+            "create table if not exists {s}.slots (
+                queue text not null, grp text not null, slot int not null,
+                owner text, generation bigint not null default 0, lease_expiry timestamptz,
+                cursor_txid xid8 not null default '0', cursor_id bigint not null default 0,
+                primary key (queue, grp, slot))",
+            "create table if not exists {s}.members (
+                queue text not null, grp text not null, member text not null, last_seen timestamptz not null,
+                primary key (queue, grp, member))",
+            "create table if not exists {s}.attempts (
+                queue text not null, grp text not null, event_id bigint not null, attempts int not null,
+                primary key (queue, grp, event_id))",
+            "create table if not exists {s}.acked (
+                queue text not null, grp text not null, slot int not null, event_id bigint not null,
+                primary key (queue, grp, event_id))",
+            "create table if not exists {s}.halted (
+                queue text not null, grp text not null, key text not null, slot int not null,
+                event_id bigint not null, message_id text not null, reason text not null, action text,
+                primary key (queue, grp, key))",
+            "create table if not exists {s}.dead (
+                id bigserial primary key, queue text not null, grp text not null, event_id bigint not null,
+                message_id text not null, key text, reason text not null,
+                parked_at timestamptz not null default clock_timestamp())",
+        ]
+        .iter()
+        .map(|t| f(t))
+        .collect();
+        Sql {
+            channel: format!("keyorder_{schema}"),
+            migrate,
+            ensure_queue: f("insert into {s}.queues (queue, slots) values ($1, $2) on conflict (queue) do nothing"),
+            queue_slots: f("select slots from {s}.queues where queue = $1"),
+            ensure_slots: f("insert into {s}.slots (queue, grp, slot) select $1, $2, g from generate_series(0, $3 - 1) g \
+                 on conflict do nothing"),
+            publish: f("with ins as (insert into {s}.events (queue, slot, key, message_id, correlation_id, headers, payload) \
+                 values ($1, $2, $3, $4, $5, $6::jsonb, $7) returning 1) \
+                 select pg_notify($8, $1) from ins"),
+            heartbeat: f("insert into {s}.members (queue, grp, member, last_seen) values ($1, $2, $3, clock_timestamp()) \
+                 on conflict (queue, grp, member) do update set last_seen = clock_timestamp()"),
+            live_members: f("select member from {s}.members where queue = $1 and grp = $2 \
+                 and last_seen > clock_timestamp() - make_interval(secs => $3::float8 / 1000) order by member"),
+            leave: f("delete from {s}.members where queue = $1 and grp = $2 and member = $3"),
+            renew: f("update {s}.slots set lease_expiry = clock_timestamp() + make_interval(secs => $4::float8 / 1000) \
+                 where queue = $1 and grp = $2 and owner = $3 and lease_expiry > clock_timestamp() \
+                 returning slot, generation"),
+            acquire: f("update {s}.slots set owner = $4, generation = generation + 1, \
+                 lease_expiry = clock_timestamp() + make_interval(secs => $5::float8 / 1000) \
+                 where queue = $1 and grp = $2 and slot = $3 \
+                 and (owner is null or lease_expiry is null or lease_expiry <= clock_timestamp() or owner = $4) \
+                 returning generation, cursor_txid::text, cursor_id"),
+            release: f("update {s}.slots set owner = null, lease_expiry = null \
+                 where queue = $1 and grp = $2 and slot = $3 and owner = $4 and generation = $5"),
+            advance: f("with {own}, up as (update {s}.slots set cursor_txid = $6::text::xid8, cursor_id = $7 \
+                 where queue = $1 and grp = $2 and slot = $3 and exists (select 1 from own) returning 1), \
+                 del as (delete from {s}.acked where queue = $1 and grp = $2 and event_id = any($8) \
+                 and exists (select 1 from own)) select count(*) from own"),
+            read: f("select e.id, e.txid::text, e.key, e.message_id, e.correlation_id, e.headers::text, e.payload \
+                 from {s}.events e join {s}.slots s on s.queue = e.queue and s.grp = $2 and s.slot = e.slot \
+                 where e.queue = $1 and e.slot = $3 and s.owner = $4 and s.generation = $5 \
+                 and s.lease_expiry > clock_timestamp() \
+                 and (e.txid, e.id) > ($6::text::xid8, $7) \
+                 and e.txid < pg_snapshot_xmin(pg_current_snapshot()) \
+                 and not exists (select 1 from {s}.acked a where a.queue = $1 and a.grp = $2 and a.event_id = e.id) \
+                 order by e.txid, e.id limit $8"),
+            attempt: f("with {own} insert into {s}.attempts (queue, grp, event_id, attempts) \
+                 select $1, $2, $6, 1 from own \
+                 on conflict (queue, grp, event_id) do update set attempts = {s}.attempts.attempts + 1 \
+                 returning attempts"),
+            ack: f("with {own}, ins as (insert into {s}.acked (queue, grp, slot, event_id) select $1, $2, $3, $6 from own \
+                 on conflict do nothing), \
+                 del as (delete from {s}.attempts where queue = $1 and grp = $2 and event_id = $6 \
+                 and exists (select 1 from own)) select count(*) from own"),
+            park: f("with {own}, d as (insert into {s}.dead (queue, grp, event_id, message_id, key, reason) \
+                 select $1, $2, $6, $7, $8, $9 from own), \
+                 ins as (insert into {s}.acked (queue, grp, slot, event_id) select $1, $2, $3, $6 from own \
+                 on conflict do nothing), \
+                 del as (delete from {s}.attempts where queue = $1 and grp = $2 and event_id = $6 \
+                 and exists (select 1 from own)) select count(*) from own"),
+            halt: f("with {own}, h as (insert into {s}.halted (queue, grp, key, slot, event_id, message_id, reason) \
+                 select $1, $2, $8, $3, $6, $7, $9 from own \
+                 on conflict (queue, grp, key) do update set slot = excluded.slot, event_id = excluded.event_id, \
+                 message_id = excluded.message_id, reason = excluded.reason, action = null) \
+                 select count(*) from own"),
+            resolved: f("delete from {s}.halted where queue = $1 and grp = $2 and slot = any($3) and action is not null \
+                 returning key, action"),
+            scopes: f("select s.slot, case when s.lease_expiry > clock_timestamp() then s.owner end, s.generation, \
+                 (select count(*) from {s}.events e where e.queue = s.queue and e.slot = s.slot \
+                   and (e.txid, e.id) > (s.cursor_txid, s.cursor_id) \
+                   and not exists (select 1 from {s}.acked a where a.queue = s.queue and a.grp = s.grp \
+                   and a.event_id = e.id)), \
+                 (select count(*) from {s}.halted h where h.queue = s.queue and h.grp = s.grp and h.slot = s.slot) \
+                 from {s}.slots s where s.queue = $1 and s.grp = $2 order by s.slot"),
+            halted: f("select h.key, h.slot, h.message_id, h.reason, coalesce(a.attempts, 0) \
+                 from {s}.halted h left join {s}.attempts a on a.queue = h.queue and a.grp = h.grp \
+                 and a.event_id = h.event_id where h.queue = $1 and h.grp = $2 and h.action is null order by h.key"),
+            hot_keys: f("select e.key, count(*) from {s}.events e join {s}.slots s on s.queue = e.queue \
+                 and s.grp = $2 and s.slot = e.slot where e.queue = $1 and e.key is not null \
+                 and (e.txid, e.id) > (s.cursor_txid, s.cursor_id) \
+                 and not exists (select 1 from {s}.acked a where a.queue = $1 and a.grp = $2 and a.event_id = e.id) \
+                 group by e.key order by 2 desc, 1 limit $3"),
+            dead: f("select message_id, key, reason from {s}.dead where queue = $1 and grp = $2 order by id"),
+            op_ack: f("insert into {s}.acked (queue, grp, slot, event_id) \
+                 select queue, grp, slot, event_id from {s}.halted where queue = $1 and grp = $2 and key = $3 \
+                 on conflict do nothing"),
+            op_dead: f("insert into {s}.dead (queue, grp, event_id, message_id, key, reason) \
+                 select queue, grp, event_id, message_id, key, 'operator: ' || reason from {s}.halted \
+                 where queue = $1 and grp = $2 and key = $3"),
+            op_resume: f("delete from {s}.attempts a using {s}.halted h where h.queue = $1 and h.grp = $2 \
+                 and h.key = $3 and a.queue = h.queue and a.grp = h.grp and a.event_id = h.event_id"),
+            op_mark: f("update {s}.halted set action = $4 where queue = $1 and grp = $2 and key = $3 \
+                 and action is null"),
+        }
+    }
+}
