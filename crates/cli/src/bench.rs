@@ -131,7 +131,10 @@ pub(crate) async fn run(a: BenchArgs) -> anyhow::Result<()> {
         a.instances >= 1 && a.keys >= 1 && a.messages >= 1,
         "instances, keys and messages must be >= 1"
     );
-    let transport = keyorder::connect(&a.url).await?.transport_name().to_owned();
+    let transport = keyorder::connect(&run::with_setup(&a.url))
+        .await?
+        .transport_name()
+        .to_owned();
     let ordered = side(&a, true).await?;
     let baseline = side(&a, false).await?;
     let ratio = ordered.msgs_per_s / baseline.msgs_per_s.max(1e-9);

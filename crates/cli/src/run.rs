@@ -11,9 +11,22 @@ use keyorder_testkit::{EventLog, EventStart, MemoryEventLog, Published};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+/// The URL with the set-up `demo` and `bench` do themselves: PostgreSQL
+/// migrations (`migrate=true`) unless the URL says otherwise.
+pub(crate) fn with_setup(url: &str) -> String {
+    let pg = url.starts_with("postgres://") || url.starts_with("postgresql://");
+    if pg && !url.contains("migrate=") {
+        let sep = if url.contains('?') { '&' } else { '?' };
+        format!("{url}{sep}migrate=true")
+    } else {
+        url.to_owned()
+    }
+}
+
 /// One client per instance: each its own connections. `memory://` instances
 /// share one in-process broker (a fresh `connect` would be another broker).
 pub(crate) async fn clients(url: &str, n: usize) -> anyhow::Result<Vec<Client>> {
+    let url = &with_setup(url);
     let first = keyorder::connect(url).await.with_context(|| "connecting")?;
     let mut out = vec![first.clone()];
     for _ in 1..n {
@@ -239,6 +252,22 @@ pub(crate) async fn produce(
 pub(crate) async fn wait_for(what: &str, deadline: Duration, cond: impl Fn() -> bool) -> anyhow::Result<()> {
     let until = tokio::time::Instant::now() + deadline;
     while !cond() {
+        if tokio::time::Instant::now() > until {
+            anyhow::bail!("timed out after {deadline:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
+/// Polls an async `cond` every 50 ms until it holds or `deadline` passes.
+pub(crate) async fn wait_for_async<F, Fut>(what: &str, deadline: Duration, cond: F) -> anyhow::Result<()>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let until = tokio::time::Instant::now() + deadline;
+    while !cond().await {
         if tokio::time::Instant::now() > until {
             anyhow::bail!("timed out after {deadline:?} waiting for {what}");
         }

@@ -38,7 +38,7 @@ pub(crate) struct Sql {
 /// The fence every guarded statement starts with: this owner, this
 /// generation, a lease unexpired on the database's clock.
 const OWN: &str = "own as (select 1 from {s}.slots where queue = $1 and grp = $2 and slot = $3 and owner = $4 \
-                   and generation = $5 and lease_expiry > clock_timestamp() for update)";
+                   and generation = $5 and lease_expiry > clock_timestamp() for share)";
 
 impl Sql {
     pub(crate) fn new(schema: &str) -> Sql {

@@ -1,0 +1,121 @@
+//! Commit-safe reads on the real server: identity order is not commit order.
+//! A transaction that inserts an event with a *lower* id but holds a *higher*
+//! transaction id commits after another one; the consumer, which has already
+//! applied the other event, must still apply it (an id cursor would skip it).
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig};
+use keyorder_postgres::{slot_of, PgConfig, PgTransport};
+
+fn url() -> String {
+    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+async fn until(what: &str, cond: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while !cond() {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_commit_with_a_lower_id_is_not_skipped() {
+    let cfg = PgConfig::from_url(
+        &format!("{}?schema=keyorder_commit_safe&slots=1&migrate=true", url())
+            .parse()
+            .unwrap(),
+    )
+    .unwrap();
+    let transport = PgTransport::connect(cfg.clone())
+        .await
+        .expect("PostgreSQL must be reachable");
+    let queue = format!("late-{}", uuid::Uuid::new_v4().simple());
+    let client = Client::new(Arc::new(transport));
+    // Creates the queue row (1 slot) so raw inserts below are valid.
+    let _ = client.publisher(&queue).await.unwrap();
+    let pool = sqlx::PgPool::connect(&cfg.url).await.unwrap();
+    let insert = "insert into keyorder_commit_safe.events (queue, slot, key, message_id, headers, payload) \
+                  values ($1, $2, $3, $4, $5::jsonb, $6) returning id, txid::text";
+
+    // T_other takes its transaction id first (the lower one) ...
+    let mut other = pool.begin().await.unwrap();
+    sqlx::query("select pg_current_xact_id()")
+        .execute(&mut *other)
+        .await
+        .unwrap();
+    // ... T_late inserts first: the lower event id, the higher transaction id.
+    let mut late = pool.begin().await.unwrap();
+    let key_late = keyorder_core::OrderingKey::new("late").unwrap();
+    let (late_id, late_txid): (i64, String) = sqlx::query_as(insert)
+        .bind(&queue)
+        .bind(slot_of(Some(&key_late), "m-late", 1) as i32)
+        .bind("late")
+        .bind("m-late")
+        .bind(r#"{"keyorder-key":"late"}"#)
+        .bind(b"late".as_slice())
+        .fetch_one(&mut *late)
+        .await
+        .unwrap();
+    let (other_id, other_txid): (i64, String) = sqlx::query_as(insert)
+        .bind(&queue)
+        .bind(0i32)
+        .bind("early")
+        .bind("m-early")
+        .bind(r#"{"keyorder-key":"early"}"#)
+        .bind(b"early".as_slice())
+        .fetch_one(&mut *other)
+        .await
+        .unwrap();
+    assert!(late_id < other_id, "the late transaction holds the lower event id");
+    assert!(
+        late_txid.parse::<u64>().unwrap() > other_txid.parse::<u64>().unwrap(),
+        "and the higher transaction id"
+    );
+    other.commit().await.unwrap();
+
+    let applied = Arc::new(Mutex::new(Vec::<String>::new()));
+    let subscription = client
+        .subscribe(&queue, "g")
+        .ordered_by(KeySource::routing_key())
+        .lease(LeaseConfig {
+            ttl: Duration::from_secs(3),
+            heartbeat: Duration::from_millis(500),
+            margin: Duration::from_secs(1),
+        })
+        .build()
+        .await
+        .unwrap();
+    let seen = applied.clone();
+    let handler = move |d: Delivery| {
+        let seen = seen.clone();
+        async move {
+            seen.lock().unwrap().push(d.id().to_owned());
+            HandlerResult::Ok(())
+        }
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(subscription.run(handler, async move {
+        let _ = stopped.await;
+    }));
+    // The other (committed) event is applied while the late transaction is
+    // still open: the consumer's position is now past the late event's id ...
+    until("the committed event to be applied", || {
+        applied.lock().unwrap().contains(&"m-early".to_owned())
+    })
+    .await;
+    assert_eq!(applied.lock().unwrap().len(), 1);
+    // ... and the late commit must still be delivered.
+    late.commit().await.unwrap();
+    until("both events applied", || applied.lock().unwrap().len() >= 2).await;
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+    let applied = applied.lock().unwrap().clone();
+    assert_eq!(applied.len(), 2, "{applied:?}");
+    assert!(
+        applied.contains(&"m-late".to_owned()),
+        "the late commit was skipped: {applied:?}"
+    );
+}
