@@ -4,7 +4,7 @@
 //! The conformance runner re-executes itself: its `main` first calls
 //! [`run_if_worker`], which, when the process was spawned as a worker, runs
 //! one ordered subscription whose handler writes to the shared
-//! [`PgEventLog`](crate::pglog::PgEventLog) and exits. The test side holds a
+//! [`PgEventLog`] and exits. The test side holds a
 //! [`WorkerProcess`] and can `kill -9`, `SIGSTOP` and `SIGCONT` it.
 
 use std::future::Future;
