@@ -45,6 +45,9 @@ pub struct PgConfig {
     pub max_connections: u32,
     /// Run [`PgTransport::migrate`] when connecting (`?migrate=true`).
     pub migrate: bool,
+    /// Events deleted per owned slot and heartbeat once every group of the
+    /// queue passed them (`?retention_batch=`, 0 keeps everything).
+    pub retention_batch: u32,
 }
 
 impl PgConfig {
@@ -57,6 +60,7 @@ impl PgConfig {
             slots: DEFAULT_SLOTS,
             max_connections: 8,
             migrate: false,
+            retention_batch: 1000,
         };
         let mut rest = url.clone();
         rest.set_query(None);
@@ -77,6 +81,11 @@ impl PgConfig {
                         .ok()
                         .filter(|n| (1..=256).contains(n))
                         .ok_or_else(|| Error::Url(format!("pool={v}: expected 1..=256")))?
+                }
+                "retention_batch" => {
+                    cfg.retention_batch = v
+                        .parse()
+                        .map_err(|_| Error::Url(format!("retention_batch={v}: expected a count")))?
                 }
                 "migrate" => {
                     cfg.migrate = v
@@ -400,6 +409,7 @@ impl PgSource {
             }
         }
         self.advance_cursors().await?;
+        self.retain().await?;
         // Fair share over live members, by the database's clock.
         let live: Vec<String> = q(&sql.live_members)
             .bind(queue)
@@ -479,6 +489,28 @@ impl PgSource {
                     revoking: false,
                 },
             );
+        }
+        Ok(())
+    }
+
+    /// Deletes, in a bounded batch per owned slot, events every group of the
+    /// queue has passed.
+    async fn retain(&self) -> Result<()> {
+        let batch = self.t.cfg.retention_batch;
+        if batch == 0 {
+            return Ok(());
+        }
+        for slot in self.owned.keys() {
+            let done = q(&self.t.sql.retention)
+                .bind(&self.spec.category)
+                .bind(*slot as i32)
+                .bind(i64::from(batch))
+                .execute(&self.t.pool)
+                .await
+                .map_err(db)?;
+            if done.rows_affected() > 0 {
+                tracing::debug!(slot, deleted = done.rows_affected(), "retention");
+            }
         }
         Ok(())
     }

@@ -33,6 +33,7 @@ pub(crate) struct Sql {
     pub(crate) op_dead: Arc<str>,
     pub(crate) op_resume: Arc<str>,
     pub(crate) op_mark: Arc<str>,
+    pub(crate) retention: Arc<str>,
 }
 
 /// The fence every guarded statement starts with: this owner, this
@@ -168,6 +169,13 @@ impl Sql {
                  and h.key = $3 and a.queue = h.queue and a.grp = h.grp and a.event_id = h.event_id"),
             op_mark: f("update {s}.halted set action = $4 where queue = $1 and grp = $2 and key = $3 \
                  and action is null"),
+            // Events every group of the queue has passed in this slot: below
+            // the lowest cursor (a halted head is never below a cursor).
+            retention: f("with floor as (select cursor_txid, cursor_id from {s}.slots where queue = $1 and slot = $2 \
+                 order by cursor_txid, cursor_id limit 1) \
+                 delete from {s}.events where id in (select e.id from {s}.events e, floor f \
+                 where e.queue = $1 and e.slot = $2 and (e.txid, e.id) <= (f.cursor_txid, f.cursor_id) \
+                 order by e.txid, e.id limit $3)"),
         }
     }
 }
