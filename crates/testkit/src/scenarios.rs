@@ -399,9 +399,12 @@ async fn c4(ctx: &Ctx<'_>) -> Outcome {
     ensure(admin.dead_letters(&cat, "g").await.map_err(err)?.is_empty(), || {
         "halt dead-lettered something".into()
     })?;
-    ensure(inst.stats.snapshot().halted_now == 2, || {
-        format!("stats: {:?}", inst.stats.snapshot())
-    })?;
+    // The dispatcher counts the halt right after the broker recorded it.
+    wait_until("the subscription to count both halted keys", ctx.h.deadline(), || {
+        let stats = inst.stats.clone();
+        async move { stats.snapshot().halted_now == 2 }
+    })
+    .await?;
 
     // Operator: skip one head (released in order without it) ...
     admin
