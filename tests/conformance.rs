@@ -46,16 +46,7 @@ impl Harness for PgHarness {
         "postgres"
     }
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            cross_instance_affinity: true,
-            fencing: true,
-            self_fencing: true,
-            crash_reclaim: true,
-            halt_on_poison: true,
-            park_and_release: true,
-            multi_process: true,
-            ..Capabilities::default()
-        }
+        keyorder::postgres::CAPABILITIES
     }
     async fn client(&self) -> Result<Client> {
         keyorder::connect(&self.url).await

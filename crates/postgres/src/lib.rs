@@ -21,6 +21,21 @@ use crate::sql::Sql;
 
 pub use sqlx;
 
+/// What the PostgreSQL transport can do (the same for every configuration).
+pub const CAPABILITIES: Capabilities = Capabilities {
+    cross_instance_affinity: true,
+    fencing: true,
+    self_fencing: true,
+    crash_reclaim: true,
+    halt_on_poison: true,
+    park_and_release: true,
+    correlated_ownership: false,
+    dynamic_partitions: false,
+    remap_window: false,
+    multi_process: true,
+    persistent: false,
+};
+
 /// Default slot count of a queue.
 pub const DEFAULT_SLOTS: u32 = 16;
 
@@ -227,16 +242,7 @@ impl Transport for PgTransport {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            cross_instance_affinity: true,
-            fencing: true,
-            self_fencing: true,
-            crash_reclaim: true,
-            halt_on_poison: true,
-            park_and_release: true,
-            multi_process: true,
-            ..Capabilities::default()
-        }
+        CAPABILITIES
     }
 
     fn affinity_fix(&self) -> String {
@@ -745,6 +751,19 @@ impl PgSettle {
             .bind(self.event_id)
     }
 
+    /// Runs a fenced statement that answers how many owner rows matched.
+    async fn fenced_exec(
+        &self,
+        query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<()> {
+        let owned: i64 = query.fetch_one(&self.t.pool).await.map_err(db)?.get(0);
+        if owned == 0 {
+            Err(self.fenced())
+        } else {
+            Ok(())
+        }
+    }
+
     fn settled(&self) {
         self.track
             .lock()
@@ -767,50 +786,29 @@ impl Settle for PgSettle {
     }
 
     async fn ack(&self) -> Result<()> {
-        let owned: i64 = self
-            .bind_own(q(&self.t.sql.ack))
-            .fetch_one(&self.t.pool)
-            .await
-            .map_err(db)?
-            .get(0);
-        if owned == 0 {
-            return Err(self.fenced());
-        }
+        self.fenced_exec(self.bind_own(q(&self.t.sql.ack))).await?;
         self.settled();
         Ok(())
     }
 
     async fn park(&self, reason: &str) -> Result<()> {
-        let owned: i64 = self
+        let query = self
             .bind_own(q(&self.t.sql.park))
             .bind(&self.message_id)
             .bind(self.key.as_ref().map(OrderingKey::as_str))
-            .bind(reason)
-            .fetch_one(&self.t.pool)
-            .await
-            .map_err(db)?
-            .get(0);
-        if owned == 0 {
-            return Err(self.fenced());
-        }
+            .bind(reason);
+        self.fenced_exec(query).await?;
         self.settled();
         Ok(())
     }
 
     async fn halt(&self, reason: &str) -> Result<()> {
-        let owned: i64 = self
+        let query = self
             .bind_own(q(&self.t.sql.halt))
             .bind(&self.message_id)
             .bind(self.key.as_ref().map_or("", OrderingKey::as_str))
-            .bind(reason)
-            .fetch_one(&self.t.pool)
-            .await
-            .map_err(db)?
-            .get(0);
-        if owned == 0 {
-            return Err(self.fenced());
-        }
-        Ok(())
+            .bind(reason);
+        self.fenced_exec(query).await
     }
 }
 
