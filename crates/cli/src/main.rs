@@ -2,6 +2,7 @@
 
 mod bench;
 mod demo;
+mod failover;
 mod ops;
 mod run;
 
@@ -30,9 +31,13 @@ enum Command {
     HotKeys(ops::HotKeysArgs),
     /// Dead-lettered messages of a group.
     DeadLetters(ops::Target),
+    /// Fail-over time: `kill -9` an owner inside a handler, time the takeover.
+    Failover(failover::FailoverArgs),
 }
 
 fn main() -> anyhow::Result<()> {
+    // `keyorder failover` re-executes this binary as its worker process.
+    keyorder_testkit::worker::run_if_worker(|url| Box::pin(async move { keyorder::connect(&url).await }));
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("KEYORDER_LOG")
@@ -50,6 +55,7 @@ fn main() -> anyhow::Result<()> {
             Command::Head(a) => ops::head(a).await,
             Command::HotKeys(a) => ops::hot_keys(a).await,
             Command::DeadLetters(t) => ops::dead_letters(t).await,
+            Command::Failover(a) => failover::run(a).await,
         }
     })
 }
