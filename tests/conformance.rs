@@ -53,9 +53,7 @@ impl Harness for PgHarness {
     }
     fn not_applicable(&self, scenario: Scenario) -> Option<String> {
         (scenario == Scenario::C14).then(|| {
-            "the test PostgreSQL is shared by every trial running in parallel; restarting it needs a cluster of \
-             its own (not built yet)"
-                .to_owned()
+            "runs on `postgres-restart`: restarting the server every trial shares would disturb the others".to_owned()
         })
     }
     fn lease(&self) -> keyorder::LeaseConfig {
@@ -70,6 +68,67 @@ impl Harness for PgHarness {
     }
 }
 
+/// PostgreSQL on a cluster of its own (`POSTGRES_RESTART_URL`, started by
+/// `scripts/services` on 127.0.0.1:5433) that C14 restarts; every other
+/// scenario runs on `postgres`.
+#[cfg(feature = "postgres")]
+struct PgRestartHarness {
+    url: String,
+}
+
+#[cfg(feature = "postgres")]
+#[keyorder::async_trait]
+impl Harness for PgRestartHarness {
+    fn name(&self) -> &str {
+        "postgres-restart"
+    }
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            persistent: true,
+            ..keyorder::postgres::CAPABILITIES
+        }
+    }
+    async fn client(&self) -> Result<Client> {
+        keyorder::connect(&self.url).await
+    }
+    fn not_applicable(&self, scenario: Scenario) -> Option<String> {
+        (scenario != Scenario::C14).then(|| "runs on `postgres`; this cluster exists to be restarted by C14".to_owned())
+    }
+    fn lease(&self) -> keyorder::LeaseConfig {
+        keyorder::LeaseConfig {
+            ttl: std::time::Duration::from_secs(3),
+            heartbeat: std::time::Duration::from_millis(500),
+            margin: std::time::Duration::from_secs(1),
+        }
+    }
+    async fn restart_broker(&self) -> Result<()> {
+        let port = url::Url::parse(&self.url).ok().and_then(|u| u.port()).unwrap_or(5433);
+        let clusters = std::process::Command::new("pg_lsclusters")
+            .arg("-h")
+            .output()
+            .map_err(|e| keyorder::Error::Config(format!("pg_lsclusters: {e}")))?;
+        let listing = String::from_utf8_lossy(&clusters.stdout).into_owned();
+        let (version, name) = listing
+            .lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|f| f.len() > 2 && f[2] == port.to_string())
+            .map(|f| (f[0].to_owned(), f[1].to_owned()))
+            .ok_or_else(|| keyorder::Error::Config(format!("no local cluster on port {port}")))?;
+        let status = tokio::process::Command::new("pg_ctlcluster")
+            .args(["--skip-systemctl-redirect", &version, &name, "restart", "-m", "fast"])
+            .status()
+            .await
+            .map_err(|e| keyorder::Error::Config(format!("pg_ctlcluster: {e}")))?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(keyorder::Error::Config(format!(
+                "pg_ctlcluster restart failed: {status}"
+            )))
+        }
+    }
+}
+
 fn harnesses() -> Vec<Arc<dyn Harness>> {
     #[allow(unused_mut)]
     let mut all: Vec<Arc<dyn Harness>> = vec![Arc::new(MemoryHarness {
@@ -80,6 +139,11 @@ fn harnesses() -> Vec<Arc<dyn Harness>> {
         let base = std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
         all.push(Arc::new(PgHarness {
             url: format!("{base}?schema=keyorder_conformance&migrate=true&pool=4"),
+        }));
+        let restart = std::env::var("POSTGRES_RESTART_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5433/postgres".into());
+        all.push(Arc::new(PgRestartHarness {
+            url: format!("{restart}?schema=keyorder_conformance&migrate=true&pool=4"),
         }));
     }
     all
