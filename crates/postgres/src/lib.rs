@@ -277,6 +277,7 @@ impl Transport for PgTransport {
             events: Vec::new(),
             listener,
             last_maintain: None,
+            waiting: false,
             cursor: 0,
         };
         source.maintain_now().await?;
@@ -345,6 +346,9 @@ struct PgSource {
     events: Vec<SourceEvent>,
     listener: PgListener,
     last_maintain: Option<Instant>,
+    /// A slot this member should own is still held by another: retry soon
+    /// rather than at the next heartbeat.
+    waiting: bool,
     cursor: u32,
 }
 
@@ -427,6 +431,7 @@ impl PgSource {
             .iter()
             .map(|r| r.get::<String, _>(0))
             .collect();
+        self.waiting = false;
         if !live.is_empty() {
             for slot in 0..self.slots {
                 let want = &live[slot as usize % live.len()];
@@ -436,7 +441,13 @@ impl PgSource {
                         o.revoking = true;
                         self.events.push(SourceEvent::Revoke(o.lease.scope().clone()));
                     }
-                    None if mine => self.acquire(slot, sent).await?,
+                    None if mine => {
+                        if !self.acquire(slot, sent).await? {
+                            // Still held by its previous owner (handing it
+                            // over, or expiring): look again soon.
+                            self.waiting = true;
+                        }
+                    }
                     _ => {}
                 }
             }
@@ -464,7 +475,7 @@ impl PgSource {
         Ok(())
     }
 
-    async fn acquire(&mut self, slot: u32, sent: Instant) -> Result<()> {
+    async fn acquire(&mut self, slot: u32, sent: Instant) -> Result<bool> {
         let row = q(&self.t.sql.acquire)
             .bind(&self.spec.category)
             .bind(&self.spec.group)
@@ -495,8 +506,9 @@ impl PgSource {
                     revoking: false,
                 },
             );
+            return Ok(true);
         }
-        Ok(())
+        Ok(false)
     }
 
     /// Deletes, in a bounded batch per owned slot, events every group of the
@@ -661,9 +673,12 @@ impl TransportSource for PgSource {
     }
 
     async fn maintain(&mut self) -> Result<Vec<SourceEvent>> {
-        let due = self
-            .last_maintain
-            .is_none_or(|t| t.elapsed() >= self.spec.lease.heartbeat);
+        let every = if self.waiting {
+            Duration::from_millis(100).min(self.spec.lease.heartbeat)
+        } else {
+            self.spec.lease.heartbeat
+        };
+        let due = self.last_maintain.is_none_or(|t| t.elapsed() >= every);
         if due {
             self.maintain_now().await?;
         } else {
