@@ -436,19 +436,15 @@ impl PgSource {
             for slot in 0..self.slots {
                 let want = &live[slot as usize % live.len()];
                 let mine = want == me;
-                match self.owned.get_mut(&slot) {
-                    Some(o) if !mine && !o.revoking => {
+                if let Some(o) = self.owned.get_mut(&slot) {
+                    if !mine && !o.revoking {
                         o.revoking = true;
                         self.events.push(SourceEvent::Revoke(o.lease.scope().clone()));
                     }
-                    None if mine => {
-                        if !self.acquire(slot, sent).await? {
-                            // Still held by its previous owner (handing it
-                            // over, or expiring): look again soon.
-                            self.waiting = true;
-                        }
-                    }
-                    _ => {}
+                } else if mine && !self.acquire(slot, sent).await? {
+                    // Still held by its previous owner (handing it over, or
+                    // expiring): look again soon.
+                    self.waiting = true;
                 }
             }
         }
