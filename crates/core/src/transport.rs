@@ -42,6 +42,9 @@ pub trait Transport: Send + Sync + fmt::Debug + 'static {
 
     /// Opens a source for one (category, group) on behalf of one instance.
     ///
+    /// Ordered sources require [`Capabilities::cross_instance_affinity`]
+    /// (checked by the subscription builder, never here).
+    ///
     /// # Behavior
     /// - With `spec.ordered`, every delivery carries the [`ScopeLease`] of the
     ///   scope it came from, and the scope is owned by this instance alone.
@@ -94,13 +97,35 @@ pub struct Inbound {
 pub trait Settle: Send + Sync + fmt::Debug {
     /// Durably increments and returns the attempt count (1 on the first
     /// attempt), before the handler starts.
+    ///
+    /// # Behavior
+    /// - The count survives a restart and an owner change: a new owner sees
+    ///   the attempts its predecessors made.
+    /// - Fails with [`crate::Error::Fenced`] when this owner lost the scope.
     async fn begin_attempt(&self) -> Result<u32>;
     /// Acknowledges the delivery.
+    ///
+    /// # Behavior
+    /// - Requires [`Capabilities::fencing`] for the fence: a stale owner's
+    ///   acknowledgement fails with [`crate::Error::Fenced`] and changes nothing.
+    /// - Once it returned `Ok`, no later owner delivers this message again.
     async fn ack(&self) -> Result<()>;
     /// Moves the delivery to the dead-letter destination with `reason`,
     /// durably confirmed, then acknowledges it.
+    ///
+    /// Requires [`Capabilities::park_and_release`].
+    ///
+    /// # Behavior
+    /// - Returns `Ok` only after the dead letter is durable; the key is
+    ///   released only then.
     async fn park(&self, reason: &str) -> Result<()>;
     /// Records durably that the key halted at this delivery (it stays pending).
+    ///
+    /// Requires [`Capabilities::halt_on_poison`].
+    ///
+    /// # Behavior
+    /// - The halted head shows in [`Admin::halted`] until an operator
+    ///   resolves it ([`Admin::resolve`]).
     async fn halt(&self, reason: &str) -> Result<()>;
 }
 
@@ -203,12 +228,23 @@ pub enum HeadAction {
 pub trait Admin: Send + Sync + fmt::Debug {
     /// Live scopes of (category, group) with owner, generation and lag.
     async fn scopes(&self, category: &str, group: &str) -> Result<Vec<ScopeInfo>>;
-    /// Halted keys and their heads.
+    /// Halted keys and their heads (the operator's "inspect head").
+    ///
+    /// Requires [`Capabilities::halt_on_poison`].
     async fn halted(&self, category: &str, group: &str) -> Result<Vec<HaltedKey>>;
     /// Keys holding the largest share of the backlog, largest first.
     async fn hot_keys(&self, category: &str, group: &str, limit: usize) -> Result<Vec<HotKey>>;
     /// Dead-lettered messages of (category, group).
     async fn dead_letters(&self, category: &str, group: &str) -> Result<Vec<DeadLetter>>;
     /// Resolves a halted head. `key` is the key's value or its label.
+    ///
+    /// Requires [`Capabilities::halt_on_poison`].
+    ///
+    /// # Behavior
+    /// - The action is carried out at the broker first (skip: acknowledged;
+    ///   dead letter: parked and acknowledged; resume: attempts reset), then
+    ///   the owner is told to release the key ([`SourceEvent::Resolved`]), so
+    ///   it works from another process and with no owner at all.
+    /// - An unknown or not-halted key is [`crate::Error::NotFound`].
     async fn resolve(&self, category: &str, group: &str, key: &str, action: HeadAction) -> Result<()>;
 }
