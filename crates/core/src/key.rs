@@ -199,8 +199,14 @@ impl OrderingKey {
 
     /// A log-safe label: `k#` and the stable hash in hex.
     pub fn label(&self) -> String {
-        format!("k#{:016x}", self.stable_hash())
+        label(self.as_str())
     }
+}
+
+/// The log-safe label of a key value: `k#` and its [`stable_hash`] in hex.
+/// Operators name halted keys by it; it never shows the value.
+pub fn label(key: &str) -> String {
+    format!("k#{:016x}", stable_hash(key.as_bytes()))
 }
 
 /// FNV-1a, 64 bits: the documented, stable hash keyorder uses wherever a key

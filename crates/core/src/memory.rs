@@ -22,7 +22,7 @@ use tokio::time::Instant;
 
 use crate::capability::Capabilities;
 use crate::error::{Error, Result};
-use crate::key::{stable_hash, OrderingKey};
+use crate::key::OrderingKey;
 use crate::lease::{LeaseConfig, ScopeLease};
 use crate::message::Message;
 use crate::transport::{
@@ -813,7 +813,7 @@ impl Admin for MemoryAdmin {
             Ok(g.halted
                 .iter()
                 .map(|h| HaltedKey {
-                    label: format!("k#{:016x}", stable_hash(h.key.as_bytes())),
+                    label: crate::key::label(&h.key),
                     preview: crate::key::redact(&h.key),
                     scope: scope_name(category, h.part).to_string(),
                     head_id: h.id.clone(),
@@ -855,7 +855,7 @@ impl Admin for MemoryAdmin {
     async fn resolve(&self, category: &str, group: &str, key: &str, action: HeadAction) -> Result<()> {
         self.with_group(category, group, |cat, group| {
             let g = cat.groups.get_mut(group).expect("checked");
-            let label_of = |k: &str| format!("k#{:016x}", stable_hash(k.as_bytes()));
+            let label_of = crate::key::label;
             let Some(i) = g.halted.iter().position(|h| h.key == key || label_of(&h.key) == key) else {
                 return Err(Error::NotFound(format!("no halted key {}", crate::key::redact(key))));
             };

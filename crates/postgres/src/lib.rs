@@ -833,19 +833,24 @@ impl fmt::Debug for PgAdmin {
     }
 }
 
-fn label(key: &str) -> String {
-    format!("k#{:016x}", keyorder_core::key::stable_hash(key.as_bytes()))
+use keyorder_core::key::label;
+
+impl PgAdmin {
+    /// One (category, group) statement's rows; a missing schema names the fix.
+    async fn rows(&self, sql: &Arc<str>, category: &str, group: &str) -> Result<Vec<sqlx::postgres::PgRow>> {
+        q(sql)
+            .bind(category)
+            .bind(group)
+            .fetch_all(&self.t.pool)
+            .await
+            .map_err(|e| self.t.missing_schema(e))
+    }
 }
 
 #[async_trait]
 impl Admin for PgAdmin {
     async fn scopes(&self, category: &str, group: &str) -> Result<Vec<ScopeInfo>> {
-        let rows = q(&self.t.sql.scopes)
-            .bind(category)
-            .bind(group)
-            .fetch_all(&self.t.pool)
-            .await
-            .map_err(|e| self.t.missing_schema(e))?;
+        let rows = self.rows(&self.t.sql.scopes, category, group).await?;
         Ok(rows
             .iter()
             .map(|r| ScopeInfo {
@@ -859,12 +864,7 @@ impl Admin for PgAdmin {
     }
 
     async fn halted(&self, category: &str, group: &str) -> Result<Vec<HaltedKey>> {
-        let rows = q(&self.t.sql.halted)
-            .bind(category)
-            .bind(group)
-            .fetch_all(&self.t.pool)
-            .await
-            .map_err(|e| self.t.missing_schema(e))?;
+        let rows = self.rows(&self.t.sql.halted, category, group).await?;
         Ok(rows
             .iter()
             .map(|r| {
@@ -899,12 +899,7 @@ impl Admin for PgAdmin {
     }
 
     async fn dead_letters(&self, category: &str, group: &str) -> Result<Vec<DeadLetter>> {
-        let rows = q(&self.t.sql.dead)
-            .bind(category)
-            .bind(group)
-            .fetch_all(&self.t.pool)
-            .await
-            .map_err(|e| self.t.missing_schema(e))?;
+        let rows = self.rows(&self.t.sql.dead, category, group).await?;
         Ok(rows
             .iter()
             .map(|r| DeadLetter {
@@ -918,12 +913,7 @@ impl Admin for PgAdmin {
     }
 
     async fn resolve(&self, category: &str, group: &str, key: &str, action: HeadAction) -> Result<()> {
-        let halted = q(&self.t.sql.halted)
-            .bind(category)
-            .bind(group)
-            .fetch_all(&self.t.pool)
-            .await
-            .map_err(|e| self.t.missing_schema(e))?;
+        let halted = self.rows(&self.t.sql.halted, category, group).await?;
         let Some(found) = halted
             .iter()
             .map(|r| r.get::<String, _>(0))
