@@ -178,6 +178,8 @@ struct Inner {
     /// full key's to three quarters of its depth.
     room: Notify,
     room_epoch: std::sync::atomic::AtomicU64,
+    /// The [`crate::lease::lost_epoch`] last swept by `discard_lost`.
+    lost_seen: std::sync::atomic::AtomicU64,
     epoch: std::sync::atomic::AtomicU64,
     waiters: std::sync::atomic::AtomicUsize,
     stopping: watch::Sender<bool>,
@@ -230,6 +232,7 @@ impl Dispatcher {
                 changed: Notify::new(),
                 room: Notify::new(),
                 room_epoch: std::sync::atomic::AtomicU64::new(0),
+                lost_seen: std::sync::atomic::AtomicU64::new(0),
                 epoch: std::sync::atomic::AtomicU64::new(0),
                 waiters: std::sync::atomic::AtomicUsize::new(0),
                 stopping: watch::channel(false).0,
@@ -343,6 +346,7 @@ impl Dispatcher {
         let mut halted_cleared = 0;
         st.keys.retain(|_, q| {
             let before = q.queue.len();
+            let head_gone = q.halted && q.queue.front().is_some_and(|j| &**j.scope() == scope);
             let mut kept = VecDeque::with_capacity(before);
             for job in q.queue.drain(..) {
                 if &**job.scope() == scope {
@@ -352,7 +356,7 @@ impl Dispatcher {
                 }
             }
             q.queue = kept;
-            if q.halted && q.queue.len() < before {
+            if head_gone {
                 // The held head belonged to the lost scope: the next owner
                 // re-reads it with its durable attempt count.
                 q.halted = false;
@@ -387,8 +391,87 @@ impl Dispatcher {
                 .stats
                 .halted_now
                 .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            metrics::gauge!("keyorder_halted_keys").decrement(1.0);
         }
         self.inner.signal();
+        dropped.len()
+    }
+
+    /// Drops every waiting job whose lease was lost, halted heads included
+    /// (a halted key never reaches the self-fence on its own). Cheap when no
+    /// lease was lost since the last call.
+    pub fn discard_lost(&self) -> usize {
+        let epoch = crate::lease::lost_epoch();
+        if self.inner.lost_seen.swap(epoch, std::sync::atomic::Ordering::SeqCst) == epoch {
+            return 0;
+        }
+        let lost: Vec<Arc<str>> = {
+            let st = self.inner.lock();
+            let mut scopes: Vec<Arc<str>> = st
+                .keys
+                .values()
+                .flat_map(|q| q.queue.iter())
+                .filter(|j| j.is_lost())
+                .map(|j| j.scope().clone())
+                .collect();
+            scopes.sort();
+            scopes.dedup();
+            scopes
+        };
+        lost.iter().map(|scope| self.discard_lost_in(scope)).sum()
+    }
+
+    fn discard_lost_in(&self, scope: &str) -> usize {
+        let mut st = self.inner.lock();
+        let mut dropped = Vec::new();
+        let mut halted_cleared = 0;
+        st.keys.retain(|_, q| {
+            let head_gone = q.halted && q.queue.front().is_some_and(|j| &**j.scope() == scope && j.is_lost());
+            let (gone, kept): (VecDeque<Job>, VecDeque<Job>) =
+                q.queue.drain(..).partition(|j| &**j.scope() == scope && j.is_lost());
+            q.queue = kept;
+            dropped.extend(gone);
+            if head_gone {
+                q.halted = false;
+                halted_cleared += 1;
+            }
+            q.scheduled || q.busy || !q.queue.is_empty()
+        });
+        for job in &dropped {
+            st.forget(job);
+        }
+        let orphans: Vec<OrderingKey> = st
+            .keys
+            .iter()
+            .filter(|(_, q)| !q.scheduled && !q.halted && !q.busy && !q.queue.is_empty())
+            .map(|(k, _)| k.clone())
+            .collect();
+        let mut spawn = 0;
+        for key in orphans {
+            if let Some(q) = st.keys.get_mut(&key) {
+                q.scheduled = true;
+            }
+            spawn += usize::from(st.make_ready(Ready::Key(key), self.inner.cfg.concurrency));
+        }
+        drop(st);
+        for _ in 0..halted_cleared {
+            self.inner
+                .stats
+                .halted_now
+                .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            metrics::gauge!("keyorder_halted_keys").decrement(1.0);
+        }
+        for _ in 0..dropped.len() {
+            bump(
+                &self.inner.stats.self_fence_discards,
+                "keyorder_self_fence_discards_total",
+            );
+        }
+        self.inner.signal();
+        self.inner.refilled();
+        for _ in 0..spawn {
+            tokio::spawn(self.inner.clone().worker());
+        }
         dropped.len()
     }
 
@@ -424,6 +507,7 @@ impl Dispatcher {
             .stats
             .halted_now
             .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        metrics::gauge!("keyorder_halted_keys").decrement(1.0);
         self.inner.signal();
         if spawn {
             let inner = self.inner.clone();
@@ -537,7 +621,7 @@ impl State {
         };
         match outcome {
             Outcome::Done | Outcome::Stopped => self.forget(&job),
-            Outcome::Halted => {
+            Outcome::Halted if !job.is_lost() => {
                 let q = self.keys.entry(key).or_default();
                 q.queue.push_front(job);
                 q.halted = true;
@@ -545,13 +629,19 @@ impl State {
                 q.scheduled = false;
                 return false;
             }
-            Outcome::Lost => {
-                let scope = job.scope().clone();
+            Outcome::Halted | Outcome::Lost => {
+                if matches!(outcome, Outcome::Halted) {
+                    // Halted on a lease lost meanwhile: the next owner re-reads it.
+                    stats.halted_now.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+                    metrics::gauge!("keyorder_halted_keys").decrement(1.0);
+                }
                 self.forget(&job);
                 let mut dropped = VecDeque::new();
                 if let Some(q) = self.keys.get_mut(&key) {
+                    // Only this lease's jobs: a re-acquired scope's new
+                    // generation may already be queued behind them.
                     let (gone, kept): (VecDeque<Job>, VecDeque<Job>) =
-                        q.queue.drain(..).partition(|j| j.scope() == &scope);
+                        q.queue.drain(..).partition(|j| Arc::ptr_eq(&j.lease, &job.lease));
                     q.queue = kept;
                     dropped = gone;
                 }
@@ -739,16 +829,34 @@ impl Inner {
         }
     }
 
+    /// The self-fence, abandoned on shutdown: `Some(fresh)`, or `None` when
+    /// shutdown started while the scope was unconfirmed.
+    async fn usable(&self, job: &Job) -> Option<bool> {
+        let mut stop = self.stopping.subscribe();
+        if *stop.borrow() && job.lease.state() != LeaseState::Fresh {
+            return None;
+        }
+        tokio::select! {
+            fresh = job.lease.usable(|| bump(&self.stats.self_fence_pauses, "keyorder_self_fence_pauses_total")) => Some(fresh),
+            _ = stop.wait_for(|s| *s) => match job.lease.state() {
+                LeaseState::Fresh => Some(true),
+                LeaseState::Lost => Some(false),
+                LeaseState::Stale => None,
+            },
+        }
+    }
+
     async fn process(&self, job: &Job) -> Outcome {
         let lease = &job.lease;
         let settle = &job.settle;
         let max = self.cfg.max_attempts();
-        if !lease
-            .usable(|| bump(&self.stats.self_fence_pauses, "keyorder_self_fence_pauses_total"))
-            .await
-        {
-            bump(&self.stats.self_fence_discards, "keyorder_self_fence_discards_total");
-            return Outcome::Lost;
+        match self.usable(job).await {
+            Some(true) => {}
+            Some(false) => {
+                bump(&self.stats.self_fence_discards, "keyorder_self_fence_discards_total");
+                return Outcome::Lost;
+            }
+            None => return Outcome::Stopped,
         }
         loop {
             if !self.global_pause().await {
@@ -760,15 +868,14 @@ impl Inner {
                     bump(&self.stats.self_fence_discards, "keyorder_self_fence_discards_total");
                     return Outcome::Lost;
                 }
-                LeaseState::Stale => {
-                    if !lease
-                        .usable(|| bump(&self.stats.self_fence_pauses, "keyorder_self_fence_pauses_total"))
-                        .await
-                    {
+                LeaseState::Stale => match self.usable(job).await {
+                    Some(true) => {}
+                    Some(false) => {
                         bump(&self.stats.self_fence_discards, "keyorder_self_fence_discards_total");
                         return Outcome::Lost;
                     }
-                }
+                    None => return Outcome::Stopped,
+                },
             }
             let attempt = match settle.begin_attempt().await {
                 Ok(n) => n,

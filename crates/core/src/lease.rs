@@ -14,6 +14,14 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+static LOST_EPOCH: AtomicU64 = AtomicU64::new(0);
+
+/// A process-wide counter of leases marked lost: a dispatcher sweeps its
+/// waiting jobs for lost leases only when it moved.
+pub fn lost_epoch() -> u64 {
+    LOST_EPOCH.load(Ordering::SeqCst)
+}
+
 /// Lease timing shared by an adapter and the self-fence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LeaseConfig {
@@ -105,7 +113,9 @@ impl ScopeLease {
 
     /// Marks the scope lost: nothing more starts under this lease.
     pub fn lose(&self) {
-        self.lost.store(true, Ordering::SeqCst);
+        if !self.lost.swap(true, Ordering::SeqCst) {
+            LOST_EPOCH.fetch_add(1, Ordering::SeqCst);
+        }
         self.changed.notify_waiters();
     }
 

@@ -349,6 +349,12 @@ impl Subscription {
                 }
             }
         }
+        // Work of lost leases goes, halted heads included; a revoked scope
+        // sheds again what came back since (a handler that halted meanwhile).
+        dispatcher.discard_lost();
+        for scope in &st.revoking {
+            dispatcher.discard_scope(scope);
+        }
         let drained: Vec<Arc<str>> = st
             .revoking
             .iter()

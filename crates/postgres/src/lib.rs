@@ -393,11 +393,13 @@ impl PgSource {
             .await
             .map_err(db)?;
         // Renew what we hold; a slot not renewed is lost.
+        let held: Vec<i32> = self.owned.keys().map(|s| *s as i32).collect();
         let renewed: HashMap<u32, i64> = q(&sql.renew)
             .bind(queue)
             .bind(grp)
             .bind(me)
             .bind(Self::ms(ttl))
+            .bind(&held)
             .fetch_all(pool)
             .await
             .map_err(db)?
@@ -455,16 +457,22 @@ impl PgSource {
                 .bind(queue)
                 .bind(grp)
                 .bind(&slots)
+                .bind(me)
                 .fetch_all(pool)
                 .await
                 .map_err(db)?
             {
                 let key: String = r.get(0);
                 let action: String = r.get(1);
-                self.events.push(SourceEvent::Resolved {
-                    key,
-                    drop_head: action != "resume",
-                });
+                let drop_head = action != "resume";
+                if drop_head {
+                    // Settled at the database by the operator: the cursor may pass it.
+                    let (slot, event_id): (i32, i64) = (r.get(2), r.get(3));
+                    if let Some(o) = self.owned.get(&(slot as u32)) {
+                        o.track.lock().unwrap_or_else(|e| e.into_inner()).done.insert(event_id);
+                    }
+                }
+                self.events.push(SourceEvent::Resolved { key, drop_head });
             }
         }
         self.last_maintain = Some(sent);
@@ -599,8 +607,17 @@ impl PgSource {
                 .bind(o.read.1)
                 .bind(share as i64)
                 .fetch_all(&self.t.pool)
-                .await
-                .map_err(db)?;
+                .await;
+            let rows = match rows {
+                Ok(rows) => rows,
+                // Rows already taken from other slots moved their read
+                // positions: hand them over, report the failure next time.
+                Err(e) if !out.is_empty() => {
+                    tracing::warn!(error = %e, slot, "read failed; delivering what was read");
+                    break;
+                }
+                Err(e) => return Err(db(e)),
+            };
             let o = self.owned.get_mut(&slot).expect("present above");
             for r in rows {
                 let id: i64 = r.get(0);
@@ -688,8 +705,9 @@ impl TransportSource for PgSource {
             return Err(Error::NotFound(format!("scope `{scope}`")));
         };
         self.advance_cursors().await?;
-        if let Some(o) = self.owned.remove(&slot) {
-            o.lease.lose();
+        if let Some(o) = self.owned.get(&slot) {
+            // Release at the database first: on failure the slot stays owned
+            // here and the release is retried.
             q(&self.t.sql.release)
                 .bind(&self.spec.category)
                 .bind(&self.spec.group)
@@ -699,6 +717,8 @@ impl TransportSource for PgSource {
                 .execute(&self.t.pool)
                 .await
                 .map_err(db)?;
+            o.lease.lose();
+            self.owned.remove(&slot);
         }
         Ok(())
     }

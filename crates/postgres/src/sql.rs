@@ -101,7 +101,7 @@ impl Sql {
                  and last_seen > clock_timestamp() - make_interval(secs => $3::float8 / 1000) order by member"),
             leave: f("delete from {s}.members where queue = $1 and grp = $2 and member = $3"),
             renew: f("update {s}.slots set lease_expiry = clock_timestamp() + make_interval(secs => $4::float8 / 1000) \
-                 where queue = $1 and grp = $2 and owner = $3 and lease_expiry > clock_timestamp() \
+                 where queue = $1 and grp = $2 and owner = $3 and slot = any($5) and lease_expiry > clock_timestamp() \
                  returning slot, generation"),
             acquire: f("update {s}.slots set owner = $4, generation = generation + 1, \
                  lease_expiry = clock_timestamp() + make_interval(secs => $5::float8 / 1000) \
@@ -141,8 +141,10 @@ impl Sql {
                  on conflict (queue, grp, key) do update set slot = excluded.slot, event_id = excluded.event_id, \
                  message_id = excluded.message_id, reason = excluded.reason, action = null) \
                  select count(*) from own"),
-            resolved: f("delete from {s}.halted where queue = $1 and grp = $2 and slot = any($3) and action is not null \
-                 returning key, action"),
+            resolved: f("delete from {s}.halted h where h.queue = $1 and h.grp = $2 and h.slot = any($3) \
+                 and h.action is not null and exists (select 1 from {s}.slots s where s.queue = h.queue \
+                 and s.grp = h.grp and s.slot = h.slot and s.owner = $4 and s.lease_expiry > clock_timestamp()) \
+                 returning h.key, h.action, h.slot, h.event_id"),
             scopes: f("select s.slot, case when s.lease_expiry > clock_timestamp() then s.owner end, s.generation, \
                  (select count(*) from {s}.events e where e.queue = s.queue and e.slot = s.slot \
                    and (e.txid, e.id) > (s.cursor_txid, s.cursor_id) \
@@ -159,9 +161,11 @@ impl Sql {
                  and not exists (select 1 from {s}.acked a where a.queue = $1 and a.grp = $2 and a.event_id = e.id) \
                  group by e.key order by 2 desc, 1 limit $3"),
             dead: f("select message_id, key, reason from {s}.dead where queue = $1 and grp = $2 order by id"),
-            op_ack: f("insert into {s}.acked (queue, grp, slot, event_id) \
-                 select queue, grp, slot, event_id from {s}.halted where queue = $1 and grp = $2 and key = $3 \
-                 on conflict do nothing"),
+            op_ack: f("with h as (select queue, grp, slot, event_id from {s}.halted where queue = $1 and grp = $2 \
+                 and key = $3), a as (insert into {s}.acked (queue, grp, slot, event_id) \
+                 select queue, grp, slot, event_id from h on conflict do nothing) \
+                 delete from {s}.attempts t using h where t.queue = h.queue and t.grp = h.grp \
+                 and t.event_id = h.event_id"),
             op_dead: f("insert into {s}.dead (queue, grp, event_id, message_id, key, reason) \
                  select queue, grp, event_id, message_id, key, 'operator: ' || reason from {s}.halted \
                  where queue = $1 and grp = $2 and key = $3"),
