@@ -364,6 +364,15 @@ impl Dispatcher {
             }
             q.scheduled || q.busy || !q.queue.is_empty()
         });
+        // Keyless work of the scope waiting for a worker goes too.
+        let (gone, kept): (VecDeque<Ready>, VecDeque<Ready>) = std::mem::take(&mut st.ready)
+            .into_iter()
+            .partition(|r| matches!(r, Ready::Keyless(j) if &**j.scope() == scope));
+        st.ready = kept;
+        dropped.extend(gone.into_iter().filter_map(|r| match r {
+            Ready::Keyless(job) => Some(job),
+            Ready::Key(_) => None,
+        }));
         for job in &dropped {
             st.forget(job);
         }

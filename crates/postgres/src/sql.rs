@@ -112,8 +112,10 @@ impl Sql {
                  where queue = $1 and grp = $2 and slot = $3 and owner = $4 and generation = $5"),
             advance: f("with {own}, up as (update {s}.slots set cursor_txid = $6::text::xid8, cursor_id = $7 \
                  where queue = $1 and grp = $2 and slot = $3 and exists (select 1 from own) returning 1), \
-                 del as (delete from {s}.acked where queue = $1 and grp = $2 and event_id = any($8) \
-                 and exists (select 1 from own)) select count(*) from own"),
+                 del as (delete from {s}.acked a where a.queue = $1 and a.grp = $2 and a.slot = $3 \
+                 and exists (select 1 from own) and (a.event_id = any($8) or a.event_id in \
+                 (select e.id from {s}.events e where e.queue = $1 and e.slot = $3 \
+                  and (e.txid, e.id) <= ($6::text::xid8, $7)))) select count(*) from own"),
             read: f("select e.id, e.txid::text, e.key, e.message_id, e.correlation_id, e.headers::text, e.payload \
                  from {s}.events e join {s}.slots s on s.queue = e.queue and s.grp = $2 and s.slot = e.slot \
                  where e.queue = $1 and e.slot = $3 and s.owner = $4 and s.generation = $5 \
