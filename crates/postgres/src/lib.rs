@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 
+mod batch;
 mod sql;
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
@@ -137,6 +138,7 @@ pub struct PgTransport {
     pool: PgPool,
     cfg: Arc<PgConfig>,
     sql: Arc<Sql>,
+    batcher: batch::Batcher,
 }
 
 impl fmt::Debug for PgTransport {
@@ -157,10 +159,13 @@ impl PgTransport {
             .connect(&cfg.url)
             .await
             .map_err(db)?;
+        let sql = Arc::new(Sql::new(&cfg.schema));
+        let batcher = batch::Batcher::spawn(pool.clone(), sql.attempt_batch.clone(), sql.ack_batch.clone());
         let t = PgTransport {
             pool,
-            sql: Arc::new(Sql::new(&cfg.schema)),
+            sql,
             cfg: Arc::new(cfg),
+            batcher,
         };
         if t.cfg.migrate {
             t.migrate().await?;
@@ -692,10 +697,11 @@ impl TransportSource for PgSource {
             self.spec.lease.heartbeat
         };
         let due = self.last_maintain.is_none_or(|t| t.elapsed() >= every);
+        // The cursor advances with the heartbeat, not on every fetch: an
+        // advance updates the slot row, which waits for (and holds up) the
+        // acknowledgements that lock it for share. Acks are durable anyway.
         if due {
             self.maintain_now().await?;
-        } else {
-            self.advance_cursors().await?;
         }
         Ok(std::mem::take(&mut self.events))
     }
@@ -782,6 +788,23 @@ impl PgSettle {
             .bind(self.event_id)
     }
 
+    /// An attempt increment or acknowledgement, batched with other deliveries'.
+    async fn batched(&self, kind: batch::Kind) -> Result<Option<i32>> {
+        self.t
+            .batcher
+            .ask(|reply| batch::Req {
+                kind,
+                queue: self.queue.clone(),
+                grp: self.grp.clone(),
+                me: self.me.clone(),
+                slot: self.slot as i32,
+                generation: self.generation,
+                event_id: self.event_id,
+                reply,
+            })
+            .await
+    }
+
     /// Runs a fenced statement that answers how many owner rows matched.
     async fn fenced_exec(
         &self,
@@ -807,19 +830,20 @@ impl PgSettle {
 #[async_trait]
 impl Settle for PgSettle {
     async fn begin_attempt(&self) -> Result<u32> {
-        let n: Option<i32> = self
-            .bind_own(q(&self.t.sql.attempt))
-            .fetch_optional(&self.t.pool)
-            .await
-            .map_err(db)?
-            .map(|r| r.get(0));
-        n.map(|n| n as u32).ok_or_else(|| self.fenced())
+        match self.batched(batch::Kind::Attempt).await? {
+            Some(n) => Ok(n as u32),
+            None => Err(self.fenced()),
+        }
     }
 
     async fn ack(&self) -> Result<()> {
-        self.fenced_exec(self.bind_own(q(&self.t.sql.ack))).await?;
-        self.settled();
-        Ok(())
+        match self.batched(batch::Kind::Ack).await? {
+            Some(_) => {
+                self.settled();
+                Ok(())
+            }
+            None => Err(self.fenced()),
+        }
     }
 
     async fn park(&self, reason: &str) -> Result<()> {

@@ -20,8 +20,6 @@ pub(crate) struct Sql {
     pub(crate) release: Arc<str>,
     pub(crate) advance: Arc<str>,
     pub(crate) read: Arc<str>,
-    pub(crate) attempt: Arc<str>,
-    pub(crate) ack: Arc<str>,
     pub(crate) park: Arc<str>,
     pub(crate) halt: Arc<str>,
     pub(crate) resolved: Arc<str>,
@@ -34,6 +32,8 @@ pub(crate) struct Sql {
     pub(crate) op_resume: Arc<str>,
     pub(crate) op_mark: Arc<str>,
     pub(crate) retention: Arc<str>,
+    pub(crate) attempt_batch: Arc<str>,
+    pub(crate) ack_batch: Arc<str>,
 }
 
 /// The fence every guarded statement starts with: this owner, this
@@ -90,19 +90,27 @@ impl Sql {
             migrate,
             ensure_queue: f("insert into {s}.queues (queue, slots) values ($1, $2) on conflict (queue) do nothing"),
             queue_slots: f("select slots from {s}.queues where queue = $1"),
-            ensure_slots: f("insert into {s}.slots (queue, grp, slot) select $1, $2, g from generate_series(0, $3 - 1) g \
-                 on conflict do nothing"),
-            publish: f("with ins as (insert into {s}.events (queue, slot, key, message_id, correlation_id, headers, payload) \
+            ensure_slots: f(
+                "insert into {s}.slots (queue, grp, slot) select $1, $2, g from generate_series(0, $3 - 1) g \
+                 on conflict do nothing",
+            ),
+            publish: f(
+                "with ins as (insert into {s}.events (queue, slot, key, message_id, correlation_id, headers, payload) \
                  values ($1, $2, $3, $4, $5, $6::jsonb, $7) returning 1) \
-                 select pg_notify($8, $1) from ins"),
-            heartbeat: f("insert into {s}.members (queue, grp, member, last_seen) values ($1, $2, $3, clock_timestamp()) \
-                 on conflict (queue, grp, member) do update set last_seen = clock_timestamp()"),
+                 select pg_notify($8, $1) from ins",
+            ),
+            heartbeat: f(
+                "insert into {s}.members (queue, grp, member, last_seen) values ($1, $2, $3, clock_timestamp()) \
+                 on conflict (queue, grp, member) do update set last_seen = clock_timestamp()",
+            ),
             live_members: f("select member from {s}.members where queue = $1 and grp = $2 \
                  and last_seen > clock_timestamp() - make_interval(secs => $3::float8 / 1000) order by member"),
             leave: f("delete from {s}.members where queue = $1 and grp = $2 and member = $3"),
-            renew: f("update {s}.slots set lease_expiry = clock_timestamp() + make_interval(secs => $4::float8 / 1000) \
+            renew: f(
+                "update {s}.slots set lease_expiry = clock_timestamp() + make_interval(secs => $4::float8 / 1000) \
                  where queue = $1 and grp = $2 and owner = $3 and slot = any($5) and lease_expiry > clock_timestamp() \
-                 returning slot, generation"),
+                 returning slot, generation",
+            ),
             acquire: f("update {s}.slots set owner = $4, generation = generation + 1, \
                  lease_expiry = clock_timestamp() + make_interval(secs => $5::float8 / 1000) \
                  where queue = $1 and grp = $2 and slot = $3 \
@@ -110,78 +118,116 @@ impl Sql {
                  returning generation, cursor_txid::text, cursor_id"),
             release: f("update {s}.slots set owner = null, lease_expiry = null \
                  where queue = $1 and grp = $2 and slot = $3 and owner = $4 and generation = $5"),
-            advance: f("with {own}, up as (update {s}.slots set cursor_txid = $6::text::xid8, cursor_id = $7 \
+            advance: f(
+                "with {own}, up as (update {s}.slots set cursor_txid = $6::text::xid8, cursor_id = $7 \
                  where queue = $1 and grp = $2 and slot = $3 and exists (select 1 from own) returning 1), \
                  del as (delete from {s}.acked a where a.queue = $1 and a.grp = $2 and a.slot = $3 \
                  and exists (select 1 from own) and (a.event_id = any($8) or a.event_id in \
                  (select e.id from {s}.events e where e.queue = $1 and e.slot = $3 \
-                  and (e.txid, e.id) <= ($6::text::xid8, $7)))) select count(*) from own"),
-            read: f("select e.id, e.txid::text, e.key, e.message_id, e.correlation_id, e.headers::text, e.payload \
+                  and (e.txid, e.id) <= ($6::text::xid8, $7)))) select count(*) from own",
+            ),
+            read: f(
+                "select e.id, e.txid::text, e.key, e.message_id, e.correlation_id, e.headers::text, e.payload \
                  from {s}.events e join {s}.slots s on s.queue = e.queue and s.grp = $2 and s.slot = e.slot \
                  where e.queue = $1 and e.slot = $3 and s.owner = $4 and s.generation = $5 \
                  and s.lease_expiry > clock_timestamp() \
                  and (e.txid, e.id) > ($6::text::xid8, $7) \
                  and e.txid < pg_snapshot_xmin(pg_current_snapshot()) \
                  and not exists (select 1 from {s}.acked a where a.queue = $1 and a.grp = $2 and a.event_id = e.id) \
-                 order by e.txid, e.id limit $8"),
-            attempt: f("with {own} insert into {s}.attempts (queue, grp, event_id, attempts) \
-                 select $1, $2, $6, 1 from own \
-                 on conflict (queue, grp, event_id) do update set attempts = {s}.attempts.attempts + 1 \
-                 returning attempts"),
-            ack: f("with {own}, ins as (insert into {s}.acked (queue, grp, slot, event_id) select $1, $2, $3, $6 from own \
-                 on conflict do nothing), \
-                 del as (delete from {s}.attempts where queue = $1 and grp = $2 and event_id = $6 \
-                 and exists (select 1 from own)) select count(*) from own"),
-            park: f("with {own}, d as (insert into {s}.dead (queue, grp, event_id, message_id, key, reason) \
+                 order by e.txid, e.id limit $8",
+            ),
+            park: f(
+                "with {own}, d as (insert into {s}.dead (queue, grp, event_id, message_id, key, reason) \
                  select $1, $2, $6, $7, $8, $9 from own), \
                  ins as (insert into {s}.acked (queue, grp, slot, event_id) select $1, $2, $3, $6 from own \
                  on conflict do nothing), \
                  del as (delete from {s}.attempts where queue = $1 and grp = $2 and event_id = $6 \
-                 and exists (select 1 from own)) select count(*) from own"),
-            halt: f("with {own}, h as (insert into {s}.halted (queue, grp, key, slot, event_id, message_id, reason) \
+                 and exists (select 1 from own)) select count(*) from own",
+            ),
+            halt: f(
+                "with {own}, h as (insert into {s}.halted (queue, grp, key, slot, event_id, message_id, reason) \
                  select $1, $2, $8, $3, $6, $7, $9 from own \
                  on conflict (queue, grp, key) do update set slot = excluded.slot, event_id = excluded.event_id, \
                  message_id = excluded.message_id, reason = excluded.reason, action = null) \
-                 select count(*) from own"),
-            resolved: f("delete from {s}.halted h where h.queue = $1 and h.grp = $2 and h.slot = any($3) \
+                 select count(*) from own",
+            ),
+            resolved: f(
+                "delete from {s}.halted h where h.queue = $1 and h.grp = $2 and h.slot = any($3) \
                  and h.action is not null and exists (select 1 from {s}.slots s where s.queue = h.queue \
                  and s.grp = h.grp and s.slot = h.slot and s.owner = $4 and s.lease_expiry > clock_timestamp()) \
-                 returning h.key, h.action, h.slot, h.event_id"),
-            scopes: f("select s.slot, case when s.lease_expiry > clock_timestamp() then s.owner end, s.generation, \
+                 returning h.key, h.action, h.slot, h.event_id",
+            ),
+            scopes: f(
+                "select s.slot, case when s.lease_expiry > clock_timestamp() then s.owner end, s.generation, \
                  (select count(*) from {s}.events e where e.queue = s.queue and e.slot = s.slot \
                    and (e.txid, e.id) > (s.cursor_txid, s.cursor_id) \
                    and not exists (select 1 from {s}.acked a where a.queue = s.queue and a.grp = s.grp \
                    and a.event_id = e.id)), \
                  (select count(*) from {s}.halted h where h.queue = s.queue and h.grp = s.grp and h.slot = s.slot) \
-                 from {s}.slots s where s.queue = $1 and s.grp = $2 order by s.slot"),
+                 from {s}.slots s where s.queue = $1 and s.grp = $2 order by s.slot",
+            ),
             halted: f("select h.key, h.slot, h.message_id, h.reason, coalesce(a.attempts, 0) \
                  from {s}.halted h left join {s}.attempts a on a.queue = h.queue and a.grp = h.grp \
                  and a.event_id = h.event_id where h.queue = $1 and h.grp = $2 and h.action is null order by h.key"),
-            hot_keys: f("select e.key, count(*) from {s}.events e join {s}.slots s on s.queue = e.queue \
+            hot_keys: f(
+                "select e.key, count(*) from {s}.events e join {s}.slots s on s.queue = e.queue \
                  and s.grp = $2 and s.slot = e.slot where e.queue = $1 and e.key is not null \
                  and (e.txid, e.id) > (s.cursor_txid, s.cursor_id) \
                  and not exists (select 1 from {s}.acked a where a.queue = $1 and a.grp = $2 and a.event_id = e.id) \
-                 group by e.key order by 2 desc, 1 limit $3"),
+                 group by e.key order by 2 desc, 1 limit $3",
+            ),
             dead: f("select message_id, key, reason from {s}.dead where queue = $1 and grp = $2 order by id"),
-            op_ack: f("with h as (select queue, grp, slot, event_id from {s}.halted where queue = $1 and grp = $2 \
+            op_ack: f(
+                "with h as (select queue, grp, slot, event_id from {s}.halted where queue = $1 and grp = $2 \
                  and key = $3), a as (insert into {s}.acked (queue, grp, slot, event_id) \
                  select queue, grp, slot, event_id from h on conflict do nothing) \
                  delete from {s}.attempts t using h where t.queue = h.queue and t.grp = h.grp \
-                 and t.event_id = h.event_id"),
+                 and t.event_id = h.event_id",
+            ),
             op_dead: f("insert into {s}.dead (queue, grp, event_id, message_id, key, reason) \
                  select queue, grp, event_id, message_id, key, 'operator: ' || reason from {s}.halted \
                  where queue = $1 and grp = $2 and key = $3"),
-            op_resume: f("delete from {s}.attempts a using {s}.halted h where h.queue = $1 and h.grp = $2 \
-                 and h.key = $3 and a.queue = h.queue and a.grp = h.grp and a.event_id = h.event_id"),
-            op_mark: f("update {s}.halted set action = $4 where queue = $1 and grp = $2 and key = $3 \
-                 and action is null"),
+            op_resume: f(
+                "delete from {s}.attempts a using {s}.halted h where h.queue = $1 and h.grp = $2 \
+                 and h.key = $3 and a.queue = h.queue and a.grp = h.grp and a.event_id = h.event_id",
+            ),
+            op_mark: f(
+                "update {s}.halted set action = $4 where queue = $1 and grp = $2 and key = $3 \
+                 and action is null",
+            ),
+            // Many deliveries at once: $4 slots, $5 generations, $6 event ids;
+            // only the (slot, generation) pairs this owner still holds count.
+            attempt_batch: f(
+                "with req as (select * from unnest($4::int[], $5::bigint[], $6::bigint[]) \
+                 as r(slot, gen, event_id)), \
+                 own as (select r.event_id from req r join {s}.slots s on s.queue = $1 and s.grp = $2 \
+                 and s.slot = r.slot and s.owner = $3 and s.generation = r.gen \
+                 and s.lease_expiry > clock_timestamp() for share of s) \
+                 insert into {s}.attempts (queue, grp, event_id, attempts) select $1, $2, event_id, 1 from own \
+                 on conflict (queue, grp, event_id) do update set attempts = {s}.attempts.attempts + 1 \
+                 returning event_id, attempts",
+            ),
+            ack_batch: f(
+                "with req as (select * from unnest($4::int[], $5::bigint[], $6::bigint[]) \
+                 as r(slot, gen, event_id)), \
+                 own as (select r.slot, r.event_id from req r join {s}.slots s on s.queue = $1 and s.grp = $2 \
+                 and s.slot = r.slot and s.owner = $3 and s.generation = r.gen \
+                 and s.lease_expiry > clock_timestamp() for share of s), \
+                 ins as (insert into {s}.acked (queue, grp, slot, event_id) select $1, $2, slot, event_id from own \
+                 on conflict do nothing), \
+                 del as (delete from {s}.attempts a using own o where a.queue = $1 and a.grp = $2 \
+                 and a.event_id = o.event_id) \
+                 select event_id, 1 from own",
+            ),
             // Events every group of the queue has passed in this slot: below
             // the lowest cursor (a halted head is never below a cursor).
-            retention: f("with floor as (select cursor_txid, cursor_id from {s}.slots where queue = $1 and slot = $2 \
+            retention: f(
+                "with floor as (select cursor_txid, cursor_id from {s}.slots where queue = $1 and slot = $2 \
                  order by cursor_txid, cursor_id limit 1) \
                  delete from {s}.events where id in (select e.id from {s}.events e, floor f \
                  where e.queue = $1 and e.slot = $2 and (e.txid, e.id) <= (f.cursor_txid, f.cursor_id) \
-                 order by e.txid, e.id limit $3)"),
+                 order by e.txid, e.id limit $3)",
+            ),
         }
     }
 }

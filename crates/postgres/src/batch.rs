@@ -1,0 +1,113 @@
+//! Attempt increments and acknowledgements of many deliveries in one fenced
+//! statement: under load the handlers' settlements share commits instead of
+//! paying one durable commit each; at low load a batch is one request, so
+//! nothing waits for a timer.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use keyorder_core::{Error, Result};
+use sqlx::postgres::PgPool;
+use sqlx::{AssertSqlSafe, Row};
+use tokio::sync::{mpsc, oneshot};
+
+/// What is asked of the database for one delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Kind {
+    Attempt,
+    Ack,
+}
+
+/// One delivery's request; the reply is `Some(attempts)` (1 for an ack) when
+/// this owner still holds the slot at this generation, `None` when fenced.
+#[derive(Debug)]
+pub(crate) struct Req {
+    pub(crate) kind: Kind,
+    pub(crate) queue: String,
+    pub(crate) grp: String,
+    pub(crate) me: String,
+    pub(crate) slot: i32,
+    pub(crate) generation: i64,
+    pub(crate) event_id: i64,
+    pub(crate) reply: oneshot::Sender<Result<Option<i32>>>,
+}
+
+/// The most requests one statement carries.
+const MAX_BATCH: usize = 256;
+
+/// Sends requests to the batching task (one per transport).
+#[derive(Debug, Clone)]
+pub(crate) struct Batcher {
+    tx: mpsc::UnboundedSender<Req>,
+}
+
+impl Batcher {
+    pub(crate) fn spawn(pool: PgPool, attempt_sql: Arc<str>, ack_sql: Arc<str>) -> Batcher {
+        let (tx, mut rx) = mpsc::unbounded_channel::<Req>();
+        tokio::spawn(async move {
+            while let Some(first) = rx.recv().await {
+                let mut batch = vec![first];
+                while batch.len() < MAX_BATCH {
+                    match rx.try_recv() {
+                        Ok(req) => batch.push(req),
+                        Err(_) => break,
+                    }
+                }
+                let mut groups: HashMap<(Kind, String, String, String), Vec<Req>> = HashMap::new();
+                for req in batch {
+                    groups
+                        .entry((req.kind, req.queue.clone(), req.grp.clone(), req.me.clone()))
+                        .or_default()
+                        .push(req);
+                }
+                for ((kind, queue, grp, me), reqs) in groups {
+                    let sql = match kind {
+                        Kind::Attempt => attempt_sql.clone(),
+                        Kind::Ack => ack_sql.clone(),
+                    };
+                    let slots: Vec<i32> = reqs.iter().map(|r| r.slot).collect();
+                    let gens: Vec<i64> = reqs.iter().map(|r| r.generation).collect();
+                    let ids: Vec<i64> = reqs.iter().map(|r| r.event_id).collect();
+                    let rows = sqlx::query(AssertSqlSafe(sql))
+                        .bind(&queue)
+                        .bind(&grp)
+                        .bind(&me)
+                        .bind(&slots)
+                        .bind(&gens)
+                        .bind(&ids)
+                        .fetch_all(&pool)
+                        .await;
+                    match rows {
+                        Ok(rows) => {
+                            let done: HashMap<i64, i32> =
+                                rows.iter().map(|r| (r.get::<i64, _>(0), r.get::<i32, _>(1))).collect();
+                            for req in reqs {
+                                let _ = req.reply.send(Ok(done.get(&req.event_id).copied()));
+                            }
+                        }
+                        Err(e) => {
+                            let msg = format!("postgres: {e}");
+                            for req in reqs {
+                                let _ = req.reply.send(Err(Error::Broker(msg.clone())));
+                            }
+                        }
+                    }
+                }
+            }
+        });
+        Batcher { tx }
+    }
+
+    /// Sends one request and waits for its reply.
+    pub(crate) async fn ask(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<Option<i32>>>) -> Req,
+    ) -> Result<Option<i32>> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(make(reply))
+            .map_err(|_| Error::Broker("postgres: the settlement batcher stopped".into()))?;
+        rx.await
+            .map_err(|_| Error::Broker("postgres: the settlement batcher dropped a request".into()))?
+    }
+}
