@@ -341,69 +341,7 @@ impl Dispatcher {
     /// Drops every waiting job of `scope` (its lease was lost or revoked);
     /// running handlers finish. Returns how many were dropped.
     pub fn discard_scope(&self, scope: &str) -> usize {
-        let mut st = self.inner.lock();
-        let mut dropped = Vec::new();
-        let mut halted_cleared = 0;
-        st.keys.retain(|_, q| {
-            let before = q.queue.len();
-            let head_gone = q.halted && q.queue.front().is_some_and(|j| &**j.scope() == scope);
-            let mut kept = VecDeque::with_capacity(before);
-            for job in q.queue.drain(..) {
-                if &**job.scope() == scope {
-                    dropped.push(job);
-                } else {
-                    kept.push_back(job);
-                }
-            }
-            q.queue = kept;
-            if head_gone {
-                // The held head belonged to the lost scope: the next owner
-                // re-reads it with its durable attempt count.
-                q.halted = false;
-                halted_cleared += 1;
-            }
-            q.scheduled || q.busy || !q.queue.is_empty()
-        });
-        // Keyless work of the scope waiting for a worker goes too.
-        let (gone, kept): (VecDeque<Ready>, VecDeque<Ready>) = std::mem::take(&mut st.ready)
-            .into_iter()
-            .partition(|r| matches!(r, Ready::Keyless(j) if &**j.scope() == scope));
-        st.ready = kept;
-        dropped.extend(gone.into_iter().filter_map(|r| match r {
-            Ready::Keyless(job) => Some(job),
-            Ready::Key(_) => None,
-        }));
-        for job in &dropped {
-            st.forget(job);
-        }
-        // A key released from a lost head may still hold other scopes' work.
-        let orphans: Vec<OrderingKey> = st
-            .keys
-            .iter()
-            .filter(|(_, q)| !q.scheduled && !q.halted && !q.busy && !q.queue.is_empty())
-            .map(|(k, _)| k.clone())
-            .collect();
-        let mut spawn = 0;
-        for key in orphans {
-            if let Some(q) = st.keys.get_mut(&key) {
-                q.scheduled = true;
-            }
-            spawn += usize::from(st.make_ready(Ready::Key(key), self.inner.cfg.concurrency));
-        }
-        drop(st);
-        self.inner.refilled();
-        for _ in 0..spawn {
-            tokio::spawn(self.inner.clone().worker());
-        }
-        for _ in 0..halted_cleared {
-            self.inner
-                .stats
-                .halted_now
-                .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-            metrics::gauge!("keyorder_halted_keys").decrement(1.0);
-        }
-        self.inner.signal();
-        dropped.len()
+        self.discard(|j| &**j.scope() == scope, false)
     }
 
     /// Drops every waiting job whose lease was lost, halted heads included
@@ -414,41 +352,41 @@ impl Dispatcher {
         if self.inner.lost_seen.swap(epoch, std::sync::atomic::Ordering::SeqCst) == epoch {
             return 0;
         }
-        let lost: Vec<Arc<str>> = {
-            let st = self.inner.lock();
-            let mut scopes: Vec<Arc<str>> = st
-                .keys
-                .values()
-                .flat_map(|q| q.queue.iter())
-                .filter(|j| j.is_lost())
-                .map(|j| j.scope().clone())
-                .collect();
-            scopes.sort();
-            scopes.dedup();
-            scopes
-        };
-        lost.iter().map(|scope| self.discard_lost_in(scope)).sum()
+        self.discard(Job::is_lost, true)
     }
 
-    fn discard_lost_in(&self, scope: &str) -> usize {
+    /// Drops the waiting jobs (keyed, halted heads, keyless) that `gone`
+    /// selects, releases keys whose halted head went, and reschedules keys
+    /// left with work. `fenced` counts the drops as self-fence discards.
+    fn discard(&self, gone: impl Fn(&Job) -> bool, fenced: bool) -> usize {
         let mut st = self.inner.lock();
         let mut dropped = Vec::new();
         let mut halted_cleared = 0;
         st.keys.retain(|_, q| {
-            let head_gone = q.halted && q.queue.front().is_some_and(|j| &**j.scope() == scope && j.is_lost());
-            let (gone, kept): (VecDeque<Job>, VecDeque<Job>) =
-                q.queue.drain(..).partition(|j| &**j.scope() == scope && j.is_lost());
+            let head_gone = q.halted && q.queue.front().is_some_and(&gone);
+            let (out, kept): (VecDeque<Job>, VecDeque<Job>) = q.queue.drain(..).partition(&gone);
             q.queue = kept;
-            dropped.extend(gone);
+            dropped.extend(out);
             if head_gone {
+                // The held head went with its scope: the next owner re-reads
+                // it with its durable attempt count.
                 q.halted = false;
                 halted_cleared += 1;
             }
             q.scheduled || q.busy || !q.queue.is_empty()
         });
+        let (out, kept): (VecDeque<Ready>, VecDeque<Ready>) = std::mem::take(&mut st.ready)
+            .into_iter()
+            .partition(|r| matches!(r, Ready::Keyless(j) if gone(j)));
+        st.ready = kept;
+        dropped.extend(out.into_iter().filter_map(|r| match r {
+            Ready::Keyless(job) => Some(job),
+            Ready::Key(_) => None,
+        }));
         for job in &dropped {
             st.forget(job);
         }
+        // A key released from a dropped head may still hold other work.
         let orphans: Vec<OrderingKey> = st
             .keys
             .iter()
@@ -470,11 +408,13 @@ impl Dispatcher {
                 .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
             metrics::gauge!("keyorder_halted_keys").decrement(1.0);
         }
-        for _ in 0..dropped.len() {
-            bump(
-                &self.inner.stats.self_fence_discards,
-                "keyorder_self_fence_discards_total",
-            );
+        if fenced {
+            for _ in 0..dropped.len() {
+                bump(
+                    &self.inner.stats.self_fence_discards,
+                    "keyorder_self_fence_discards_total",
+                );
+            }
         }
         self.inner.signal();
         self.inner.refilled();

@@ -48,6 +48,15 @@ fn q(sql: &Arc<str>) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgr
     sqlx::query(AssertSqlSafe(sql.clone()))
 }
 
+/// Parses a URL option that must lie in `range`.
+fn in_range(name: &str, value: &str, range: std::ops::RangeInclusive<u32>) -> Result<u32> {
+    value
+        .parse()
+        .ok()
+        .filter(|n| range.contains(n))
+        .ok_or_else(|| Error::Url(format!("{name}={value}: expected {}..={}", range.start(), range.end())))
+}
+
 /// Configuration of the PostgreSQL transport.
 #[derive(Debug, Clone)]
 pub struct PgConfig {
@@ -84,20 +93,8 @@ impl PgConfig {
         for (k, v) in url.query_pairs() {
             match &*k {
                 "schema" => cfg.schema = v.into_owned(),
-                "slots" => {
-                    cfg.slots = v
-                        .parse()
-                        .ok()
-                        .filter(|n| (1..=4096).contains(n))
-                        .ok_or_else(|| Error::Url(format!("slots={v}: expected 1..=4096")))?
-                }
-                "pool" => {
-                    cfg.max_connections = v
-                        .parse()
-                        .ok()
-                        .filter(|n| (1..=256).contains(n))
-                        .ok_or_else(|| Error::Url(format!("pool={v}: expected 1..=256")))?
-                }
+                "slots" => cfg.slots = in_range("slots", &v, 1..=4096)?,
+                "pool" => cfg.max_connections = in_range("pool", &v, 1..=256)?,
                 "retention_batch" => {
                     cfg.retention_batch = v
                         .parse()
