@@ -9,11 +9,16 @@ pub fn schemes() -> &'static [&'static str] {
         "memory",
         #[cfg(feature = "postgres")]
         "postgres",
+        #[cfg(feature = "redis")]
+        "redis",
     ]
 }
 
 #[cfg(feature = "postgres")]
 pub use keyorder_postgres as postgres;
+
+#[cfg(feature = "redis")]
+pub use keyorder_redis as redis;
 
 /// Connects to the transport a URL names; the rest of the URL (host, query
 /// string) is the adapter's configuration, so a deployment swaps brokers by
@@ -23,6 +28,7 @@ pub use keyorder_postgres as postgres;
 /// |---|---|---|
 /// | `memory://` | [`MemoryTransport`] (one process) | `partitions=N` |
 /// | `postgres://` | `keyorder_postgres::PgTransport` (feature `postgres`) | `schema`, `slots`, `pool`, `migrate` |
+/// | `redis://`, `rediss://` | `keyorder_redis::RedisTransport` (feature `redis`) | `layout`, `response_timeout_ms`, `reap_idle_ms`, `partition_warn` |
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> keyorder::Result<()> {
@@ -43,6 +49,10 @@ pub async fn connect(url: &str) -> Result<Client> {
         #[cfg(feature = "postgres")]
         "postgres" | "postgresql" => Ok(Client::new(std::sync::Arc::new(
             keyorder_postgres::PgTransport::from_url(&parsed).await?,
+        ))),
+        #[cfg(feature = "redis")]
+        "redis" | "rediss" => Ok(Client::new(std::sync::Arc::new(
+            keyorder_redis::RedisTransport::from_url(&parsed).await?,
         ))),
         other => Err(Error::Url(format!(
             "no adapter for `{other}://` in this build (compiled in: {}); enable the adapter's feature of the \

@@ -129,6 +129,116 @@ impl Harness for PgRestartHarness {
     }
 }
 
+/// Redis at `REDIS_URL` (the shared loopback server, which keeps nothing on disk).
+#[cfg(feature = "redis")]
+struct RedisHarness {
+    url: String,
+}
+
+#[cfg(feature = "redis")]
+fn redis_lease() -> keyorder::LeaseConfig {
+    keyorder::LeaseConfig {
+        ttl: std::time::Duration::from_secs(3),
+        heartbeat: std::time::Duration::from_millis(500),
+        margin: std::time::Duration::from_secs(1),
+    }
+}
+
+#[cfg(feature = "redis")]
+#[keyorder::async_trait]
+impl Harness for RedisHarness {
+    fn name(&self) -> &str {
+        "redis"
+    }
+    fn capabilities(&self) -> Capabilities {
+        keyorder::redis::CAPABILITIES
+    }
+    async fn client(&self) -> Result<Client> {
+        keyorder::connect(&self.url).await
+    }
+    async fn client_without_affinity(&self) -> Option<Result<Client>> {
+        Some(keyorder::connect(&format!("{}/?layout=single", self.url.trim_end_matches('/'))).await)
+    }
+    fn not_applicable(&self, scenario: Scenario) -> Option<String> {
+        (scenario == Scenario::C14).then(|| {
+            "runs on `redis-restart`: the shared test Redis keeps nothing on disk, so C14 restarts a Redis of its own \
+             with AOF (appendfsync always)"
+                .to_owned()
+        })
+    }
+    fn lease(&self) -> keyorder::LeaseConfig {
+        redis_lease()
+    }
+    fn worker_url(&self) -> Option<String> {
+        Some(self.url.clone())
+    }
+}
+
+/// Redis on 127.0.0.1:6380 (`REDIS_RESTART_URL`) with AOF and `appendfsync
+/// always`, started by `scripts/services` from `REDIS_RESTART_CONF`; C14
+/// restarts it.
+#[cfg(feature = "redis")]
+struct RedisRestartHarness {
+    url: String,
+    conf: String,
+}
+
+#[cfg(feature = "redis")]
+#[keyorder::async_trait]
+impl Harness for RedisRestartHarness {
+    fn name(&self) -> &str {
+        "redis-restart"
+    }
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            persistent: true,
+            ..keyorder::redis::CAPABILITIES
+        }
+    }
+    async fn client(&self) -> Result<Client> {
+        keyorder::connect(&self.url).await
+    }
+    fn not_applicable(&self, scenario: Scenario) -> Option<String> {
+        (scenario != Scenario::C14).then(|| "runs on `redis`; this server exists to be restarted by C14".to_owned())
+    }
+    fn lease(&self) -> keyorder::LeaseConfig {
+        redis_lease()
+    }
+    async fn restart_broker(&self) -> Result<()> {
+        let port = url::Url::parse(&self.url).ok().and_then(|u| u.port()).unwrap_or(6380).to_string();
+        let fail = |what: &str, e: String| keyorder::Error::Config(format!("restarting redis: {what}: {e}"));
+        // SHUTDOWN flushes the append-only file; the server is gone when it returns.
+        let _ = tokio::process::Command::new("redis-cli")
+            .args(["-h", "127.0.0.1", "-p", &port, "shutdown"])
+            .output()
+            .await
+            .map_err(|e| fail("redis-cli", e.to_string()))?;
+        let status = tokio::process::Command::new("redis-server")
+            .arg(&self.conf)
+            .status()
+            .await
+            .map_err(|e| fail("redis-server", e.to_string()))?;
+        if !status.success() {
+            return Err(fail("redis-server", status.to_string()));
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            let out = tokio::process::Command::new("redis-cli")
+                .args(["-h", "127.0.0.1", "-p", &port, "ping"])
+                .output()
+                .await
+                .map_err(|e| fail("redis-cli", e.to_string()))?;
+            if String::from_utf8_lossy(&out.stdout).trim() == "PONG" {
+                return Ok(());
+            }
+            if std::time::Instant::now() > deadline {
+                return Err(fail("the server did not answer within 30 s", String::new()));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+}
+
 fn harnesses() -> Vec<Arc<dyn Harness>> {
     #[allow(unused_mut)]
     let mut all: Vec<Arc<dyn Harness>> = vec![Arc::new(MemoryHarness {
@@ -145,6 +255,15 @@ fn harnesses() -> Vec<Arc<dyn Harness>> {
         all.push(Arc::new(PgRestartHarness {
             url: format!("{restart}?schema=keyorder_conformance&migrate=true&pool=4"),
         }));
+    }
+    #[cfg(feature = "redis")]
+    {
+        let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        all.push(Arc::new(RedisHarness { url }));
+        let url = std::env::var("REDIS_RESTART_URL").unwrap_or_else(|_| "redis://127.0.0.1:6380".into());
+        let conf = std::env::var("REDIS_RESTART_CONF")
+            .unwrap_or_else(|_| "/var/lib/keyorder-redis/redis-6380.conf".into());
+        all.push(Arc::new(RedisRestartHarness { url, conf }));
     }
     all
 }

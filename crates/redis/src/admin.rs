@@ -1,0 +1,227 @@
+//! The operator's view: partitions with owner, generation, pending, lag and
+//! halted state; halted heads; skip, dead-letter or resume a head; hot keys;
+//! dead letters.
+
+use std::collections::HashMap;
+use std::fmt;
+
+use async_trait::async_trait;
+use keyorder_core::key::{label, redact};
+use keyorder_core::{Admin, DeadLetter, Error, HaltedKey, HeadAction, HotKey, Result, ScopeInfo};
+use redis::Value;
+
+use crate::names::Names;
+use crate::{broker, entries, scripts, text, RedisTransport};
+
+pub(crate) struct RedisAdmin {
+    pub(crate) t: RedisTransport,
+}
+
+impl fmt::Debug for RedisAdmin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisAdmin").finish_non_exhaustive()
+    }
+}
+
+/// One partition as the SCOPES script reports it.
+struct Row {
+    key: String,
+    owner: Option<String>,
+    generation: u64,
+    pending: u64,
+    lag: u64,
+    halted: bool,
+}
+
+fn int(v: Option<&Value>) -> u64 {
+    match v {
+        Some(Value::Int(n)) => (*n).max(0) as u64,
+        Some(v) => text(v).and_then(|s| s.parse().ok()).unwrap_or(0),
+        None => 0,
+    }
+}
+
+impl RedisAdmin {
+    async fn rows(&self, category: &str, group: &str) -> Result<Vec<Row>> {
+        let n = Names::new(category)?;
+        let reply: Value = scripts::SCOPES
+            .key(n.index())
+            .key(n.halted(group))
+            .arg(category)
+            .arg(group)
+            .invoke_async(&mut self.t.conn.clone())
+            .await
+            .map_err(broker)?;
+        let Value::Array(items) = reply else { return Ok(Vec::new()) };
+        Ok(items
+            .iter()
+            .filter_map(|i| {
+                let Value::Array(f) = i else { return None };
+                let key = text(f.first()?)?;
+                let lease = f.get(1).and_then(text).unwrap_or_default();
+                let (owner, generation) = match lease.rsplit_once(':') {
+                    Some((o, g)) => (Some(o.to_owned()), g.parse().unwrap_or(0)),
+                    None => (None, 0),
+                };
+                Some(Row {
+                    key,
+                    owner,
+                    generation,
+                    pending: int(f.get(2)),
+                    lag: int(f.get(3)),
+                    halted: int(f.get(4)) == 1,
+                })
+            })
+            .collect())
+    }
+
+    async fn halted_map(&self, n: &Names, group: &str) -> Result<HashMap<String, serde_json::Value>> {
+        let all: HashMap<String, String> = redis::cmd("HGETALL")
+            .arg(n.halted(group))
+            .query_async(&mut self.t.conn.clone())
+            .await
+            .map_err(broker)?;
+        Ok(all
+            .into_iter()
+            .map(|(k, v)| (k, serde_json::from_str(&v).unwrap_or_default()))
+            .collect())
+    }
+}
+
+#[async_trait]
+impl Admin for RedisAdmin {
+    async fn scopes(&self, category: &str, group: &str) -> Result<Vec<ScopeInfo>> {
+        Ok(self
+            .rows(category, group)
+            .await?
+            .into_iter()
+            .map(|r| ScopeInfo {
+                scope: format!("{category}/{}", label(&r.key)),
+                owner: r.owner,
+                generation: r.generation,
+                lag: r.pending + r.lag,
+                halted: usize::from(r.halted),
+            })
+            .collect())
+    }
+
+    async fn halted(&self, category: &str, group: &str) -> Result<Vec<HaltedKey>> {
+        let n = Names::new(category)?;
+        let mut out: Vec<HaltedKey> = self
+            .halted_map(&n, group)
+            .await?
+            .into_iter()
+            .map(|(key, v)| HaltedKey {
+                label: label(&key),
+                preview: redact(&key),
+                scope: format!("{category}/{}", label(&key)),
+                head_id: v["head"].as_str().unwrap_or_default().to_owned(),
+                attempts: v["attempts"].as_u64().unwrap_or(0) as u32,
+                reason: v["reason"].as_str().unwrap_or_default().to_owned(),
+            })
+            .collect();
+        out.sort_by(|a, b| a.label.cmp(&b.label));
+        Ok(out)
+    }
+
+    async fn hot_keys(&self, category: &str, group: &str, limit: usize) -> Result<Vec<HotKey>> {
+        let mut rows = self.rows(category, group).await?;
+        rows.sort_by_key(|r| std::cmp::Reverse(r.pending + r.lag));
+        Ok(rows
+            .into_iter()
+            .filter(|r| r.pending + r.lag > 0)
+            .take(limit)
+            .map(|r| HotKey {
+                label: label(&r.key),
+                backlog: r.pending + r.lag,
+            })
+            .collect())
+    }
+
+    async fn dead_letters(&self, category: &str, group: &str) -> Result<Vec<DeadLetter>> {
+        let n = Names::new(category)?;
+        let mut conn = self.t.conn.clone();
+        let mut keys: Vec<String> = redis::cmd("SMEMBERS")
+            .arg(n.dlq_index())
+            .query_async(&mut conn)
+            .await
+            .map_err(broker)?;
+        keys.sort();
+        let mut out = Vec::new();
+        for k in keys {
+            let stream = if k == "__keyless__" { n.keyless_dlq() } else { n.dlq(&k) };
+            let v: Value = redis::cmd("XRANGE")
+                .arg(&stream)
+                .arg("-")
+                .arg("+")
+                .query_async(&mut conn)
+                .await
+                .map_err(broker)?;
+            for (_, fields) in entries(&v) {
+                let Some(f) = fields else { continue };
+                let field = |name: &str| f.get(name).map(|b| String::from_utf8_lossy(b).into_owned());
+                if field("x-group").as_deref() != Some(group) {
+                    continue;
+                }
+                out.push(DeadLetter {
+                    id: field("id").unwrap_or_default(),
+                    label: if k == "__keyless__" { "keyless".into() } else { label(&k) },
+                    reason: field("x-reason").unwrap_or_default(),
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    async fn resolve(&self, category: &str, group: &str, key: &str, action: HeadAction) -> Result<()> {
+        let n = Names::new(category)?;
+        let halted = self.halted_map(&n, group).await?;
+        let Some((found, head)) = halted.iter().find(|(k, _)| *k == key || label(k) == key) else {
+            return Err(Error::NotFound(format!("no halted key {}", redact(key))));
+        };
+        let head = head["head"].as_str().unwrap_or_default().to_owned();
+        let field = Names::attempts_field(found, &head);
+        let mut conn = self.t.conn.clone();
+        let mark = match action {
+            HeadAction::Skip => "skip",
+            HeadAction::Resume => "resume",
+            HeadAction::DeadLetter => {
+                let _: i64 = scripts::PARK
+                    .key(n.lease(found, group))
+                    .key(n.stream(found))
+                    .key(n.attempts(group))
+                    .key(n.dlq(found))
+                    .key(n.dlq_index())
+                    .key(n.halted(group))
+                    .arg("")
+                    .arg(group)
+                    .arg(&head)
+                    .arg(&field)
+                    .arg(found)
+                    .arg("moved to the dead-letter stream by an operator")
+                    .invoke_async(&mut conn)
+                    .await
+                    .map_err(broker)?;
+                "dlq"
+            }
+        };
+        let _: i64 = scripts::RESOLVE
+            .key(n.stream(found))
+            .key(n.attempts(group))
+            .key(n.halted(group))
+            .key(n.resolved(group))
+            .arg(group)
+            .arg(&head)
+            .arg(&field)
+            .arg(found)
+            .arg(mark)
+            .arg(n.wake())
+            .invoke_async(&mut conn)
+            .await
+            .map_err(broker)?;
+        if action == HeadAction::Skip {
+            tracing::warn!(key = %label(found), "operator skipped a halted head");
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,105 @@
+//! Configuration from a `redis://` URL.
+
+use std::time::Duration;
+
+use keyorder_core::{Error, Result};
+
+/// How a category is laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// A stream per key, owned through a fenced lease (ordered; the default).
+    Partitioned,
+    /// One stream per category read by a plain competing-consumer group: no
+    /// per-key order across instances (the benchmark baseline).
+    Single,
+}
+
+/// Configuration of the Redis transport.
+///
+/// URL options (query string), all optional:
+///
+/// | Option | Default | Meaning |
+/// |---|---|---|
+/// | `layout` | `partitioned` | `partitioned` or `single` (see [`Layout`]) |
+/// | `response_timeout_ms` | `2000` | per-command response timeout |
+/// | `reap_idle_ms` | `3600000` | remove a drained partition idle this long (0: never) |
+/// | `partition_warn` | `2000` | warn when a category has more live partitions |
+///
+/// ```
+/// let url = url::Url::parse("redis://127.0.0.1:6379/?reap_idle_ms=60000").unwrap();
+/// let cfg = keyorder_redis::RedisConfig::from_url(&url).unwrap();
+/// assert_eq!(cfg.reap_idle, std::time::Duration::from_secs(60));
+/// ```
+#[derive(Debug, Clone)]
+pub struct RedisConfig {
+    /// The server URL without keyorder's options.
+    pub server: String,
+    /// The server for messages (no password).
+    pub display: String,
+    /// The layout.
+    pub layout: Layout,
+    /// Per-command response timeout.
+    pub response_timeout: Duration,
+    /// Idle time after which a drained partition is removed (zero: never).
+    pub reap_idle: Duration,
+    /// Live partitions per category above which a warning fires.
+    pub partition_warn: usize,
+}
+
+impl RedisConfig {
+    /// Reads the configuration from a `redis://` URL; unknown options are an
+    /// error that lists the known ones.
+    pub fn from_url(url: &url::Url) -> Result<Self> {
+        let mut cfg = RedisConfig {
+            server: String::new(),
+            display: format!(
+                "{}:{}",
+                url.host_str().unwrap_or("127.0.0.1"),
+                url.port().unwrap_or(6379)
+            ),
+            layout: Layout::Partitioned,
+            response_timeout: Duration::from_secs(2),
+            reap_idle: Duration::from_secs(3600),
+            partition_warn: 2000,
+        };
+        let num = |k: &str, v: &str| -> Result<u64> {
+            v.parse()
+                .map_err(|_| Error::Url(format!("redis: {k}={v}: expected a whole number")))
+        };
+        let mut rest = Vec::new();
+        for (k, v) in url.query_pairs() {
+            match k.as_ref() {
+                "layout" => {
+                    cfg.layout = match v.as_ref() {
+                        "partitioned" => Layout::Partitioned,
+                        "single" => Layout::Single,
+                        other => {
+                            return Err(Error::Url(format!(
+                                "redis: layout={other}: expected `partitioned` or `single`"
+                            )))
+                        }
+                    }
+                }
+                "response_timeout_ms" => {
+                    cfg.response_timeout = Duration::from_millis(num(&k, &v)?.max(50));
+                }
+                "reap_idle_ms" => cfg.reap_idle = Duration::from_millis(num(&k, &v)?),
+                "partition_warn" => cfg.partition_warn = num(&k, &v)? as usize,
+                "protocol" | "db" => rest.push((k.into_owned(), v.into_owned())),
+                other => {
+                    return Err(Error::Url(format!(
+                        "redis: unknown option `{other}` (known: layout, response_timeout_ms, reap_idle_ms, \
+                         partition_warn)"
+                    )))
+                }
+            }
+        }
+        let mut server = url.clone();
+        server.set_query(None);
+        if !rest.is_empty() {
+            server.query_pairs_mut().extend_pairs(rest);
+        }
+        cfg.server = server.to_string();
+        Ok(cfg)
+    }
+}

@@ -1,0 +1,309 @@
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
+
+mod admin;
+mod config;
+mod names;
+mod plain;
+mod scripts;
+mod settle;
+mod source;
+mod wake;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use keyorder_core::{
+    Admin, Capabilities, Error, Message, OrderingKey, Result, SourceSpec, Transport, TransportPublisher,
+    TransportSource,
+};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::Value;
+
+pub use crate::config::{Layout, RedisConfig};
+pub use crate::names::Names;
+pub use redis;
+
+/// What the Redis transport can do with the partitioned layout (the default).
+pub const CAPABILITIES: Capabilities = Capabilities {
+    cross_instance_affinity: true,
+    fencing: true,
+    self_fencing: true,
+    crash_reclaim: true,
+    halt_on_poison: true,
+    park_and_release: true,
+    correlated_ownership: false,
+    dynamic_partitions: true,
+    remap_window: false,
+    multi_process: true,
+    persistent: false,
+};
+
+/// What the Redis transport can do with `layout=single`: one stream per
+/// category read by a plain competing-consumer group (the benchmark baseline).
+pub const SINGLE_CAPABILITIES: Capabilities = Capabilities {
+    cross_instance_affinity: false,
+    fencing: false,
+    self_fencing: false,
+    crash_reclaim: false,
+    halt_on_poison: false,
+    park_and_release: true,
+    correlated_ownership: false,
+    dynamic_partitions: false,
+    remap_window: false,
+    multi_process: true,
+    persistent: false,
+};
+
+pub(crate) fn broker(e: redis::RedisError) -> Error {
+    Error::Broker(format!("redis: {e}"))
+}
+
+/// The Redis Streams transport (`redis://`).
+#[derive(Clone)]
+pub struct RedisTransport {
+    pub(crate) cfg: Arc<RedisConfig>,
+    pub(crate) client: redis::Client,
+    pub(crate) conn: ConnectionManager,
+}
+
+impl fmt::Debug for RedisTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisTransport")
+            .field("layout", &self.cfg.layout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisTransport {
+    /// Connects with `cfg`; fails when the server does not answer.
+    pub async fn connect(cfg: RedisConfig) -> Result<Self> {
+        let client = redis::Client::open(cfg.server.as_str()).map_err(|e| Error::Url(format!("redis: {e}")))?;
+        let conn = Self::manager(&client, &cfg, Some(cfg.response_timeout)).await?;
+        Ok(RedisTransport {
+            cfg: Arc::new(cfg),
+            client,
+            conn,
+        })
+    }
+
+    /// Connects to the server a `redis://` URL names (options in its query
+    /// string; see [`RedisConfig::from_url`]).
+    pub async fn from_url(url: &url::Url) -> Result<Self> {
+        Self::connect(RedisConfig::from_url(url)?).await
+    }
+
+    /// A reconnecting connection with `timeout` per response.
+    pub(crate) async fn manager(
+        client: &redis::Client,
+        cfg: &RedisConfig,
+        timeout: Option<std::time::Duration>,
+    ) -> Result<ConnectionManager> {
+        let config = ConnectionManagerConfig::new()
+            .set_response_timeout(timeout)
+            .set_connection_timeout(Some(cfg.response_timeout))
+            .set_number_of_retries(2)
+            .set_max_delay(std::time::Duration::from_secs(1));
+        tokio::time::timeout(
+            cfg.response_timeout * 4,
+            ConnectionManager::new_with_config(client.clone(), config),
+        )
+        .await
+        .map_err(|_| Error::Broker(format!("redis: no answer from {} (is it running?)", cfg.display)))?
+        .map_err(|e| Error::Broker(format!("redis: cannot connect to {}: {e} (is it running?)", cfg.display)))
+    }
+
+    /// The configuration in use.
+    pub fn config(&self) -> &RedisConfig {
+        &self.cfg
+    }
+}
+
+#[async_trait]
+impl Transport for RedisTransport {
+    fn name(&self) -> &str {
+        "redis"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        match self.cfg.layout {
+            Layout::Partitioned => CAPABILITIES,
+            Layout::Single => SINGLE_CAPABILITIES,
+        }
+    }
+
+    fn affinity_fix(&self) -> String {
+        "use the partitioned layout (the default; remove `layout=single` from the redis:// URL), which gives each \
+         key its own stream owned by one instance"
+            .into()
+    }
+
+    async fn publisher(&self, category: &str) -> Result<Arc<dyn TransportPublisher>> {
+        Ok(Arc::new(RedisPublisher {
+            t: self.clone(),
+            names: Names::new(category)?,
+        }))
+    }
+
+    async fn open(&self, spec: &SourceSpec) -> Result<Box<dyn TransportSource>> {
+        if spec.ordered && self.cfg.layout == Layout::Single {
+            return Err(Error::Config(format!(
+                "an ordered subscription needs cross-instance affinity: {}",
+                self.affinity_fix()
+            )));
+        }
+        if spec.ordered {
+            Ok(Box::new(source::Source::open(self.clone(), spec.clone()).await?))
+        } else {
+            Ok(Box::new(plain::PlainSource::open(self.clone(), spec.clone()).await?))
+        }
+    }
+
+    fn admin(&self) -> Arc<dyn Admin> {
+        Arc::new(admin::RedisAdmin { t: self.clone() })
+    }
+}
+
+/// The stream fields of a message (the key is the partition, or the `k`
+/// field in the single layout).
+pub(crate) fn fields(message: &Message, with_key: bool) -> Result<Vec<Vec<u8>>> {
+    let headers = serde_json::to_string(message.headers()).map_err(|e| Error::Broker(e.to_string()))?;
+    let mut out: Vec<Vec<u8>> = vec![
+        b"id".to_vec(),
+        message.id().as_bytes().to_vec(),
+        b"h".to_vec(),
+        headers.into_bytes(),
+        b"p".to_vec(),
+        message.payload().to_vec(),
+    ];
+    if let Some(c) = message.correlation_id() {
+        out.push(b"c".to_vec());
+        out.push(c.as_bytes().to_vec());
+    }
+    if with_key {
+        if let Some(k) = message.key() {
+            out.push(b"k".to_vec());
+            out.push(k.as_str().as_bytes().to_vec());
+        }
+    }
+    Ok(out)
+}
+
+/// One stream entry: its id and fields (`None` when the entry was deleted
+/// while pending).
+pub(crate) type Entry = (String, Option<BTreeMap<String, Vec<u8>>>);
+
+fn text(v: &Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+        Value::SimpleString(s) => Some(s.clone()),
+        Value::Int(i) => Some(i.to_string()),
+        _ => None,
+    }
+}
+
+fn bytes(v: &Value) -> Option<Vec<u8>> {
+    match v {
+        Value::BulkString(b) => Some(b.clone()),
+        Value::SimpleString(s) => Some(s.as_bytes().to_vec()),
+        Value::Int(i) => Some(i.to_string().into_bytes()),
+        _ => None,
+    }
+}
+
+/// Parses `[[id, [field, value, ...]], ...]`.
+pub(crate) fn entries(v: &Value) -> Vec<Entry> {
+    let Value::Array(items) = v else { return Vec::new() };
+    items
+        .iter()
+        .filter_map(|item| {
+            let Value::Array(pair) = item else { return None };
+            let id = text(pair.first()?)?;
+            let fields = match pair.get(1) {
+                Some(Value::Array(kv)) => Some(
+                    kv.chunks(2)
+                        .filter_map(|c| Some((text(c.first()?)?, bytes(c.get(1)?)?)))
+                        .collect(),
+                ),
+                _ => None,
+            };
+            Some((id, fields))
+        })
+        .collect()
+}
+
+/// Rebuilds a message from its stream fields.
+pub(crate) fn message(fields: &BTreeMap<String, Vec<u8>>, key: Option<OrderingKey>) -> Message {
+    let payload = fields.get("p").cloned().unwrap_or_default();
+    let mut msg = Message::new(payload);
+    if let Some(id) = fields.get("id") {
+        msg = msg.with_id(String::from_utf8_lossy(id).into_owned());
+    }
+    if let Some(h) = fields.get("h") {
+        if let Ok(h) = serde_json::from_slice::<BTreeMap<String, String>>(h) {
+            for (k, v) in h {
+                msg = msg.with_header(k, v);
+            }
+        }
+    }
+    if let Some(c) = fields.get("c") {
+        msg = msg.with_correlation_id(String::from_utf8_lossy(c).into_owned());
+    }
+    if let Some(k) = key {
+        msg = msg.with_ordering_key(k);
+    }
+    msg
+}
+
+struct RedisPublisher {
+    t: RedisTransport,
+    names: Names,
+}
+
+impl fmt::Debug for RedisPublisher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisPublisher")
+            .field("category", &self.names.category())
+            .finish()
+    }
+}
+
+#[async_trait]
+impl TransportPublisher for RedisPublisher {
+    async fn publish(&self, message: Message) -> Result<()> {
+        let mut conn = self.t.conn.clone();
+        let n = &self.names;
+        match (self.t.cfg.layout, message.key()) {
+            (Layout::Single, _) => {
+                let mut inv = scripts::APPEND.prepare_invoke();
+                inv.key(n.single()).arg(n.wake()).arg("");
+                for f in fields(&message, true)? {
+                    inv.arg(f);
+                }
+                inv.invoke_async::<Value>(&mut conn).await.map_err(broker)?;
+            }
+            (Layout::Partitioned, Some(key)) => {
+                let mut inv = scripts::PUBLISH.prepare_invoke();
+                inv.key(n.stream(key.as_str()))
+                    .key(n.index())
+                    .arg(key.as_str())
+                    .arg(n.wake());
+                for f in fields(&message, false)? {
+                    inv.arg(f);
+                }
+                inv.invoke_async::<Value>(&mut conn).await.map_err(broker)?;
+            }
+            (Layout::Partitioned, None) => {
+                let mut inv = scripts::APPEND.prepare_invoke();
+                inv.key(n.keyless()).arg(n.wake()).arg("");
+                for f in fields(&message, false)? {
+                    inv.arg(f);
+                }
+                inv.invoke_async::<Value>(&mut conn).await.map_err(broker)?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,375 @@
+//! The Lua scripts: every step that must be atomic at the server (publish and
+//! index, acquire and reclaim, fenced read, fenced acknowledgement, park,
+//! trim, reap, operator actions) is one script, so it runs as one step on the
+//! Redis server, on the server's clock.
+//!
+//! A *holder* is `{owner}:{generation}`: the lease's value, and the name of
+//! the owner's consumer in the stream's group, so a consumer name always
+//! carries its generation.
+
+use std::sync::LazyLock;
+
+use redis::Script;
+
+/// Milliseconds on the server's clock.
+const NOW: &str = r"
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+";
+
+fn script(body: &str) -> Script {
+    Script::new(&format!("{NOW}\n{body}"))
+}
+
+/// Appends one entry to a partition stream and records the partition in the
+/// index in the same step, then wakes the consumers.
+///
+/// KEYS: stream, index. ARGV: key, wake channel, field/value pairs...
+pub(crate) static PUBLISH: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        r"
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
+redis.call('ZADD', KEYS[2], now_ms(), ARGV[1])
+redis.call('PUBLISH', ARGV[2], ARGV[1])
+return id
+",
+    )
+});
+
+/// Appends to one stream (the keyless stream or a single-layout stream) and
+/// wakes the consumers.
+///
+/// KEYS: stream. ARGV: wake channel, wake message, field/value pairs...
+pub(crate) static APPEND: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        r"
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
+redis.call('PUBLISH', ARGV[1], ARGV[2])
+return id
+",
+    )
+});
+
+/// Acquires free leases, each with a fresh generation from the category's
+/// counter (which never expires, so a generation never goes back), creates
+/// the group at `0` if missing, and claims every pending entry of earlier
+/// generations for the new holder (XAUTOCLAIM with min-idle 0 until the
+/// cursor is `0-0`), removing the earlier consumers once empty.
+///
+/// KEYS: generation counter, index, then (lease, stream) per partition.
+/// ARGV: owner, ttl ms, group, then the key per partition.
+/// Returns per partition: the generation, or 0 (held by another, or no
+/// longer indexed).
+pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        r"
+local out = {}
+local n = (#KEYS - 2) / 2
+for i = 1, n do
+  local lease, stream = KEYS[1 + 2 * i], KEYS[2 + 2 * i]
+  local gen = 0
+  if redis.call('EXISTS', lease) == 0 and redis.call('ZSCORE', KEYS[2], ARGV[3 + i]) then
+    gen = redis.call('INCR', KEYS[1])
+    local holder = ARGV[1] .. ':' .. gen
+    redis.call('SET', lease, holder, 'PX', ARGV[2])
+    redis.pcall('XGROUP', 'CREATE', stream, ARGV[3], '0', 'MKSTREAM')
+    local cursor = '0-0'
+    repeat
+      local r = redis.call('XAUTOCLAIM', stream, ARGV[3], holder, 0, cursor, 'COUNT', 1000, 'JUSTID')
+      cursor = r[1]
+    until cursor == '0-0'
+    for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', stream, ARGV[3])) do
+      local name, pending = nil, 0
+      for j = 1, #c, 2 do
+        if c[j] == 'name' then name = c[j + 1] elseif c[j] == 'pending' then pending = c[j + 1] end
+      end
+      if name ~= holder and pending == 0 then
+        redis.call('XGROUP', 'DELCONSUMER', stream, ARGV[3], name)
+      end
+    end
+  end
+  out[i] = gen
+end
+return out
+",
+    )
+});
+
+/// The heartbeat: records the member on the server's clock, renews every
+/// lease still held by this holder, and answers the live members.
+///
+/// KEYS: members, then one lease per partition. ARGV: owner, ttl ms, then
+/// one generation per lease. Returns `{renewed flags, live members}`.
+pub(crate) static RENEW: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        r"
+local now = now_ms()
+local ttl = tonumber(ARGV[2])
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - 100 * ttl)
+local out = {}
+for i = 2, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[1] .. ':' .. ARGV[i + 1] then
+    redis.call('PEXPIRE', KEYS[i], ttl)
+    out[i - 1] = 1
+  else
+    out[i - 1] = 0
+  end
+end
+return {out, redis.call('ZRANGEBYSCORE', KEYS[1], now - ttl, '+inf')}
+",
+    )
+});
+
+/// The fenced read: for each partition, only while this holder holds its
+/// lease, XREADGROUP (never BLOCK: Redis refuses it in scripts) from `>` or,
+/// to re-read the holder's own pending entries, after an id.
+///
+/// KEYS: (lease, stream) per partition. ARGV: group, owner, then
+/// (generation, start id, count) per partition. Returns per partition `0`
+/// (fenced: the lease is not ours) or the entries.
+pub(crate) static READ: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        r"
+local out = {}
+for i = 1, #KEYS / 2 do
+  local gen, start, count = ARGV[3 * i], ARGV[3 * i + 1], ARGV[3 * i + 2]
+  local holder = ARGV[2] .. ':' .. gen
+  if redis.call('GET', KEYS[2 * i - 1]) ~= holder then
+    out[i] = 0
+  else
+    local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], holder, 'COUNT', count, 'STREAMS', KEYS[2 * i], start)
+    if r then out[i] = r[1][2] else out[i] = {} end
+  end
+end
+return out
+",
+    )
+});
+
+/// Increments the durable attempt count, fenced (unfenced with an empty
+/// holder: the keyless stream).
+///
+/// KEYS: lease, attempts hash. ARGV: holder, field. Returns the count, or 0
+/// when fenced.
+pub(crate) static ATTEMPT: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        r"
+if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
+",
+    )
+});
+
+/// Acknowledges an entry, fenced, and forgets its attempt count.
+///
+/// KEYS: lease, stream, attempts hash. ARGV: holder, group, entry id, field.
+/// Returns 1, or 0 when fenced.
+pub(crate) static ACK: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        r"
+if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('XACK', KEYS[2], ARGV[2], ARGV[3])
+redis.call('HDEL', KEYS[3], ARGV[4])
+return 1
+",
+    )
+});
+
+/// Records a halted head, fenced (the entry stays pending).
+///
+/// KEYS: lease, halted hash, attempts hash. ARGV: holder, key, entry id,
+/// reason, attempts field. Returns 1, or 0 when fenced.
+pub(crate) static HALT: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        r"
+if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local attempts = tonumber(redis.call('HGET', KEYS[3], ARGV[5]) or '0')
+redis.call('HSET', KEYS[2], ARGV[2], cjson.encode({head = ARGV[3], reason = ARGV[4], attempts = attempts}))
+return 1
+",
+    )
+});
+
+/// Copies an entry to the dead-letter stream and acknowledges it in one step.
+/// With an empty holder it is the operator's (unfenced) dead-letter action.
+///
+/// KEYS: lease, stream, attempts hash, dead-letter stream, dead-letter index,
+/// halted hash. ARGV: holder, group, entry id, attempts field, key, reason.
+/// Returns 1, 0 when fenced, -1 when the entry is gone.
+pub(crate) static PARK: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        r"
+if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local e = redis.call('XRANGE', KEYS[2], ARGV[3], ARGV[3])
+if #e == 0 then
+  redis.call('XACK', KEYS[2], ARGV[2], ARGV[3])
+  return -1
+end
+local fields = e[1][2]
+table.insert(fields, 'x-reason'); table.insert(fields, ARGV[6])
+table.insert(fields, 'x-group'); table.insert(fields, ARGV[2])
+table.insert(fields, 'x-entry'); table.insert(fields, ARGV[3])
+table.insert(fields, 'x-at'); table.insert(fields, tostring(now_ms()))
+redis.call('XADD', KEYS[4], '*', unpack(fields))
+redis.call('SADD', KEYS[5], ARGV[5])
+redis.call('XACK', KEYS[2], ARGV[2], ARGV[3])
+redis.call('HDEL', KEYS[3], ARGV[4])
+redis.call('HDEL', KEYS[6], ARGV[5])
+return 1
+",
+    )
+});
+
+/// Releases a lease held by this holder.
+///
+/// KEYS: lease. ARGV: holder. Returns 1 when it was ours.
+pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+",
+    )
+});
+
+/// The lowest entry some group of the stream still needs: its first pending
+/// entry, or the one after its last delivered entry. `nil` without groups.
+const LOW_WATER: &str = r"
+local function next_id(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return ms .. '-' .. (tonumber(seq) + 1)
+end
+local function older(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  if #am ~= #bm then return #am < #bm end
+  if am ~= bm then return am < bm end
+  return tonumber(as) < tonumber(bs)
+end
+local function low_water(stream)
+  local low = nil
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local name, pending, last = nil, 0, '0-0'
+    for j = 1, #g, 2 do
+      if g[j] == 'name' then name = g[j + 1]
+      elseif g[j] == 'pending' then pending = g[j + 1]
+      elseif g[j] == 'last-delivered-id' then last = g[j + 1] end
+    end
+    local need
+    if pending > 0 then
+      need = redis.call('XPENDING', stream, name)[2]
+    else
+      need = next_id(last)
+    end
+    if low == nil or older(need, low) then low = need end
+  end
+  return low
+end
+";
+
+/// Trims entries every group of the stream has acknowledged.
+///
+/// KEYS: stream. Returns the number of entries removed.
+pub(crate) static TRIM: LazyLock<Script> = LazyLock::new(|| {
+    script(&format!(
+        r"{LOW_WATER}
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local low = low_water(KEYS[1])
+if low == nil then return 0 end
+return redis.call('XTRIM', KEYS[1], 'MINID', low)
+"
+    ))
+});
+
+/// Removes a cold partition atomically with respect to publishing: only
+/// when nothing was published for `idle` (the index score is the last
+/// publish on the server's clock), no group has anything pending and every
+/// group has read to the end. A publish after it recreates stream and index
+/// entry, and the partition is discovered again.
+///
+/// KEYS: stream, index, lease. ARGV: key, idle ms, holder. Returns 1 when
+/// removed.
+pub(crate) static REAP: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        r"
+local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
+if score and tonumber(score) > now_ms() - tonumber(ARGV[2]) then return 0 end
+if redis.call('GET', KEYS[3]) ~= ARGV[3] then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local last = redis.call('XINFO', 'STREAM', KEYS[1])
+  local last_id = '0-0'
+  for j = 1, #last, 2 do
+    if last[j] == 'last-generated-id' then last_id = last[j + 1] end
+  end
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+    for j = 1, #g, 2 do
+      if g[j] == 'pending' and g[j + 1] > 0 then return 0 end
+      if g[j] == 'last-delivered-id' and g[j + 1] ~= last_id then return 0 end
+    end
+  end
+end
+redis.call('DEL', KEYS[1], KEYS[3])
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 1
+",
+    )
+});
+
+/// The operator's skip or resume of a halted head (unfenced: it works with
+/// no owner at all), recorded for the owner to release the key.
+///
+/// KEYS: stream, attempts hash, halted hash, resolved hash. ARGV: group,
+/// entry id, attempts field, key, action (`skip` acknowledges, `resume`
+/// resets the attempts), wake channel.
+pub(crate) static RESOLVE: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        r"
+if ARGV[5] == 'skip' then
+  redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+end
+redis.call('HDEL', KEYS[2], ARGV[3])
+redis.call('HDEL', KEYS[3], ARGV[4])
+redis.call('HSET', KEYS[4], ARGV[4], ARGV[5])
+redis.call('PUBLISH', ARGV[6], ARGV[4])
+return 1
+",
+    )
+});
+
+/// The operator's view of every partition of a category for one group:
+/// `{key, lease, pending, lag, halted}` per partition (not-yet-delivered
+/// entries count as lag; `lease` is `owner:generation` or empty).
+///
+/// KEYS: index, halted hash. ARGV: category, group.
+pub(crate) static SCOPES: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        r"
+local out = {}
+for _, k in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local stream = ARGV[1] .. ':' .. k
+  local lease = redis.call('GET', stream .. ':__lease__:' .. ARGV[2]) or ''
+  local pending, lag, found = 0, 0, false
+  if redis.call('EXISTS', stream) == 1 then
+    for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+      local name, p, l = nil, 0, 0
+      for j = 1, #g, 2 do
+        if g[j] == 'name' then name = g[j + 1]
+        elseif g[j] == 'pending' then p = g[j + 1]
+        elseif g[j] == 'lag' then l = g[j + 1] or 0 end
+      end
+      if name == ARGV[2] then pending, lag, found = p, l, true end
+    end
+    if not found then lag = redis.call('XLEN', stream) end
+  end
+  out[#out + 1] = {k, lease, pending, lag, redis.call('HEXISTS', KEYS[2], k)}
+end
+return out
+",
+    )
+});

@@ -1,0 +1,187 @@
+//! Settling one delivery: every call on an owned partition is a fenced script.
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use keyorder_core::{Error, Result, Settle};
+use redis::Value;
+
+use crate::names::Names;
+use crate::{broker, scripts, RedisTransport};
+
+/// How a delivery is settled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// An owned partition: every call is fenced by the holder.
+    Fenced,
+    /// No owner (the keyless stream, or an unordered subscription on the
+    /// partitioned layout): durable attempts, no fence.
+    Unfenced,
+    /// The single layout (plain competing consumers): XACK, attempts in memory.
+    Plain,
+}
+
+pub(crate) struct RedisSettle {
+    pub(crate) t: RedisTransport,
+    pub(crate) names: Arc<Names>,
+    pub(crate) group: Arc<str>,
+    pub(crate) mode: Mode,
+    /// The partition's key (`""` when keyless).
+    pub(crate) key: String,
+    pub(crate) stream: String,
+    pub(crate) holder: String,
+    pub(crate) generation: u64,
+    pub(crate) scope: Arc<str>,
+    pub(crate) entry: String,
+    /// Set once an acknowledgement made the partition trimmable.
+    pub(crate) acked: Arc<AtomicBool>,
+    pub(crate) local_attempts: AtomicU32,
+}
+
+impl fmt::Debug for RedisSettle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisSettle")
+            .field("scope", &self.scope)
+            .field("entry", &self.entry)
+            .field("generation", &self.generation)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisSettle {
+    fn fenced(&self) -> Error {
+        metrics::counter!("keyorder_redis_fence_rejections_total").increment(1);
+        Error::Fenced {
+            scope: self.scope.to_string(),
+            generation: self.generation,
+        }
+    }
+
+    fn holder(&self) -> &str {
+        if self.mode == Mode::Fenced {
+            &self.holder
+        } else {
+            ""
+        }
+    }
+
+    fn lease_key(&self) -> String {
+        self.names.lease(&self.key, &self.group)
+    }
+
+    fn field(&self) -> String {
+        Names::attempts_field(if self.key.is_empty() { "__keyless__" } else { &self.key }, &self.entry)
+    }
+
+    fn dlq(&self) -> String {
+        if self.key.is_empty() {
+            self.names.keyless_dlq()
+        } else {
+            self.names.dlq(&self.key)
+        }
+    }
+}
+
+#[async_trait]
+impl Settle for RedisSettle {
+    async fn begin_attempt(&self) -> Result<u32> {
+        if self.mode == Mode::Plain {
+            return Ok(self.local_attempts.fetch_add(1, Ordering::SeqCst) + 1);
+        }
+        let n: i64 = scripts::ATTEMPT
+            .key(self.lease_key())
+            .key(self.names.attempts(&self.group))
+            .arg(self.holder())
+            .arg(self.field())
+            .invoke_async(&mut self.t.conn.clone())
+            .await
+            .map_err(broker)?;
+        if n == 0 {
+            return Err(self.fenced());
+        }
+        Ok(n as u32)
+    }
+
+    async fn ack(&self) -> Result<()> {
+        let mut conn = self.t.conn.clone();
+        if self.mode == Mode::Plain {
+            redis::cmd("XACK")
+                .arg(&self.stream)
+                .arg(&*self.group)
+                .arg(&self.entry)
+                .query_async::<Value>(&mut conn)
+                .await
+                .map_err(broker)?;
+            return Ok(());
+        }
+        let n: i64 = scripts::ACK
+            .key(self.lease_key())
+            .key(&self.stream)
+            .key(self.names.attempts(&self.group))
+            .arg(self.holder())
+            .arg(&*self.group)
+            .arg(&self.entry)
+            .arg(self.field())
+            .invoke_async(&mut conn)
+            .await
+            .map_err(broker)?;
+        if n == 0 {
+            return Err(self.fenced());
+        }
+        self.acked.store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
+    async fn park(&self, reason: &str) -> Result<()> {
+        let n: i64 = scripts::PARK
+            .key(self.lease_key())
+            .key(&self.stream)
+            .key(self.names.attempts(&self.group))
+            .key(self.dlq())
+            .key(self.names.dlq_index())
+            .key(self.names.halted(&self.group))
+            .arg(self.holder())
+            .arg(&*self.group)
+            .arg(&self.entry)
+            .arg(self.field())
+            .arg(if self.key.is_empty() { "__keyless__" } else { &self.key })
+            .arg(reason)
+            .invoke_async(&mut self.t.conn.clone())
+            .await
+            .map_err(broker)?;
+        if n == 0 {
+            return Err(self.fenced());
+        }
+        self.acked.store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
+    async fn halt(&self, reason: &str) -> Result<()> {
+        if self.key.is_empty() {
+            return Err(Error::Unsupported {
+                transport: "redis".into(),
+                capability: "halt_on_poison",
+                fix: "a keyless message has no partition to halt; give it a key or use the Park poison policy".into(),
+            });
+        }
+        let n: i64 = scripts::HALT
+            .key(self.lease_key())
+            .key(self.names.halted(&self.group))
+            .key(self.names.attempts(&self.group))
+            .arg(self.holder())
+            .arg(&self.key)
+            .arg(&self.entry)
+            .arg(reason)
+            .arg(self.field())
+            .invoke_async(&mut self.t.conn.clone())
+            .await
+            .map_err(broker)?;
+        if n == 0 {
+            return Err(self.fenced());
+        }
+        metrics::counter!("keyorder_redis_halts_total").increment(1);
+        Ok(())
+    }
+}

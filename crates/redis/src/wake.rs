@@ -1,0 +1,79 @@
+//! Wake-ups: every publish also publishes its key on the category's wake
+//! channel, so an idle consumer reads the partition at once without a
+//! blocking read (Redis refuses BLOCK inside the fenced read script). A lost
+//! connection or an overflow marks every partition to be read.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+
+/// Keys woken since the consumer last looked, bounded.
+#[derive(Debug, Default)]
+pub(crate) struct Wake {
+    keys: Mutex<HashSet<String>>,
+    all: AtomicBool,
+    pub(crate) notify: Notify,
+}
+
+const MAX_WOKEN: usize = 65_536;
+
+impl Wake {
+    fn push(&self, key: String) {
+        {
+            let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+            if keys.len() >= MAX_WOKEN {
+                self.all.store(true, Ordering::SeqCst);
+            } else {
+                keys.insert(key);
+            }
+        }
+        self.notify.notify_one();
+    }
+
+    /// Marks everything woken (after a reconnect: wake-ups may be lost).
+    pub(crate) fn all(&self) {
+        self.all.store(true, Ordering::SeqCst);
+        self.notify.notify_one();
+    }
+
+    /// Takes the woken keys, and whether everything must be looked at.
+    pub(crate) fn take(&self) -> (HashSet<String>, bool) {
+        let keys = std::mem::take(&mut *self.keys.lock().unwrap_or_else(|e| e.into_inner()));
+        (keys, self.all.swap(false, Ordering::SeqCst))
+    }
+}
+
+/// Listens on `channel` until aborted, reconnecting with back-off.
+pub(crate) fn listen(client: redis::Client, channel: String, wake: Arc<Wake>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            match client.get_async_pubsub().await {
+                Ok(mut pubsub) => {
+                    if let Err(e) = pubsub.subscribe(&channel).await {
+                        tracing::warn!(error = %e, "redis: wake-up subscription failed; retrying");
+                    } else {
+                        backoff = Duration::from_millis(100);
+                        // Anything published while we were away is read now.
+                        wake.all();
+                        let mut messages = pubsub.on_message();
+                        while let Some(m) = messages.next().await {
+                            let key: String = m.get_payload().unwrap_or_default();
+                            wake.push(key);
+                        }
+                        tracing::warn!("redis: wake-up connection closed; reconnecting");
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, "redis: wake-up connection failed; retrying"),
+            }
+            wake.all();
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        }
+    })
+}
