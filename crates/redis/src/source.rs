@@ -425,7 +425,7 @@ impl Source {
         let candidates: Vec<String> = self
             .parts
             .iter()
-            .filter(|(_, p)| !p.revoking && !p.dirty && p.pending_after.is_none())
+            .filter(|(_, p)| !p.revoking && p.pending_after.is_none())
             .map(|(k, _)| k.clone())
             .collect();
         for k in candidates {
