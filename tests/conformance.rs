@@ -205,7 +205,11 @@ impl Harness for RedisRestartHarness {
         redis_lease()
     }
     async fn restart_broker(&self) -> Result<()> {
-        let port = url::Url::parse(&self.url).ok().and_then(|u| u.port()).unwrap_or(6380).to_string();
+        let port = url::Url::parse(&self.url)
+            .ok()
+            .and_then(|u| u.port())
+            .unwrap_or(6380)
+            .to_string();
         let fail = |what: &str, e: String| keyorder::Error::Config(format!("restarting redis: {what}: {e}"));
         // SHUTDOWN flushes the append-only file; the server is gone when it returns.
         let _ = tokio::process::Command::new("redis-cli")
@@ -261,8 +265,8 @@ fn harnesses() -> Vec<Arc<dyn Harness>> {
         let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
         all.push(Arc::new(RedisHarness { url }));
         let url = std::env::var("REDIS_RESTART_URL").unwrap_or_else(|_| "redis://127.0.0.1:6380".into());
-        let conf = std::env::var("REDIS_RESTART_CONF")
-            .unwrap_or_else(|_| "/var/lib/keyorder-redis/redis-6380.conf".into());
+        let conf =
+            std::env::var("REDIS_RESTART_CONF").unwrap_or_else(|_| "/var/lib/keyorder-redis/redis-6380.conf".into());
         all.push(Arc::new(RedisRestartHarness { url, conf }));
     }
     all

@@ -56,7 +56,12 @@ struct Side {
 
 async fn side(a: &BenchArgs, ordered: bool) -> anyhow::Result<Side> {
     let label = if ordered { "ordered" } else { "baseline" };
-    let clients = run::clients(&a.url, a.instances).await?;
+    let url = if ordered {
+        a.url.clone()
+    } else {
+        run::baseline_url(&a.url)
+    };
+    let clients = run::clients(&url, a.instances).await?;
     let category = format!("keyorder-bench-{label}-{}", &uuid_like()[..8]);
     let keys: Vec<String> = (0..a.keys).map(|i| format!("key-{i}")).collect();
     // Throughput: the backlog is published first; timing runs from the first

@@ -23,6 +23,25 @@ pub(crate) fn with_setup(url: &str) -> String {
     }
 }
 
+/// The URL of the plain, unordered baseline on the same broker: Redis reads
+/// one stream with a competing-consumer group (`layout=single`); every other
+/// transport's unordered subscription is already its plain path.
+pub(crate) fn baseline_url(url: &str) -> String {
+    let redis = url.starts_with("redis://") || url.starts_with("rediss://");
+    if redis && !url.contains("layout=") {
+        let sep = if url.contains('?') {
+            "&"
+        } else if url.ends_with('/') {
+            "?"
+        } else {
+            "/?"
+        };
+        format!("{url}{sep}layout=single")
+    } else {
+        url.to_owned()
+    }
+}
+
 /// One client per instance: each its own connections. `memory://` instances
 /// share one in-process broker (a fresh `connect` would be another broker).
 pub(crate) async fn clients(url: &str, n: usize) -> anyhow::Result<Vec<Client>> {

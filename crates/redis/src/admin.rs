@@ -52,7 +52,9 @@ impl RedisAdmin {
             .invoke_async(&mut self.t.conn.clone())
             .await
             .map_err(broker)?;
-        let Value::Array(items) = reply else { return Ok(Vec::new()) };
+        let Value::Array(items) = reply else {
+            return Ok(Vec::new());
+        };
         Ok(items
             .iter()
             .filter_map(|i| {
@@ -165,7 +167,11 @@ impl Admin for RedisAdmin {
                 }
                 out.push(DeadLetter {
                     id: field("id").unwrap_or_default(),
-                    label: if k == "__keyless__" { "keyless".into() } else { label(&k) },
+                    label: if k == "__keyless__" {
+                        "keyless".into()
+                    } else {
+                        label(&k)
+                    },
                     reason: field("x-reason").unwrap_or_default(),
                 });
             }

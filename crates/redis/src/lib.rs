@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 mod admin;
+mod batch;
 mod config;
 mod names;
 mod plain;
@@ -67,6 +68,7 @@ pub struct RedisTransport {
     pub(crate) cfg: Arc<RedisConfig>,
     pub(crate) client: redis::Client,
     pub(crate) conn: ConnectionManager,
+    pub(crate) batcher: batch::Batcher,
 }
 
 impl fmt::Debug for RedisTransport {
@@ -85,6 +87,7 @@ impl RedisTransport {
         Ok(RedisTransport {
             cfg: Arc::new(cfg),
             client,
+            batcher: batch::Batcher::start(conn.clone()),
             conn,
         })
     }
@@ -112,7 +115,12 @@ impl RedisTransport {
         )
         .await
         .map_err(|_| Error::Broker(format!("redis: no answer from {} (is it running?)", cfg.display)))?
-        .map_err(|e| Error::Broker(format!("redis: cannot connect to {}: {e} (is it running?)", cfg.display)))
+        .map_err(|e| {
+            Error::Broker(format!(
+                "redis: cannot connect to {}: {e} (is it running?)",
+                cfg.display
+            ))
+        })
     }
 
     /// The configuration in use.

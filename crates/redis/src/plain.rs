@@ -166,7 +166,11 @@ impl GroupReader {
                 names: self.names.clone(),
                 group: self.group.clone(),
                 mode: self.mode,
-                key: if self.mode == Mode::Plain { String::new() } else { key_text },
+                key: if self.mode == Mode::Plain {
+                    String::new()
+                } else {
+                    key_text
+                },
                 stream: self.stream.clone(),
                 holder: String::new(),
                 generation: 0,
@@ -174,6 +178,7 @@ impl GroupReader {
                 entry,
                 acked: self.acked.clone(),
                 local_attempts: AtomicU32::new(0),
+                counted: AtomicU32::new(0),
             }),
         })
     }
@@ -318,7 +323,9 @@ impl PlainSource {
                     .strip_prefix(&format!("{}:", self.spec.category))
                     .unwrap_or_default()
                     .to_owned();
-                let Ok(key) = OrderingKey::with_rules(&key_text, &self.spec.key_rules) else { continue };
+                let Ok(key) = OrderingKey::with_rules(&key_text, &self.spec.key_rules) else {
+                    continue;
+                };
                 let got = entries(v);
                 if !got.is_empty() {
                     // Possibly more: read it again.
@@ -342,6 +349,7 @@ impl PlainSource {
                             entry,
                             acked: self.acked.clone(),
                             local_attempts: AtomicU32::new(0),
+                            counted: AtomicU32::new(0),
                         }),
                     });
                 }
@@ -403,7 +411,10 @@ impl TransportSource for PlainSource {
     }
 
     async fn maintain(&mut self) -> Result<Vec<SourceEvent>> {
-        if self.last_maintain.is_none_or(|t| t.elapsed() >= self.spec.lease.heartbeat) {
+        if self
+            .last_maintain
+            .is_none_or(|t| t.elapsed() >= self.spec.lease.heartbeat)
+        {
             let sent = Instant::now();
             self.reader.reclaim().await?;
             self.discover().await?;

@@ -125,23 +125,30 @@ return {out, redis.call('ZRANGEBYSCORE', KEYS[1], now - ttl, '+inf')}
 
 /// The fenced read: for each partition, only while this holder holds its
 /// lease, XREADGROUP (never BLOCK: Redis refuses it in scripts) from `>` or,
-/// to re-read the holder's own pending entries, after an id.
+/// to re-read the holder's own pending entries, after an id; and the
+/// durable attempt count of each entry read is incremented in the same step
+/// (so the first attempt costs no round trip of its own).
 ///
-/// KEYS: (lease, stream) per partition. ARGV: group, owner, then
-/// (generation, start id, count) per partition. Returns per partition `0`
-/// (fenced: the lease is not ours) or the entries.
+/// KEYS: attempts hash, then (lease, stream) per partition. ARGV: group,
+/// owner, then (generation, start id, count, key) per partition. Returns per
+/// partition `0` (fenced: the lease is not ours) or `{entries, attempts}`.
 pub(crate) static READ: LazyLock<Script> = LazyLock::new(|| {
     script(
         r"
 local out = {}
-for i = 1, #KEYS / 2 do
-  local gen, start, count = ARGV[3 * i], ARGV[3 * i + 1], ARGV[3 * i + 2]
+for i = 1, (#KEYS - 1) / 2 do
+  local gen, start, count, key = ARGV[4 * i - 1], ARGV[4 * i], ARGV[4 * i + 1], ARGV[4 * i + 2]
   local holder = ARGV[2] .. ':' .. gen
-  if redis.call('GET', KEYS[2 * i - 1]) ~= holder then
+  if redis.call('GET', KEYS[2 * i]) ~= holder then
     out[i] = 0
   else
-    local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], holder, 'COUNT', count, 'STREAMS', KEYS[2 * i], start)
-    if r then out[i] = r[1][2] else out[i] = {} end
+    local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], holder, 'COUNT', count, 'STREAMS', KEYS[2 * i + 1], start)
+    local entries, attempts = {}, {}
+    if r then entries = r[1][2] end
+    for j, e in ipairs(entries) do
+      attempts[j] = redis.call('HINCRBY', KEYS[1], key .. ':' .. e[1], 1)
+    end
+    out[i] = {entries, attempts}
   end
 end
 return out
@@ -149,31 +156,41 @@ return out
     )
 });
 
-/// Increments the durable attempt count, fenced (unfenced with an empty
-/// holder: the keyless stream).
+/// Attempt increments and acknowledgements of many deliveries in one step,
+/// each fenced by its holder (an empty holder is unfenced: the keyless
+/// stream). A lease is read once per call.
 ///
-/// KEYS: lease, attempts hash. ARGV: holder, field. Returns the count, or 0
-/// when fenced.
-pub(crate) static ATTEMPT: LazyLock<Script> = LazyLock::new(|| {
+/// KEYS: (lease, stream, attempts hash) per operation. ARGV: (kind `a` or
+/// `k`, holder, group, entry id, attempts field) per operation. Returns per
+/// operation 0 when fenced, else the attempt count (`a`) or 1 (`k`: XACK and
+/// the attempt count forgotten).
+pub(crate) static SETTLE: LazyLock<Script> = LazyLock::new(|| {
     script(
         r"
-if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-return redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
-",
-    )
-});
-
-/// Acknowledges an entry, fenced, and forgets its attempt count.
-///
-/// KEYS: lease, stream, attempts hash. ARGV: holder, group, entry id, field.
-/// Returns 1, or 0 when fenced.
-pub(crate) static ACK: LazyLock<Script> = LazyLock::new(|| {
-    script(
-        r"
-if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('XACK', KEYS[2], ARGV[2], ARGV[3])
-redis.call('HDEL', KEYS[3], ARGV[4])
-return 1
+local out, held = {}, {}
+for i = 1, #ARGV / 5 do
+  local kind, holder, group, entry, field = ARGV[5 * i - 4], ARGV[5 * i - 3], ARGV[5 * i - 2], ARGV[5 * i - 1], ARGV[5 * i]
+  local lease, stream, attempts = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
+  local ok = holder == ''
+  if not ok then
+    local cur = held[lease]
+    if cur == nil then
+      cur = redis.call('GET', lease) or ''
+      held[lease] = cur
+    end
+    ok = cur == holder
+  end
+  if not ok then
+    out[i] = 0
+  elseif kind == 'a' then
+    out[i] = redis.call('HINCRBY', attempts, field, 1)
+  else
+    redis.call('XACK', stream, group, entry)
+    redis.call('HDEL', attempts, field)
+    out[i] = 1
+  end
+end
+return out
 ",
     )
 });

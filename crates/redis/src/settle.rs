@@ -8,6 +8,7 @@ use async_trait::async_trait;
 use keyorder_core::{Error, Result, Settle};
 use redis::Value;
 
+use crate::batch::{Kind, Op};
 use crate::names::Names;
 use crate::{broker, scripts, RedisTransport};
 
@@ -38,6 +39,9 @@ pub(crate) struct RedisSettle {
     /// Set once an acknowledgement made the partition trimmable.
     pub(crate) acked: Arc<AtomicBool>,
     pub(crate) local_attempts: AtomicU32,
+    /// The attempt count the fenced read already incremented durably (the
+    /// first `begin_attempt` returns it; later ones increment again).
+    pub(crate) counted: AtomicU32,
 }
 
 impl fmt::Debug for RedisSettle {
@@ -75,6 +79,23 @@ impl RedisSettle {
         Names::attempts_field(if self.key.is_empty() { "__keyless__" } else { &self.key }, &self.entry)
     }
 
+    async fn batched(&self, kind: Kind) -> Result<i64> {
+        self.t
+            .batcher
+            .ask(|reply| Op {
+                kind,
+                lease: self.lease_key(),
+                stream: self.stream.clone(),
+                attempts: self.names.attempts(&self.group),
+                holder: self.holder().to_owned(),
+                group: self.group.to_string(),
+                entry: self.entry.clone(),
+                field: self.field(),
+                reply,
+            })
+            .await
+    }
+
     fn dlq(&self) -> String {
         if self.key.is_empty() {
             self.names.keyless_dlq()
@@ -90,14 +111,11 @@ impl Settle for RedisSettle {
         if self.mode == Mode::Plain {
             return Ok(self.local_attempts.fetch_add(1, Ordering::SeqCst) + 1);
         }
-        let n: i64 = scripts::ATTEMPT
-            .key(self.lease_key())
-            .key(self.names.attempts(&self.group))
-            .arg(self.holder())
-            .arg(self.field())
-            .invoke_async(&mut self.t.conn.clone())
-            .await
-            .map_err(broker)?;
+        let counted = self.counted.swap(0, Ordering::SeqCst);
+        if counted > 0 {
+            return Ok(counted);
+        }
+        let n = self.batched(Kind::Attempt).await?;
         if n == 0 {
             return Err(self.fenced());
         }
@@ -116,17 +134,7 @@ impl Settle for RedisSettle {
                 .map_err(broker)?;
             return Ok(());
         }
-        let n: i64 = scripts::ACK
-            .key(self.lease_key())
-            .key(&self.stream)
-            .key(self.names.attempts(&self.group))
-            .arg(self.holder())
-            .arg(&*self.group)
-            .arg(&self.entry)
-            .arg(self.field())
-            .invoke_async(&mut conn)
-            .await
-            .map_err(broker)?;
+        let n = self.batched(Kind::Ack).await?;
         if n == 0 {
             return Err(self.fenced());
         }

@@ -9,9 +9,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use keyorder_core::key::{label, stable_hash};
-use keyorder_core::{
-    Error, Inbound, OrderingKey, Result, ScopeLease, SourceEvent, SourceSpec, TransportSource,
-};
+use keyorder_core::{Error, Inbound, OrderingKey, Result, ScopeLease, SourceEvent, SourceSpec, TransportSource};
 use redis::Value;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -327,7 +325,11 @@ impl Source {
         for k in keys {
             inv.arg(k.as_str());
         }
-        let gens = ints(&inv.invoke_async::<Value>(&mut self.t.conn.clone()).await.map_err(broker)?);
+        let gens = ints(
+            &inv.invoke_async::<Value>(&mut self.t.conn.clone())
+                .await
+                .map_err(broker)?,
+        );
         for (key, gen) in keys.iter().zip(gens) {
             if gen <= 0 {
                 // Held by its previous owner (handing over, or expiring).
@@ -417,7 +419,8 @@ impl Source {
     /// Removes owned partitions that are drained and idle past `reap_idle`.
     async fn reap(&mut self) -> Result<()> {
         let idle = self.t.cfg.reap_idle;
-        if idle.is_zero() || self.last_reap.elapsed() < (idle / 4).clamp(Duration::from_millis(200), Duration::from_secs(60))
+        if idle.is_zero()
+            || self.last_reap.elapsed() < (idle / 4).clamp(Duration::from_millis(200), Duration::from_secs(60))
         {
             return Ok(());
         }
@@ -496,13 +499,16 @@ impl Source {
     async fn read_chunk(&mut self, chunk: &[String], share: usize, out: &mut Vec<Inbound>) -> Result<()> {
         let sent = Instant::now();
         let mut inv = crate::scripts::READ.prepare_invoke();
-        inv.arg(&*self.group).arg(&self.spec.instance);
+        inv.key(self.names.attempts(&self.group))
+            .arg(&*self.group)
+            .arg(&self.spec.instance);
         for k in chunk {
             let p = &self.parts[k];
             inv.key(&p.lease_key).key(&p.stream);
             inv.arg(p.generation)
                 .arg(p.pending_after.as_deref().unwrap_or(">"))
-                .arg(share);
+                .arg(share)
+                .arg(k);
         }
         let reply = match inv.invoke_async::<Value>(&mut self.t.conn.clone()).await {
             Ok(v) => v,
@@ -530,11 +536,14 @@ impl Source {
                 }
                 continue;
             }
-            let got = entries(&r);
+            let (got, attempts) = match &r {
+                Value::Array(two) if two.len() == 2 => (entries(&two[0]), ints(&two[1])),
+                _ => (Vec::new(), Vec::new()),
+            };
             let Some(p) = self.parts.get_mut(k) else { continue };
             p.lease.confirm(sent);
             let count = got.len();
-            for (entry, fields) in got {
+            for ((entry, fields), attempt) in got.into_iter().zip(attempts.into_iter().chain(std::iter::repeat(0))) {
                 p.last = entry.clone();
                 let Some(fields) = fields else {
                     // Deleted while pending: nothing to deliver.
@@ -556,6 +565,7 @@ impl Source {
                         entry,
                         acked: p.acked.clone(),
                         local_attempts: AtomicU32::new(0),
+                        counted: AtomicU32::new(attempt.clamp(0, i64::from(u32::MAX)) as u32),
                     }),
                 });
             }

@@ -49,9 +49,14 @@ fn category(name: &str) -> String {
 async fn publish(t: &RedisTransport, category: &str, key: &str, ids: std::ops::Range<u32>) {
     let p = t.publisher(category).await.unwrap();
     for i in ids {
-        p.publish(Message::new(format!("{i}")).with_key(key).unwrap().with_id(format!("m{i}")))
-            .await
-            .unwrap();
+        p.publish(
+            Message::new(format!("{i}"))
+                .with_key(key)
+                .unwrap()
+                .with_id(format!("m{i}")),
+        )
+        .await
+        .unwrap();
     }
 }
 
@@ -186,7 +191,12 @@ async fn a_read_whose_reply_was_lost_is_recovered_from_the_holders_pending_entri
     poll("the timed-out read to run on the server", || {
         let (mut c, s) = (c.clone(), stream.clone());
         async move {
-            let v: redis::Value = redis::cmd("XPENDING").arg(&s).arg("g").query_async(&mut c).await.unwrap();
+            let v: redis::Value = redis::cmd("XPENDING")
+                .arg(&s)
+                .arg("g")
+                .query_async(&mut c)
+                .await
+                .unwrap();
             matches!(&v, redis::Value::Array(a) if a.first() == Some(&redis::Value::Int(3)))
         }
     })
@@ -222,7 +232,10 @@ async fn acknowledged_entries_are_trimmed_and_a_cold_partition_is_reaped_then_re
         trimmed |= len == 0;
         let indexed: Option<f64> = c.zscore(&index, "cold").await.unwrap();
         if indexed.is_none() {
-            assert!(!c.exists::<_, bool>(&stream).await.unwrap(), "reaped but the stream is left");
+            assert!(
+                !c.exists::<_, bool>(&stream).await.unwrap(),
+                "reaped but the stream is left"
+            );
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -285,11 +298,7 @@ async fn publishes_racing_the_reaper_are_never_lost() {
     let want: Vec<String> = (0..n).map(|i| format!("m{i}")).collect();
     assert_eq!(got, want, "lost or reordered across reaps");
     // Each reap and re-acquire takes a new generation: the race happened.
-    let generations: u64 = conn()
-        .await
-        .get(Names::new(&cat).unwrap().generation())
-        .await
-        .unwrap();
+    let generations: u64 = conn().await.get(Names::new(&cat).unwrap().generation()).await.unwrap();
     assert!(generations >= 2, "the partition was reaped {} times", generations - 1);
     stop.notify_one();
     run.await.unwrap().unwrap();
