@@ -280,14 +280,14 @@ async fn publishes_racing_the_reaper_are_never_lost() {
     // and after reaps.
     const PAUSES_MS: [u64; 12] = [50, 150, 300, 600, 90, 700, 120, 450, 650, 80, 500, 700];
     let mut n = 0;
-    for burst in 0..PAUSES_MS.len() {
+    for pause in PAUSES_MS {
         for _ in 0..3 {
             p.publish(Message::new("x").with_key("hot").unwrap().with_id(format!("m{n}")))
                 .await
                 .unwrap();
             n += 1;
         }
-        tokio::time::sleep(Duration::from_millis(PAUSES_MS[burst])).await;
+        tokio::time::sleep(Duration::from_millis(pause)).await;
     }
     poll("every message to be applied", || {
         let s = seen.clone();
