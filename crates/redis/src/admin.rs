@@ -186,7 +186,6 @@ impl Admin for RedisAdmin {
             return Err(Error::NotFound(format!("no halted key {}", redact(key))));
         };
         let head = head["head"].as_str().unwrap_or_default().to_owned();
-        let field = Names::attempts_field(found, &head);
         let mut conn = self.t.conn.clone();
         let mark = match action {
             HeadAction::Skip => "skip",
@@ -195,14 +194,12 @@ impl Admin for RedisAdmin {
                 let _: i64 = scripts::PARK
                     .key(n.lease(found, group))
                     .key(n.stream(found))
-                    .key(n.attempts(group))
                     .key(n.dlq(found))
                     .key(n.dlq_index())
                     .key(n.halted(group))
                     .arg("")
                     .arg(group)
                     .arg(&head)
-                    .arg(&field)
                     .arg(found)
                     .arg("moved to the dead-letter stream by an operator")
                     .invoke_async(&mut conn)
@@ -213,12 +210,10 @@ impl Admin for RedisAdmin {
         };
         let _: i64 = scripts::RESOLVE
             .key(n.stream(found))
-            .key(n.attempts(group))
             .key(n.halted(group))
             .key(n.resolved(group))
             .arg(group)
             .arg(&head)
-            .arg(&field)
             .arg(found)
             .arg(mark)
             .arg(n.wake())

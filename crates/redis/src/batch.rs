@@ -3,6 +3,7 @@
 //! the next, so under load one round trip settles many deliveries, and at
 //! low load a call goes out at once.
 
+use futures::stream::{FuturesUnordered, StreamExt};
 use keyorder_core::{Error, Result};
 use redis::aio::ConnectionManager;
 use redis::Value;
@@ -22,11 +23,10 @@ pub(crate) struct Op {
     pub(crate) kind: Kind,
     pub(crate) lease: String,
     pub(crate) stream: String,
-    pub(crate) attempts: String,
     pub(crate) holder: String,
     pub(crate) group: String,
     pub(crate) entry: String,
-    pub(crate) field: String,
+    pub(crate) consumer: String,
     pub(crate) reply: oneshot::Sender<Result<i64>>,
 }
 
@@ -56,42 +56,60 @@ impl Batcher {
     }
 }
 
-async fn run(mut conn: ConnectionManager, mut rx: mpsc::Receiver<Op>) {
-    let mut ops = Vec::with_capacity(MAX_BATCH);
-    while rx.recv_many(&mut ops, MAX_BATCH).await > 0 {
-        let mut inv = crate::scripts::SETTLE.prepare_invoke();
-        for op in &ops {
-            inv.key(&op.lease).key(&op.stream).key(&op.attempts);
-            inv.arg(if op.kind == Kind::Attempt { "a" } else { "k" })
-                .arg(&op.holder)
-                .arg(&op.group)
-                .arg(&op.entry)
-                .arg(&op.field);
+/// Batches in flight at once: a new batch goes out while earlier ones run
+/// (the connection pipelines them), so a delivery waits for its own batch only.
+const IN_FLIGHT: usize = 4;
+
+async fn run(conn: ConnectionManager, mut rx: mpsc::Receiver<Op>) {
+    let mut running = FuturesUnordered::new();
+    loop {
+        let mut ops = Vec::with_capacity(MAX_BATCH);
+        tokio::select! {
+            n = rx.recv_many(&mut ops, MAX_BATCH), if running.len() < IN_FLIGHT => {
+                if n == 0 {
+                    break;
+                }
+                running.push(settle(conn.clone(), ops));
+            }
+            Some(()) = running.next(), if !running.is_empty() => {}
         }
-        match inv.invoke_async::<Value>(&mut conn).await {
-            Ok(Value::Array(results)) => {
-                for (op, r) in ops
-                    .drain(..)
-                    .zip(results.into_iter().chain(std::iter::repeat(Value::Nil)))
-                {
-                    let n = match r {
-                        Value::Int(n) => Ok(n),
-                        other => Err(Error::Broker(format!("redis: unexpected settle reply {other:?}"))),
-                    };
-                    let _ = op.reply.send(n);
-                }
+    }
+    while running.next().await.is_some() {}
+}
+
+async fn settle(mut conn: ConnectionManager, ops: Vec<Op>) {
+    let mut inv = crate::scripts::SETTLE.prepare_invoke();
+    for op in &ops {
+        inv.key(&op.lease).key(&op.stream);
+        inv.arg(if op.kind == Kind::Attempt { "a" } else { "k" })
+            .arg(&op.holder)
+            .arg(&op.group)
+            .arg(&op.entry)
+            .arg(&op.consumer);
+    }
+    match inv.invoke_async::<Value>(&mut conn).await {
+        Ok(Value::Array(results)) => {
+            for (op, r) in ops
+                .into_iter()
+                .zip(results.into_iter().chain(std::iter::repeat(Value::Nil)))
+            {
+                let n = match r {
+                    Value::Int(n) => Ok(n),
+                    other => Err(Error::Broker(format!("redis: unexpected settle reply {other:?}"))),
+                };
+                let _ = op.reply.send(n);
             }
-            Ok(other) => {
-                for op in ops.drain(..) {
-                    let _ = op
-                        .reply
-                        .send(Err(Error::Broker(format!("redis: unexpected settle reply {other:?}"))));
-                }
+        }
+        Ok(other) => {
+            for op in ops {
+                let _ = op
+                    .reply
+                    .send(Err(Error::Broker(format!("redis: unexpected settle reply {other:?}"))));
             }
-            Err(e) => {
-                for op in ops.drain(..) {
-                    let _ = op.reply.send(Err(crate::broker(e.clone())));
-                }
+        }
+        Err(e) => {
+            for op in ops {
+                let _ = op.reply.send(Err(crate::broker(e.clone())));
             }
         }
     }

@@ -10,7 +10,6 @@
 //! | `{c}:{k}:__lease__:{g}` | string | the lease, `{owner}:{generation}`, with a PX expiry |
 //! | `{c}:__generation__` | string | the category's generation counter (never expires) |
 //! | `{c}:__members__:{g}` | sorted set | live members, scored by their last heartbeat |
-//! | `{c}:__attempts__:{g}` | hash | durable attempt counts, field `{k}:{entry id}` |
 //! | `{c}:__halted__:{g}` | hash | halted keys and their heads |
 //! | `{c}:__resolved__:{g}` | hash | operator actions waiting for the owner |
 //! | `{c}:__dlq__` | set | keys with dead letters |
@@ -20,6 +19,9 @@
 //!
 //! Keys cannot contain `:`, `{` or `}` nor be a reserved lane or a `__x__`
 //! sentinel, so no key's names collide with another's or with these.
+//!
+//! Attempt counts are Redis's own delivery counters in each group's pending
+//! entries list: durable with the stream, kept across owner changes.
 
 use keyorder_core::{Error, Result};
 
@@ -77,14 +79,6 @@ impl Names {
     /// Live members of `group`.
     pub fn members(&self, group: &str) -> String {
         format!("{}:__members__:{group}", self.c)
-    }
-    /// Attempt counts of `group`.
-    pub fn attempts(&self, group: &str) -> String {
-        format!("{}:__attempts__:{group}", self.c)
-    }
-    /// The attempts field of one entry.
-    pub fn attempts_field(key: &str, entry: &str) -> String {
-        format!("{key}:{entry}")
     }
     /// Halted keys of `group`.
     pub fn halted(&self, group: &str) -> String {

@@ -128,6 +128,9 @@ impl GroupReader {
                 None => break,
             }
         }
+        // Claimed entries were delivered before: their count is read back at
+        // the first attempt. A new entry's delivery count is 1.
+        let claimed = got.len();
         if got.len() < count {
             let mut cmd = redis::cmd("XREADGROUP");
             cmd.arg("GROUP").arg(&*self.group).arg(&self.consumer);
@@ -148,10 +151,14 @@ impl GroupReader {
             }
             self.lease.confirm(sent);
         }
-        Ok(got.into_iter().filter_map(|e| self.inbound(e)).collect())
+        Ok(got
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, e)| self.inbound(e, i >= claimed))
+            .collect())
     }
 
-    fn inbound(&self, (entry, fields): Entry) -> Option<Inbound> {
+    fn inbound(&self, (entry, fields): Entry, fresh: bool) -> Option<Inbound> {
         let fields = fields?;
         let key = fields
             .get("k")
@@ -173,12 +180,13 @@ impl GroupReader {
                 },
                 stream: self.stream.clone(),
                 holder: String::new(),
+                consumer: self.consumer.clone(),
                 generation: 0,
                 scope: self.lease.scope().clone(),
                 entry,
                 acked: self.acked.clone(),
                 local_attempts: AtomicU32::new(0),
-                counted: AtomicU32::new(0),
+                counted: AtomicU32::new(u32::from(fresh)),
             }),
         })
     }
@@ -344,12 +352,13 @@ impl PlainSource {
                             key: key_text.clone(),
                             stream: name.clone(),
                             holder: String::new(),
+                            consumer: self.spec.instance.clone(),
                             generation: 0,
                             scope: self.reader.lease.scope().clone(),
                             entry,
                             acked: self.acked.clone(),
                             local_attempts: AtomicU32::new(0),
-                            counted: AtomicU32::new(0),
+                            counted: AtomicU32::new(1),
                         }),
                     });
                 }

@@ -123,54 +123,68 @@ return {out, redis.call('ZRANGEBYSCORE', KEYS[1], now - ttl, '+inf')}
     )
 });
 
+/// The delivery count of a pending entry (the attempt count: Redis keeps it
+/// in the group's pending entries list, so it survives an owner change and a
+/// restart with the stream), or 0 when the entry is not pending.
+const DELIVERIES: &str = r"
+local function deliveries(stream, group, id)
+  local p = redis.call('XPENDING', stream, group, id, id, 1)
+  if #p == 0 then return 0 end
+  return p[1][4]
+end
+";
+
 /// The fenced read: for each partition, only while this holder holds its
 /// lease, XREADGROUP (never BLOCK: Redis refuses it in scripts) from `>` or,
-/// to re-read the holder's own pending entries, after an id; and the
-/// durable attempt count of each entry read is incremented in the same step
-/// (so the first attempt costs no round trip of its own).
+/// to re-read the holder's own pending entries, after an id. Each entry comes
+/// with its attempt count: Redis's delivery counter, which the read itself
+/// increments (1 for a new entry), so the first attempt costs no round trip.
 ///
-/// KEYS: attempts hash, then (lease, stream) per partition. ARGV: group,
-/// owner, then (generation, start id, count, key) per partition. Returns per
-/// partition `0` (fenced: the lease is not ours) or `{entries, attempts}`.
+/// KEYS: (lease, stream) per partition. ARGV: group, owner, then
+/// (generation, start id, count) per partition. Returns per partition `0`
+/// (fenced: the lease is not ours) or `{entries, attempts}`.
 pub(crate) static READ: LazyLock<Script> = LazyLock::new(|| {
-    script(
-        r"
-local out = {}
-for i = 1, (#KEYS - 1) / 2 do
-  local gen, start, count, key = ARGV[4 * i - 1], ARGV[4 * i], ARGV[4 * i + 1], ARGV[4 * i + 2]
+    script(&format!(
+        r"{DELIVERIES}
+local out = {{}}
+for i = 1, #KEYS / 2 do
+  local gen, start, count = ARGV[3 * i], ARGV[3 * i + 1], ARGV[3 * i + 2]
   local holder = ARGV[2] .. ':' .. gen
-  if redis.call('GET', KEYS[2 * i]) ~= holder then
+  local stream = KEYS[2 * i]
+  if redis.call('GET', KEYS[2 * i - 1]) ~= holder then
     out[i] = 0
   else
-    local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], holder, 'COUNT', count, 'STREAMS', KEYS[2 * i + 1], start)
-    local entries, attempts = {}, {}
+    local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], holder, 'COUNT', count, 'STREAMS', stream, start)
+    local entries, attempts = {{}}, {{}}
     if r then entries = r[1][2] end
     for j, e in ipairs(entries) do
-      attempts[j] = redis.call('HINCRBY', KEYS[1], key .. ':' .. e[1], 1)
+      if start == '>' then attempts[j] = 1 else attempts[j] = deliveries(stream, ARGV[1], e[1]) end
     end
-    out[i] = {entries, attempts}
+    out[i] = {{entries, attempts}}
   end
 end
 return out
-",
-    )
+"
+    ))
 });
 
 /// Attempt increments and acknowledgements of many deliveries in one step,
 /// each fenced by its holder (an empty holder is unfenced: the keyless
-/// stream). A lease is read once per call.
+/// stream). A lease is read once per call. An attempt after the first is
+/// counted by XCLAIM to the same consumer, which increments Redis's delivery
+/// counter.
 ///
-/// KEYS: (lease, stream, attempts hash) per operation. ARGV: (kind `a` or
-/// `k`, holder, group, entry id, attempts field) per operation. Returns per
-/// operation 0 when fenced, else the attempt count (`a`) or 1 (`k`: XACK and
-/// the attempt count forgotten).
+/// KEYS: (lease, stream) per operation. ARGV: (kind `a` or `k`, holder,
+/// group, entry id, consumer) per operation. Returns per operation 0 when
+/// fenced, -1 when the entry is no longer pending, else the attempt count
+/// (`a`) or 1 (`k`: acknowledged).
 pub(crate) static SETTLE: LazyLock<Script> = LazyLock::new(|| {
-    script(
-        r"
-local out, held = {}, {}
+    script(&format!(
+        r"{DELIVERIES}
+local out, held = {{}}, {{}}
 for i = 1, #ARGV / 5 do
-  local kind, holder, group, entry, field = ARGV[5 * i - 4], ARGV[5 * i - 3], ARGV[5 * i - 2], ARGV[5 * i - 1], ARGV[5 * i]
-  local lease, stream, attempts = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
+  local kind, holder, group, entry, consumer = ARGV[5 * i - 4], ARGV[5 * i - 3], ARGV[5 * i - 2], ARGV[5 * i - 1], ARGV[5 * i]
+  local lease, stream = KEYS[2 * i - 1], KEYS[2 * i]
   local ok = holder == ''
   if not ok then
     local cur = held[lease]
@@ -183,39 +197,40 @@ for i = 1, #ARGV / 5 do
   if not ok then
     out[i] = 0
   elseif kind == 'a' then
-    out[i] = redis.call('HINCRBY', attempts, field, 1)
+    redis.call('XCLAIM', stream, group, consumer, 0, entry)
+    local n = deliveries(stream, group, entry)
+    if n == 0 then out[i] = -1 else out[i] = n end
   else
     redis.call('XACK', stream, group, entry)
-    redis.call('HDEL', attempts, field)
     out[i] = 1
   end
 end
 return out
-",
-    )
+"
+    ))
 });
 
 /// Records a halted head, fenced (the entry stays pending).
 ///
-/// KEYS: lease, halted hash, attempts hash. ARGV: holder, key, entry id,
-/// reason, attempts field. Returns 1, or 0 when fenced.
+/// KEYS: lease, halted hash, stream. ARGV: holder, key, entry id, reason,
+/// group. Returns 1, or 0 when fenced.
 pub(crate) static HALT: LazyLock<Script> = LazyLock::new(|| {
-    script(
-        r"
+    script(&format!(
+        r"{DELIVERIES}
 if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-local attempts = tonumber(redis.call('HGET', KEYS[3], ARGV[5]) or '0')
-redis.call('HSET', KEYS[2], ARGV[2], cjson.encode({head = ARGV[3], reason = ARGV[4], attempts = attempts}))
+local attempts = deliveries(KEYS[3], ARGV[5], ARGV[3])
+redis.call('HSET', KEYS[2], ARGV[2], cjson.encode({{head = ARGV[3], reason = ARGV[4], attempts = attempts}}))
 return 1
-",
-    )
+"
+    ))
 });
 
 /// Copies an entry to the dead-letter stream and acknowledges it in one step.
 /// With an empty holder it is the operator's (unfenced) dead-letter action.
 ///
-/// KEYS: lease, stream, attempts hash, dead-letter stream, dead-letter index,
-/// halted hash. ARGV: holder, group, entry id, attempts field, key, reason.
-/// Returns 1, 0 when fenced, -1 when the entry is gone.
+/// KEYS: lease, stream, dead-letter stream, dead-letter index, halted hash.
+/// ARGV: holder, group, entry id, key, reason. Returns 1, 0 when fenced, -1
+/// when the entry is gone.
 pub(crate) static PARK: LazyLock<Script> = LazyLock::new(|| {
     script(
         r"
@@ -226,15 +241,14 @@ if #e == 0 then
   return -1
 end
 local fields = e[1][2]
-table.insert(fields, 'x-reason'); table.insert(fields, ARGV[6])
+table.insert(fields, 'x-reason'); table.insert(fields, ARGV[5])
 table.insert(fields, 'x-group'); table.insert(fields, ARGV[2])
 table.insert(fields, 'x-entry'); table.insert(fields, ARGV[3])
 table.insert(fields, 'x-at'); table.insert(fields, tostring(now_ms()))
-redis.call('XADD', KEYS[4], '*', unpack(fields))
-redis.call('SADD', KEYS[5], ARGV[5])
+redis.call('XADD', KEYS[3], '*', unpack(fields))
+redis.call('SADD', KEYS[4], ARGV[4])
 redis.call('XACK', KEYS[2], ARGV[2], ARGV[3])
-redis.call('HDEL', KEYS[3], ARGV[4])
-redis.call('HDEL', KEYS[6], ARGV[5])
+redis.call('HDEL', KEYS[5], ARGV[4])
 return 1
 ",
     )
@@ -341,19 +355,23 @@ return 1
 /// The operator's skip or resume of a halted head (unfenced: it works with
 /// no owner at all), recorded for the owner to release the key.
 ///
-/// KEYS: stream, attempts hash, halted hash, resolved hash. ARGV: group,
-/// entry id, attempts field, key, action (`skip` acknowledges, `resume`
-/// resets the attempts), wake channel.
+/// KEYS: stream, halted hash, resolved hash. ARGV: group, entry id, key,
+/// action (`skip` acknowledges, `resume` resets the delivery counter to 0
+/// at the same consumer, `dlq` only records), wake channel.
 pub(crate) static RESOLVE: LazyLock<Script> = LazyLock::new(|| {
     script(
         r"
-if ARGV[5] == 'skip' then
+if ARGV[4] == 'skip' then
   redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+elseif ARGV[4] == 'resume' then
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+  if #p == 1 then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], p[1][2], 0, ARGV[2], 'RETRYCOUNT', 0, 'JUSTID')
+  end
 end
 redis.call('HDEL', KEYS[2], ARGV[3])
-redis.call('HDEL', KEYS[3], ARGV[4])
-redis.call('HSET', KEYS[4], ARGV[4], ARGV[5])
-redis.call('PUBLISH', ARGV[6], ARGV[4])
+redis.call('HSET', KEYS[3], ARGV[3], ARGV[4])
+redis.call('PUBLISH', ARGV[5], ARGV[3])
 return 1
 ",
     )

@@ -33,6 +33,8 @@ pub(crate) struct RedisSettle {
     pub(crate) key: String,
     pub(crate) stream: String,
     pub(crate) holder: String,
+    /// The consumer the entry is pending at (the holder; the instance when unfenced).
+    pub(crate) consumer: String,
     pub(crate) generation: u64,
     pub(crate) scope: Arc<str>,
     pub(crate) entry: String,
@@ -75,10 +77,6 @@ impl RedisSettle {
         self.names.lease(&self.key, &self.group)
     }
 
-    fn field(&self) -> String {
-        Names::attempts_field(if self.key.is_empty() { "__keyless__" } else { &self.key }, &self.entry)
-    }
-
     async fn batched(&self, kind: Kind) -> Result<i64> {
         self.t
             .batcher
@@ -86,11 +84,10 @@ impl RedisSettle {
                 kind,
                 lease: self.lease_key(),
                 stream: self.stream.clone(),
-                attempts: self.names.attempts(&self.group),
                 holder: self.holder().to_owned(),
                 group: self.group.to_string(),
                 entry: self.entry.clone(),
-                field: self.field(),
+                consumer: self.consumer.clone(),
                 reply,
             })
             .await
@@ -115,11 +112,14 @@ impl Settle for RedisSettle {
         if counted > 0 {
             return Ok(counted);
         }
-        let n = self.batched(Kind::Attempt).await?;
-        if n == 0 {
-            return Err(self.fenced());
+        match self.batched(Kind::Attempt).await? {
+            0 => Err(self.fenced()),
+            n if n < 0 => Err(Error::Broker(format!(
+                "redis: entry {} of {} is no longer pending (settled by an operator?)",
+                self.entry, self.scope
+            ))),
+            n => Ok(n as u32),
         }
-        Ok(n as u32)
     }
 
     async fn ack(&self) -> Result<()> {
@@ -146,14 +146,12 @@ impl Settle for RedisSettle {
         let n: i64 = scripts::PARK
             .key(self.lease_key())
             .key(&self.stream)
-            .key(self.names.attempts(&self.group))
             .key(self.dlq())
             .key(self.names.dlq_index())
             .key(self.names.halted(&self.group))
             .arg(self.holder())
             .arg(&*self.group)
             .arg(&self.entry)
-            .arg(self.field())
             .arg(if self.key.is_empty() { "__keyless__" } else { &self.key })
             .arg(reason)
             .invoke_async(&mut self.t.conn.clone())
@@ -177,12 +175,12 @@ impl Settle for RedisSettle {
         let n: i64 = scripts::HALT
             .key(self.lease_key())
             .key(self.names.halted(&self.group))
-            .key(self.names.attempts(&self.group))
+            .key(&self.stream)
             .arg(self.holder())
             .arg(&self.key)
             .arg(&self.entry)
             .arg(reason)
-            .arg(self.field())
+            .arg(&*self.group)
             .invoke_async(&mut self.t.conn.clone())
             .await
             .map_err(broker)?;

@@ -499,16 +499,13 @@ impl Source {
     async fn read_chunk(&mut self, chunk: &[String], share: usize, out: &mut Vec<Inbound>) -> Result<()> {
         let sent = Instant::now();
         let mut inv = crate::scripts::READ.prepare_invoke();
-        inv.key(self.names.attempts(&self.group))
-            .arg(&*self.group)
-            .arg(&self.spec.instance);
+        inv.arg(&*self.group).arg(&self.spec.instance);
         for k in chunk {
             let p = &self.parts[k];
             inv.key(&p.lease_key).key(&p.stream);
             inv.arg(p.generation)
                 .arg(p.pending_after.as_deref().unwrap_or(">"))
-                .arg(share)
-                .arg(k);
+                .arg(share);
         }
         let reply = match inv.invoke_async::<Value>(&mut self.t.conn.clone()).await {
             Ok(v) => v,
@@ -560,6 +557,7 @@ impl Source {
                         key: p.key.as_str().to_owned(),
                         stream: p.stream.clone(),
                         holder: p.holder.clone(),
+                        consumer: p.holder.clone(),
                         generation: p.generation,
                         scope: p.lease.scope().clone(),
                         entry,
