@@ -52,6 +52,9 @@
  *                           them is not covered
  *   BROKEN_NO_MARGIN        self-fence only, margin 0, and the consumer's
  *                           clock may run one tick slow per lease period
+ *   BROKEN_CONFIRM_ON_READ  self-fence only, and a successful fenced read
+ *                           counts as a confirmation although it does not
+ *                           extend the lease (ScopeLease::confirm after READ)
  */
 
 #ifndef NC
@@ -81,6 +84,9 @@
 #define NO_ATTEMPT_FENCE
 #endif
 #ifdef BROKEN_SELF_FENCE_GAP
+#define NO_ATTEMPT_FENCE
+#endif
+#ifdef BROKEN_CONFIRM_ON_READ
 #define NO_ATTEMPT_FENCE
 #endif
 #ifdef BROKEN_NO_MARGIN
@@ -195,12 +201,12 @@ inline acquire(c) {
 #else
   gen_counter++;
 #endif
+  printf("c%d: acquire: lease c%d:%d\n", c, c, gen_counter);
   CHECK_E("VIOLATION (e) generations never go backwards: a fresh acquire reused or lowered a generation\n",
         gen_counter > max_gen);
   if :: gen_counter > max_gen -> max_gen = gen_counter :: else -> skip fi;
   lease_owner = c; lease_gen = gen_counter; lease_left = TTL;
   gen[c] = gen_counter; age[c] = 0; drift[c] = 0;
-  printf("c%d: acquire: lease c%d:%d\n", c, c, gen[c]);
 #ifndef BROKEN_NO_RECLAIM
   need_reclaim[c] = 1
 #endif
@@ -239,7 +245,12 @@ inline fenced_read(c) {
   printf("c%d: read: m%d delivered to c%d:%d\n", c, next_new, c, gen[c]);
   pend_own[next_new] = c; pend_gen[next_new] = gen[c];
   buf[c] = buf[c] | (1 << next_new);
-  next_new++
+  next_new++;
+#ifdef BROKEN_CONFIRM_ON_READ
+  age[c] = 0; drift[c] = 0;           /* confirm(sent), but the expiry stays */
+  printf("c%d: read counted as a confirmation (the lease was not extended)\n", c);
+#endif
+  skip
 }
 
 proctype source(byte c) {
@@ -418,7 +429,8 @@ end_env:
              if
              :: age[c]++
 #if DRIFT > 0
-             :: drift[c] < DRIFT -> drift[c]++          /* the local clock ran slow */
+             :: drift[c] < DRIFT -> drift[c]++;         /* the local clock ran slow */
+                printf("tick: c%d's clock missed this tick\n", c)
 #endif
              fi
           :: else -> skip
