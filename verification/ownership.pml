@@ -23,7 +23,9 @@
  * at least one consumer never crashes.
  *
  * Configuration (all by -D):
- *   NC, NM, TTL, MARGIN, STALLS, CRASHES, RELEASES  bounds (defaults below)
+ *   NC, NM, TTL, MARGIN, STALLS, CRASHES, RELEASES  bounds (defaults below;
+ *                     NC is 2 or 3)
+ *   DRIFT             ticks a consumer's clock may miss per lease period (0)
  *   LIVENESS          add the GST process and the LTL property (d)
  *   STRICT_ONCE       also check the stronger form of (a): each message is
  *                     applied exactly once, and a start is always of the
