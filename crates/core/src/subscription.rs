@@ -42,6 +42,7 @@ use crate::transport::{Inbound, SourceEvent, SourceSpec, TransportSource};
 pub struct SubscriptionBuilder {
     client: Client,
     category: String,
+    correlated: Vec<String>,
     group: String,
     key_source: Option<KeySource>,
     strategy: Strategy,
@@ -58,6 +59,7 @@ impl SubscriptionBuilder {
         SubscriptionBuilder {
             client,
             category: category.to_owned(),
+            correlated: Vec::new(),
             group: group.to_owned(),
             key_source: None,
             strategy: Strategy::Auto,
@@ -73,6 +75,33 @@ impl SubscriptionBuilder {
     /// Orders the subscription by the key `source` yields.
     pub fn ordered_by(mut self, source: KeySource) -> Self {
         self.key_source = Some(source);
+        self
+    }
+    /// Also reads `category`, partitioned by the same correlation value: the
+    /// subscription's key is the correlation value, and events of one value
+    /// never run at once, whichever category they come from; different values
+    /// run in parallel. Within one category the key's order is kept; across
+    /// categories events of one value are serialised, not ordered.
+    ///
+    /// Needs an ordered subscription on a transport with
+    /// [`crate::Capabilities::correlated_ownership`] (Redis); each category
+    /// is then partitioned by this subscription's key (C10).
+    ///
+    /// ```
+    /// # async fn demo(client: keyorder_core::Client) -> keyorder_core::Result<()> {
+    /// use keyorder_core::KeySource;
+    /// let saga = client
+    ///     .subscribe("orders", "fulfilment")
+    ///     .correlated_with("payments")
+    ///     .ordered_by(KeySource::routing_key())
+    ///     .build()
+    ///     .await?;
+    /// # drop(saga); Ok(()) }
+    /// ```
+    pub fn correlated_with(mut self, category: &str) -> Self {
+        if category != self.category && !self.correlated.iter().any(|c| c == category) {
+            self.correlated.push(category.to_owned());
+        }
         self
     }
     /// How order is kept ([`Strategy::Auto`] by default).
@@ -148,6 +177,9 @@ impl SubscriptionBuilder {
     /// - [`Error::Config`] for bad names or limits.
     pub async fn build(self) -> Result<Subscription> {
         check_name("category", &self.category)?;
+        for c in &self.correlated {
+            check_name("category", c)?;
+        }
         check_name("group", &self.group)?;
         let caps = self.client.capabilities();
         let name = self.client.transport_name().to_owned();
@@ -185,6 +217,15 @@ impl SubscriptionBuilder {
                         }
                     }
                 }
+                if !self.correlated.is_empty() {
+                    need(
+                        caps.correlated_ownership && resolved == Resolved::TransportNative,
+                        "correlated_ownership",
+                        "one owner per correlation value across categories needs a transport with correlated \
+                         ownership (Redis) and Strategy::Auto or TransportNative; otherwise subscribe to each \
+                         category separately",
+                    )?;
+                }
                 if self.keyless == KeylessPolicy::Reject {
                     need(
                         caps.park_and_release,
@@ -203,19 +244,20 @@ impl SubscriptionBuilder {
                     }
                 }
                 let mut registry = self.client.registry.lock().unwrap_or_else(|e| e.into_inner());
-                match registry.get(&self.category) {
-                    Some(existing) if existing != source => {
-                        return Err(Error::Registration(format!(
-                            "category `{}` is already ordered by `{existing}` in this process; a category is \
-                             partitioned by one key or not at all: order this subscription by `{existing}` too, \
-                             or publish to another category",
-                            self.category
-                        )));
+                let all: Vec<&String> = std::iter::once(&self.category).chain(&self.correlated).collect();
+                for category in &all {
+                    if let Some(existing) = registry.get(*category) {
+                        if existing != source {
+                            return Err(Error::Registration(format!(
+                                "category `{category}` is already ordered by `{existing}` in this process; a \
+                                 category is partitioned by one key or not at all: order this subscription by \
+                                 `{existing}` too, or publish to another category"
+                            )));
+                        }
                     }
-                    Some(_) => {}
-                    None => {
-                        registry.insert(self.category.clone(), source.clone());
-                    }
+                }
+                for category in all {
+                    registry.entry(category.clone()).or_insert_with(|| source.clone());
                 }
                 Some(resolved)
             }
@@ -225,8 +267,14 @@ impl SubscriptionBuilder {
                 "lease: heartbeat must be shorter than ttl - margin (e.g. ttl 10s, heartbeat 2s, margin 3s)".into(),
             ));
         }
+        if !self.correlated.is_empty() && resolved.is_none() {
+            return Err(Error::Config(
+                "correlated_with needs an ordered subscription: add .ordered_by(...) with the correlation value".into(),
+            ));
+        }
         let spec = SourceSpec {
             category: self.category.clone(),
+            correlated: self.correlated.clone(),
             group: self.group.clone(),
             instance: self
                 .instance

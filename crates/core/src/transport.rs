@@ -61,6 +61,13 @@ pub trait Transport: Send + Sync + fmt::Debug + 'static {
 pub struct SourceSpec {
     /// The category (stream, topic, queue family).
     pub category: String,
+    /// Further categories read by the same subscription and partitioned by
+    /// the same correlation value (C11): one owner per value across all of
+    /// them. Empty for a single-category subscription.
+    ///
+    /// Requires [`Capabilities::correlated_ownership`] (checked by the
+    /// subscription builder).
+    pub correlated: Vec<String>,
     /// The consumer group.
     pub group: String,
     /// The instance's unique id (owner id in leases).

@@ -185,6 +185,11 @@ impl Admin for RedisAdmin {
         let Some((found, head)) = halted.iter().find(|(k, _)| *k == key || label(k) == key) else {
             return Err(Error::NotFound(format!("no halted key {}", redact(key))));
         };
+        // A correlated subscription's record names the category its head is in.
+        let own = match head["category"].as_str() {
+            Some(c) if c != category => Names::new(c)?,
+            _ => n.clone(),
+        };
         let head = head["head"].as_str().unwrap_or_default().to_owned();
         let mut conn = self.t.conn.clone();
         let mark = match action {
@@ -193,9 +198,9 @@ impl Admin for RedisAdmin {
             HeadAction::DeadLetter => {
                 let _: i64 = scripts::PARK
                     .key(n.lease(found, group))
-                    .key(n.stream(found))
-                    .key(n.dlq(found))
-                    .key(n.dlq_index())
+                    .key(own.stream(found))
+                    .key(own.dlq(found))
+                    .key(own.dlq_index())
                     .key(n.halted(group))
                     .arg("")
                     .arg(group)
@@ -209,14 +214,14 @@ impl Admin for RedisAdmin {
             }
         };
         let _: i64 = scripts::RESOLVE
-            .key(n.stream(found))
+            .key(own.stream(found))
             .key(n.halted(group))
             .key(n.resolved(group))
             .arg(group)
             .arg(&head)
             .arg(found)
             .arg(mark)
-            .arg(n.wake())
+            .arg(own.wake())
             .invoke_async(&mut conn)
             .await
             .map_err(broker)?;

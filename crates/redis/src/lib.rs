@@ -35,7 +35,7 @@ pub const CAPABILITIES: Capabilities = Capabilities {
     crash_reclaim: true,
     halt_on_poison: true,
     park_and_release: true,
-    correlated_ownership: false,
+    correlated_ownership: true,
     dynamic_partitions: true,
     remap_window: false,
     multi_process: true,

@@ -171,6 +171,7 @@ impl GroupReader {
             settle: Box::new(RedisSettle {
                 t: self.t.clone(),
                 names: self.names.clone(),
+                ctl: self.names.clone(),
                 group: self.group.clone(),
                 mode: self.mode,
                 key: if self.mode == Mode::Plain {
@@ -347,6 +348,7 @@ impl PlainSource {
                         settle: Box::new(RedisSettle {
                             t: self.t.clone(),
                             names: self.names.clone(),
+                            ctl: self.names.clone(),
                             group: Arc::from(self.spec.group.as_str()),
                             mode: Mode::Unfenced,
                             key: key_text.clone(),

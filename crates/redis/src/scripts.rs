@@ -52,49 +52,89 @@ return id
     )
 });
 
-/// Acquires free leases, each with a fresh generation from the category's
-/// counter (which never expires, so a generation never goes back), creates
-/// the group at `0` if missing, and claims every pending entry of earlier
-/// generations for the new holder (XAUTOCLAIM with min-idle 0 until the
-/// cursor is `0-0`), removing the earlier consumers once empty.
+/// Joins a stream for a new holder: creates the group at `0` if missing and
+/// claims every pending entry of earlier generations (XAUTOCLAIM with
+/// min-idle 0 until the cursor is `0-0`), removing the emptied consumers.
+const JOIN: &str = r"
+local function join(stream, group, holder)
+  redis.pcall('XGROUP', 'CREATE', stream, group, '0', 'MKSTREAM')
+  local cursor = '0-0'
+  repeat
+    local r = redis.call('XAUTOCLAIM', stream, group, holder, 0, cursor, 'COUNT', 1000, 'JUSTID')
+    cursor = r[1]
+  until cursor == '0-0'
+  for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', stream, group)) do
+    local name, pending = nil, 0
+    for j = 1, #c, 2 do
+      if c[j] == 'name' then name = c[j + 1] elseif c[j] == 'pending' then pending = c[j + 1] end
+    end
+    if name ~= holder and pending == 0 then
+      redis.call('XGROUP', 'DELCONSUMER', stream, group, name)
+    end
+  end
+end
+";
+
+/// Acquires free leases, each with a fresh generation from the counter
+/// (which never expires, so a generation never goes back, not even after a
+/// reap), and joins each of the partition's streams that its category's
+/// index lists (a correlated partition has one stream per category).
 ///
-/// KEYS: generation counter, index, then (lease, stream) per partition.
-/// ARGV: owner, ttl ms, group, then the key per partition.
-/// Returns per partition: the generation, or 0 (held by another, or no
-/// longer indexed).
+/// KEYS: generation counter, then per partition: lease, its n streams, their
+/// n indexes. ARGV: owner, ttl ms, group, then per partition: key, n.
+/// Returns per partition `{generation, joined...}`; generation 0 when held
+/// by another or no longer indexed anywhere.
 pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
-    script(
-        r"
-local out = {}
-local n = (#KEYS - 2) / 2
-for i = 1, n do
-  local lease, stream = KEYS[1 + 2 * i], KEYS[2 + 2 * i]
-  local gen = 0
-  if redis.call('EXISTS', lease) == 0 and redis.call('ZSCORE', KEYS[2], ARGV[3 + i]) then
-    gen = redis.call('INCR', KEYS[1])
-    local holder = ARGV[1] .. ':' .. gen
-    redis.call('SET', lease, holder, 'PX', ARGV[2])
-    redis.pcall('XGROUP', 'CREATE', stream, ARGV[3], '0', 'MKSTREAM')
-    local cursor = '0-0'
-    repeat
-      local r = redis.call('XAUTOCLAIM', stream, ARGV[3], holder, 0, cursor, 'COUNT', 1000, 'JUSTID')
-      cursor = r[1]
-    until cursor == '0-0'
-    for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', stream, ARGV[3])) do
-      local name, pending = nil, 0
-      for j = 1, #c, 2 do
-        if c[j] == 'name' then name = c[j + 1] elseif c[j] == 'pending' then pending = c[j + 1] end
-      end
-      if name ~= holder and pending == 0 then
-        redis.call('XGROUP', 'DELCONSUMER', stream, ARGV[3], name)
+    script(&format!(
+        r"{JOIN}
+local out = {{}}
+local owner, ttl, group = ARGV[1], ARGV[2], ARGV[3]
+local ki, ai = 2, 4
+while ai <= #ARGV do
+  local key, n = ARGV[ai], tonumber(ARGV[ai + 1])
+  ai = ai + 2
+  local lease = KEYS[ki]
+  local res, indexed, any = {{0}}, {{}}, false
+  for j = 1, n do
+    indexed[j] = redis.call('ZSCORE', KEYS[ki + n + j], key) ~= false
+    any = any or indexed[j]
+    res[j + 1] = 0
+  end
+  if any and redis.call('EXISTS', lease) == 0 then
+    local gen = redis.call('INCR', KEYS[1])
+    local holder = owner .. ':' .. gen
+    redis.call('SET', lease, holder, 'PX', ttl)
+    res[1] = gen
+    for j = 1, n do
+      if indexed[j] then
+        join(KEYS[ki + j], group, holder)
+        res[j + 1] = 1
       end
     end
   end
-  out[i] = gen
+  ki = ki + 1 + 2 * n
+  out[#out + 1] = res
 end
 return out
-",
-    )
+"
+    ))
+});
+
+/// Joins a stream that appeared after its partition was acquired (a
+/// correlated partition's first event in another category, or a partition
+/// recreated after a reap), fenced by the holder.
+///
+/// KEYS: lease, stream, index. ARGV: holder, group, key. Returns 1 when
+/// joined, 0 when fenced, -1 when the stream is not indexed (yet).
+pub(crate) static JOIN_STREAM: LazyLock<Script> = LazyLock::new(|| {
+    script(&format!(
+        r"{JOIN}
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if redis.call('ZSCORE', KEYS[3], ARGV[3]) == false then return -1 end
+join(KEYS[2], ARGV[2], ARGV[1])
+return 1
+"
+    ))
 });
 
 /// The heartbeat: records the member on the server's clock, renews every
@@ -213,13 +253,13 @@ return out
 /// Records a halted head, fenced (the entry stays pending).
 ///
 /// KEYS: lease, halted hash, stream. ARGV: holder, key, entry id, reason,
-/// group. Returns 1, or 0 when fenced.
+/// group, category of the stream. Returns 1, or 0 when fenced.
 pub(crate) static HALT: LazyLock<Script> = LazyLock::new(|| {
     script(&format!(
         r"{DELIVERIES}
 if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 local attempts = deliveries(KEYS[3], ARGV[5], ARGV[3])
-redis.call('HSET', KEYS[2], ARGV[2], cjson.encode({{head = ARGV[3], reason = ARGV[4], attempts = attempts}}))
+redis.call('HSET', KEYS[2], ARGV[2], cjson.encode({{head = ARGV[3], reason = ARGV[4], attempts = attempts, category = ARGV[6]}}))
 return 1
 "
     ))
@@ -324,8 +364,9 @@ return redis.call('XTRIM', KEYS[1], 'MINID', low)
 /// group has read to the end. A publish after it recreates stream and index
 /// entry, and the partition is discovered again.
 ///
-/// KEYS: stream, index, lease. ARGV: key, idle ms, holder. Returns 1 when
-/// removed.
+/// KEYS: stream, index, lease. ARGV: key, idle ms, holder, `1` to delete
+/// the lease too (a single-stream partition is gone with its stream).
+/// Returns 1 when removed.
 pub(crate) static REAP: LazyLock<Script> = LazyLock::new(|| {
     script(
         r"
@@ -345,7 +386,8 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
     end
   end
 end
-redis.call('DEL', KEYS[1], KEYS[3])
+redis.call('DEL', KEYS[1])
+if ARGV[4] == '1' then redis.call('DEL', KEYS[3]) end
 redis.call('ZREM', KEYS[2], ARGV[1])
 return 1
 ",

@@ -26,7 +26,11 @@ pub(crate) enum Mode {
 
 pub(crate) struct RedisSettle {
     pub(crate) t: RedisTransport,
+    /// The names of the delivery's category (stream, dead letters).
     pub(crate) names: Arc<Names>,
+    /// The names the lease and the halted record live under (the category's
+    /// own, or a correlated subscription's `{c1}+{c2}...`).
+    pub(crate) ctl: Arc<Names>,
     pub(crate) group: Arc<str>,
     pub(crate) mode: Mode,
     /// The partition's key (`""` when keyless).
@@ -74,7 +78,7 @@ impl RedisSettle {
     }
 
     fn lease_key(&self) -> String {
-        self.names.lease(&self.key, &self.group)
+        self.ctl.lease(&self.key, &self.group)
     }
 
     async fn batched(&self, kind: Kind) -> Result<i64> {
@@ -148,7 +152,7 @@ impl Settle for RedisSettle {
             .key(&self.stream)
             .key(self.dlq())
             .key(self.names.dlq_index())
-            .key(self.names.halted(&self.group))
+            .key(self.ctl.halted(&self.group))
             .arg(self.holder())
             .arg(&*self.group)
             .arg(&self.entry)
@@ -174,13 +178,14 @@ impl Settle for RedisSettle {
         }
         let n: i64 = scripts::HALT
             .key(self.lease_key())
-            .key(self.names.halted(&self.group))
+            .key(self.ctl.halted(&self.group))
             .key(&self.stream)
             .arg(self.holder())
             .arg(&self.key)
             .arg(&self.entry)
             .arg(reason)
             .arg(&*self.group)
+            .arg(self.names.category())
             .invoke_async(&mut self.t.conn.clone())
             .await
             .map_err(broker)?;

@@ -1,7 +1,9 @@
 //! The ordered source: the partitions (one stream per key) this instance
-//! owns through fenced leases, plus the category's keyless stream.
+//! owns through fenced leases, plus the category's keyless stream. A
+//! correlated subscription (several categories, one correlation value) owns
+//! a partition per value, spanning that value's stream in every category.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
@@ -20,45 +22,57 @@ use crate::settle::{Mode, RedisSettle};
 use crate::wake::{listen, Wake};
 use crate::{broker, entries, message, RedisTransport};
 
-/// Partitions per script call (two keys each).
+/// Streams per script call (two keys each).
 const CHUNK: usize = 64;
 
-/// One owned partition.
-struct Part {
-    key: OrderingKey,
+/// One stream of an owned partition (one per category).
+struct Stream {
+    cat: usize,
     stream: String,
-    lease_key: String,
-    holder: String,
-    generation: u64,
-    lease: Arc<ScopeLease>,
+    /// The group exists and this holder claimed what earlier ones left.
+    joined: bool,
     /// `Some(after)`: re-read this holder's own pending entries after `after`
     /// (after an acquire, to apply reclaimed entries first; after a failed
-    /// read, whose entries may have been delivered to us) before reading new ones.
+    /// read, whose entries may have been delivered to us) before new ones.
     pending_after: Option<String>,
     /// The last entry handed to the dispatcher.
     last: String,
     /// Maybe has unread entries.
     dirty: bool,
-    revoking: bool,
     acked: Arc<AtomicBool>,
+}
+
+/// One owned partition.
+struct Part {
+    key: OrderingKey,
+    lease_key: String,
+    holder: String,
+    generation: u64,
+    lease: Arc<ScopeLease>,
+    streams: Vec<Stream>,
+    revoking: bool,
 }
 
 pub(crate) struct Source {
     t: RedisTransport,
     spec: SourceSpec,
-    names: Arc<Names>,
+    /// Per category (the subscription's first): its names.
+    cats: Vec<Arc<Names>>,
+    /// Where leases, members, generations and halted records live.
+    ctl: Arc<Names>,
+    scope_prefix: String,
     group: Arc<str>,
     parts: HashMap<String, Part>,
     scopes: HashMap<Arc<str>, String>,
     wake: Arc<Wake>,
-    listener: JoinHandle<()>,
-    keyless: GroupReader,
+    listeners: Vec<JoinHandle<()>>,
+    keyless: Vec<GroupReader>,
     keyless_dirty: bool,
     events: Vec<SourceEvent>,
     last_maintain: Option<Instant>,
     last_reap: Instant,
     /// Look again soon: a wanted partition is still held elsewhere, or a
-    /// wake-up named a partition not known yet.
+    /// wake-up named a partition or stream not known yet.
     soon: bool,
     rotate: usize,
     warned: bool,
@@ -67,7 +81,7 @@ pub(crate) struct Source {
 impl fmt::Debug for Source {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisSource")
-            .field("category", &self.spec.category)
+            .field("category", &self.scope_prefix)
             .field("group", &self.spec.group)
             .field("owned", &self.parts.len())
             .finish()
@@ -76,7 +90,9 @@ impl fmt::Debug for Source {
 
 impl Drop for Source {
     fn drop(&mut self) {
-        self.listener.abort();
+        for l in &self.listeners {
+            l.abort();
+        }
     }
 }
 
@@ -140,27 +156,46 @@ fn strings(v: &Value) -> Vec<String> {
 
 impl Source {
     pub(crate) async fn open(t: RedisTransport, spec: SourceSpec) -> Result<Self> {
-        let names = Arc::new(Names::new(&spec.category)?);
+        let mut names = vec![Arc::new(Names::new(&spec.category)?)];
+        for c in &spec.correlated {
+            names.push(Arc::new(Names::new(c)?));
+        }
+        let ctl = if names.len() == 1 {
+            names[0].clone()
+        } else {
+            let sorted: BTreeSet<&str> = names.iter().map(|n| n.category()).collect();
+            Arc::new(Names::new(&sorted.into_iter().collect::<Vec<_>>().join("+"))?)
+        };
         let wake = Arc::new(Wake::default());
-        let listener = listen(t.client.clone(), names.wake(), wake.clone());
-        let keyless = GroupReader::new(
-            &t,
-            names.clone(),
-            &spec,
-            names.keyless(),
-            format!("{}/keyless", spec.category),
-            Mode::Unfenced,
-        )
-        .await?;
+        let listeners = names
+            .iter()
+            .map(|n| listen(t.client.clone(), n.wake(), wake.clone()))
+            .collect();
+        let mut keyless = Vec::new();
+        for n in &names {
+            keyless.push(
+                GroupReader::new(
+                    &t,
+                    n.clone(),
+                    &spec,
+                    n.keyless(),
+                    format!("{}/keyless", n.category()),
+                    Mode::Unfenced,
+                )
+                .await?,
+            );
+        }
         let mut source = Source {
             group: Arc::from(spec.group.as_str()),
+            scope_prefix: ctl.category().to_owned(),
             t,
             spec,
-            names,
+            cats: names,
+            ctl,
             parts: HashMap::new(),
             scopes: HashMap::new(),
             wake,
-            listener,
+            listeners,
             keyless,
             keyless_dirty: true,
             events: Vec::new(),
@@ -179,12 +214,14 @@ impl Source {
     }
 
     /// Takes wake-ups: owned partitions become readable; an unknown key means
-    /// a new partition to discover.
+    /// a new partition (or a stream of a correlated one) to discover.
     fn take_wakes(&mut self) {
         let (keys, all) = self.wake.take();
         if all {
             for p in self.parts.values_mut() {
-                p.dirty = true;
+                for s in &mut p.streams {
+                    s.dirty = true;
+                }
             }
             self.keyless_dirty = true;
             self.soon = true;
@@ -193,7 +230,12 @@ impl Source {
             if k.is_empty() {
                 self.keyless_dirty = true;
             } else if let Some(p) = self.parts.get_mut(&k) {
-                p.dirty = true;
+                for s in &mut p.streams {
+                    s.dirty = true;
+                    if !s.joined {
+                        self.soon = true;
+                    }
+                }
             } else {
                 self.soon = true;
             }
@@ -216,7 +258,7 @@ impl Source {
         // Renew what we hold; a lease not renewed is lost.
         let held: Vec<String> = self.parts.keys().cloned().collect();
         let mut inv = crate::scripts::RENEW.prepare_invoke();
-        inv.key(self.names.members(&self.group))
+        inv.key(self.ctl.members(&self.group))
             .arg(&self.spec.instance)
             .arg(ttl_ms);
         for k in &held {
@@ -236,32 +278,47 @@ impl Source {
                 tracing::warn!(scope = %p.lease.scope(), generation = p.generation, "redis: partition lease lost");
             }
         }
-        self.keyless.lease.confirm(sent);
-        self.keyless.reclaim().await?;
-        // Discovery: the index lists every live partition.
-        let index: Vec<String> = redis::cmd("ZRANGE")
-            .arg(self.names.index())
-            .arg(0)
-            .arg(-1)
-            .query_async(&mut conn)
-            .await
-            .map_err(broker)?;
-        metrics::gauge!("keyorder_redis_partitions", "category" => self.spec.category.clone()).set(index.len() as f64);
-        if index.len() > self.t.cfg.partition_warn {
-            if !self.warned {
-                tracing::warn!(
-                    category = %self.spec.category,
-                    partitions = index.len(),
-                    threshold = self.t.cfg.partition_warn,
-                    "redis: many live partitions in one category; each costs a lease, a heartbeat entry and a read \
-                     per wake-up (consider the Kafka adapter beyond low thousands of keys)"
-                );
-                metrics::counter!("keyorder_redis_partition_warnings_total").increment(1);
-                self.warned = true;
-            }
-        } else {
-            self.warned = false;
+        for r in &mut self.keyless {
+            r.lease.confirm(sent);
+            r.reclaim().await?;
         }
+        // Discovery: the indexes list every live partition.
+        let mut indexed: Vec<HashSet<String>> = Vec::with_capacity(self.cats.len());
+        for n in &self.cats {
+            let index: Vec<String> = redis::cmd("ZRANGE")
+                .arg(n.index())
+                .arg(0)
+                .arg(-1)
+                .query_async(&mut conn)
+                .await
+                .map_err(broker)?;
+            let count = index.len();
+            metrics::gauge!("keyorder_redis_partitions", "category" => n.category().to_owned()).set(count as f64);
+            if count > self.t.cfg.partition_warn {
+                if !self.warned {
+                    tracing::warn!(
+                        category = %n.category(),
+                        partitions = count,
+                        threshold = self.t.cfg.partition_warn,
+                        "redis: many live partitions in one category; each costs a lease, a heartbeat entry and a \
+                         read per wake-up (consider the Kafka adapter beyond low thousands of keys)"
+                    );
+                    metrics::counter!("keyorder_redis_partition_warnings_total").increment(1);
+                    self.warned = true;
+                }
+            } else {
+                self.warned = false;
+            }
+            indexed.push(index.into_iter().collect());
+        }
+        let mut index: Vec<String> = indexed
+            .iter()
+            .flatten()
+            .cloned()
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        index.retain(|k| OrderingKey::with_rules(k, &self.spec.key_rules).is_ok());
         let me = self.spec.instance.clone();
         let mut live = live;
         if !live.contains(&me) {
@@ -279,13 +336,12 @@ impl Source {
                     self.events.push(SourceEvent::Revoke(p.lease.scope().clone()));
                 }
             } else if mine {
-                match OrderingKey::with_rules(k, &self.spec.key_rules) {
-                    Ok(key) => want.push(key),
-                    Err(e) => tracing::warn!(error = %e, "redis: an indexed partition has an invalid key; skipped"),
+                if let Ok(key) = OrderingKey::with_rules(k, &self.spec.key_rules) {
+                    want.push(key);
                 }
             }
         }
-        // Reaped by nobody but us, so a partition missing from the index is gone.
+        // Only an owner reaps, so a partition missing from every index is gone.
         let gone: Vec<String> = self
             .parts
             .keys()
@@ -300,7 +356,24 @@ impl Source {
                 }
             }
         }
-        for chunk in want.chunks(CHUNK) {
+        // Streams that appeared after their partition was acquired.
+        let late: Vec<(String, usize)> = self
+            .parts
+            .iter()
+            .filter(|(_, p)| !p.revoking)
+            .flat_map(|(k, p)| {
+                p.streams
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, s)| !s.joined && indexed[s.cat].contains(k))
+                    .map(move |(i, _)| (k.clone(), i))
+            })
+            .collect();
+        for (k, i) in late {
+            self.join(&k, i).await?;
+        }
+        let per_call = (CHUNK / self.cats.len()).max(1);
+        for chunk in want.chunks(per_call) {
             self.acquire(chunk, sent).await?;
         }
         self.resolved().await?;
@@ -310,51 +383,101 @@ impl Source {
         Ok(())
     }
 
+    /// Joins a stream of an owned partition that appeared after the acquire.
+    async fn join(&mut self, key: &str, i: usize) -> Result<()> {
+        let Some(p) = self.parts.get(key) else { return Ok(()) };
+        let s = &p.streams[i];
+        let done: i64 = crate::scripts::JOIN_STREAM
+            .key(&p.lease_key)
+            .key(&s.stream)
+            .key(self.cats[s.cat].index())
+            .arg(&p.holder)
+            .arg(&*self.group)
+            .arg(key)
+            .invoke_async(&mut self.t.conn.clone())
+            .await
+            .map_err(broker)?;
+        match done {
+            1 => {
+                if let Some(p) = self.parts.get_mut(key) {
+                    let s = &mut p.streams[i];
+                    s.joined = true;
+                    s.pending_after = Some("0".into());
+                    s.last = "0".into();
+                    s.dirty = true;
+                }
+            }
+            0 => {
+                if let Some(p) = self.drop_part(key) {
+                    tracing::warn!(scope = %p.lease.scope(), "redis: partition lease lost while joining a stream");
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
     /// Acquires free partitions (reclaiming earlier generations' pending entries).
     async fn acquire(&mut self, keys: &[OrderingKey], sent: Instant) -> Result<()> {
         let mut inv = crate::scripts::ACQUIRE.prepare_invoke();
-        inv.key(self.names.generation())
-            .key(self.names.index())
+        inv.key(self.ctl.generation())
             .arg(&self.spec.instance)
             .arg(self.spec.lease.ttl.as_millis() as u64)
             .arg(&*self.group);
         for k in keys {
-            inv.key(self.names.lease(k.as_str(), &self.group))
-                .key(self.names.stream(k.as_str()));
+            inv.key(self.ctl.lease(k.as_str(), &self.group));
+            for n in &self.cats {
+                inv.key(n.stream(k.as_str()));
+            }
+            for n in &self.cats {
+                inv.key(n.index());
+            }
+            inv.arg(k.as_str()).arg(self.cats.len());
         }
-        for k in keys {
-            inv.arg(k.as_str());
-        }
-        let gens = ints(
-            &inv.invoke_async::<Value>(&mut self.t.conn.clone())
-                .await
-                .map_err(broker)?,
-        );
-        for (key, gen) in keys.iter().zip(gens) {
+        let reply: Value = inv.invoke_async(&mut self.t.conn.clone()).await.map_err(broker)?;
+        let Value::Array(results) = reply else {
+            return Err(Error::Broker("redis: unexpected acquire reply".into()));
+        };
+        for (key, r) in keys.iter().zip(results) {
+            let r = ints(&r);
+            let gen = r.first().copied().unwrap_or(0);
             if gen <= 0 {
                 // Held by its previous owner (handing over, or expiring).
                 self.soon = true;
                 continue;
             }
             let generation = gen as u64;
-            let scope = scope_of(&self.spec.category, key.as_str());
+            let scope = scope_of(&self.scope_prefix, key.as_str());
             let lease = ScopeLease::new(scope.clone(), generation, &self.spec.lease, sent);
             tracing::debug!(scope = %scope, generation, "redis: partition acquired");
+            let streams = self
+                .cats
+                .iter()
+                .enumerate()
+                .map(|(cat, n)| {
+                    let joined = r.get(cat + 1) == Some(&1);
+                    Stream {
+                        cat,
+                        stream: n.stream(key.as_str()),
+                        joined,
+                        pending_after: joined.then(|| "0".to_owned()),
+                        last: "0".into(),
+                        dirty: joined,
+                        acked: Arc::default(),
+                    }
+                })
+                .collect();
             self.scopes.insert(scope, key.as_str().to_owned());
             self.parts.insert(
                 key.as_str().to_owned(),
                 Part {
                     key: key.clone(),
-                    stream: self.names.stream(key.as_str()),
-                    lease_key: self.names.lease(key.as_str(), &self.group),
+                    lease_key: self.ctl.lease(key.as_str(), &self.group),
                     holder: self.holder(generation),
                     generation,
                     lease,
-                    pending_after: Some("0".into()),
-                    last: "0".into(),
-                    dirty: true,
+                    streams,
                     revoking: false,
-                    acked: Arc::default(),
                 },
             );
         }
@@ -365,7 +488,7 @@ impl Source {
     async fn resolved(&mut self) -> Result<()> {
         let mut conn = self.t.conn.clone();
         let all: HashMap<String, String> = redis::cmd("HGETALL")
-            .arg(self.names.resolved(&self.group))
+            .arg(self.ctl.resolved(&self.group))
             .query_async(&mut conn)
             .await
             .map_err(broker)?;
@@ -374,14 +497,16 @@ impl Source {
                 continue;
             }
             let removed: i64 = redis::cmd("HDEL")
-                .arg(self.names.resolved(&self.group))
+                .arg(self.ctl.resolved(&self.group))
                 .arg(&key)
                 .query_async(&mut conn)
                 .await
                 .map_err(broker)?;
             if removed == 1 {
                 if let Some(p) = self.parts.get_mut(&key) {
-                    p.dirty = true;
+                    for s in &mut p.streams {
+                        s.dirty = true;
+                    }
                 }
                 self.events.push(SourceEvent::Resolved {
                     key,
@@ -392,14 +517,16 @@ impl Source {
         Ok(())
     }
 
-    /// Trims entries every group acknowledged, on partitions with new acks.
+    /// Trims entries every group acknowledged, on streams with new acks.
     async fn trim(&mut self) -> Result<()> {
         let mut pipe = redis::pipe();
         let mut n = 0;
         for p in self.parts.values() {
-            if p.acked.swap(false, Ordering::Relaxed) {
-                pipe.invoke_script(&crate::scripts::TRIM.key(&p.stream));
-                n += 1;
+            for s in &p.streams {
+                if s.acked.swap(false, Ordering::Relaxed) {
+                    pipe.invoke_script(&crate::scripts::TRIM.key(&s.stream));
+                    n += 1;
+                }
             }
         }
         if n > 0 {
@@ -416,7 +543,8 @@ impl Source {
         Ok(())
     }
 
-    /// Removes owned partitions that are drained and idle past `reap_idle`.
+    /// Removes owned streams that are drained and idle past `reap_idle`; a
+    /// single-stream partition goes with its lease.
     async fn reap(&mut self) -> Result<()> {
         let idle = self.t.cfg.reap_idle;
         if idle.is_zero()
@@ -425,47 +553,61 @@ impl Source {
             return Ok(());
         }
         self.last_reap = Instant::now();
-        let candidates: Vec<String> = self
+        let single = self.cats.len() == 1;
+        let candidates: Vec<(String, usize)> = self
             .parts
             .iter()
-            .filter(|(_, p)| !p.revoking && p.pending_after.is_none())
-            .map(|(k, _)| k.clone())
+            .filter(|(_, p)| !p.revoking)
+            .flat_map(|(k, p)| {
+                p.streams
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, s)| s.joined && s.pending_after.is_none())
+                    .map(move |(i, _)| (k.clone(), i))
+            })
             .collect();
-        for k in candidates {
-            let p = &self.parts[&k];
+        for (k, i) in candidates {
+            let Some(p) = self.parts.get(&k) else { continue };
+            let s = &p.streams[i];
             let done: i64 = crate::scripts::REAP
-                .key(&p.stream)
-                .key(self.names.index())
+                .key(&s.stream)
+                .key(self.cats[s.cat].index())
                 .key(&p.lease_key)
                 .arg(&k)
                 .arg(idle.as_millis() as u64)
                 .arg(&p.holder)
+                .arg(if single { "1" } else { "0" })
                 .invoke_async(&mut self.t.conn.clone())
                 .await
                 .map_err(broker)?;
             if done == 1 {
                 metrics::counter!("keyorder_redis_partitions_reaped_total").increment(1);
-                if let Some(p) = self.drop_part(&k) {
-                    tracing::debug!(scope = %p.lease.scope(), "redis: cold partition reaped");
+                if single {
+                    if let Some(p) = self.drop_part(&k) {
+                        tracing::debug!(scope = %p.lease.scope(), "redis: cold partition reaped");
+                    }
+                } else if let Some(p) = self.parts.get_mut(&k) {
+                    p.streams[i].joined = false;
                 }
             }
         }
         Ok(())
     }
 
-    /// One fenced read over the readable owned partitions, then the keyless stream.
+    /// One fenced read over the readable owned streams, then the keyless streams.
     async fn read(&mut self, max: usize, paused: &HashSet<Arc<str>>) -> Result<Vec<Inbound>> {
         let mut out = Vec::new();
-        let mut ready: Vec<String> = self
+        let mut ready: Vec<(String, usize)> = self
             .parts
             .iter()
-            .filter(|(_, p)| {
-                !p.revoking
-                    && (p.dirty || p.pending_after.is_some())
-                    && !paused.contains(p.lease.scope())
-                    && !p.lease.is_lost()
+            .filter(|(_, p)| !p.revoking && !paused.contains(p.lease.scope()) && !p.lease.is_lost())
+            .flat_map(|(k, p)| {
+                p.streams
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, s)| s.joined && (s.dirty || s.pending_after.is_some()))
+                    .map(move |(i, _)| (k.clone(), i))
             })
-            .map(|(k, _)| k.clone())
             .collect();
         ready.sort_unstable();
         if !ready.is_empty() {
@@ -489,22 +631,32 @@ impl Source {
         }
         if out.len() < max && self.keyless_dirty {
             let mut conn = self.t.conn.clone();
-            let got = self.keyless.read(&mut conn, max - out.len(), None).await?;
-            self.keyless_dirty = got.len() >= max - out.len();
-            out.extend(got);
+            let mut more = false;
+            for r in &mut self.keyless {
+                let room = max.saturating_sub(out.len());
+                if room == 0 {
+                    more = true;
+                    break;
+                }
+                let got = r.read(&mut conn, room, None).await?;
+                more |= got.len() >= room;
+                out.extend(got);
+            }
+            self.keyless_dirty = more;
         }
         Ok(out)
     }
 
-    async fn read_chunk(&mut self, chunk: &[String], share: usize, out: &mut Vec<Inbound>) -> Result<()> {
+    async fn read_chunk(&mut self, chunk: &[(String, usize)], share: usize, out: &mut Vec<Inbound>) -> Result<()> {
         let sent = Instant::now();
         let mut inv = crate::scripts::READ.prepare_invoke();
         inv.arg(&*self.group).arg(&self.spec.instance);
-        for k in chunk {
+        for (k, i) in chunk {
             let p = &self.parts[k];
-            inv.key(&p.lease_key).key(&p.stream);
+            let s = &p.streams[*i];
+            inv.key(&p.lease_key).key(&s.stream);
             inv.arg(p.generation)
-                .arg(p.pending_after.as_deref().unwrap_or(">"))
+                .arg(s.pending_after.as_deref().unwrap_or(">"))
                 .arg(share);
         }
         let reply = match inv.invoke_async::<Value>(&mut self.t.conn.clone()).await {
@@ -512,10 +664,11 @@ impl Source {
             Err(e) => {
                 // The read may have run: its entries would now be pending at
                 // this holder. Re-read them before anything new.
-                for k in chunk {
+                for (k, i) in chunk {
                     if let Some(p) = self.parts.get_mut(k) {
-                        if p.pending_after.is_none() {
-                            p.pending_after = Some(p.last.clone());
+                        let s = &mut p.streams[*i];
+                        if s.pending_after.is_none() {
+                            s.pending_after = Some(s.last.clone());
                         }
                     }
                 }
@@ -525,7 +678,7 @@ impl Source {
         let Value::Array(results) = reply else {
             return Err(Error::Broker("redis: unexpected read reply".into()));
         };
-        for (k, r) in chunk.iter().zip(results) {
+        for ((k, i), r) in chunk.iter().zip(results) {
             if matches!(r, Value::Int(0)) {
                 if let Some(p) = self.drop_part(k) {
                     metrics::counter!("keyorder_redis_fence_rejections_total").increment(1);
@@ -539,9 +692,11 @@ impl Source {
             };
             let Some(p) = self.parts.get_mut(k) else { continue };
             p.lease.confirm(sent);
+            let names = self.cats[p.streams[*i].cat].clone();
             let count = got.len();
             for ((entry, fields), attempt) in got.into_iter().zip(attempts.into_iter().chain(std::iter::repeat(0))) {
-                p.last = entry.clone();
+                let s = &mut p.streams[*i];
+                s.last = entry.clone();
                 let Some(fields) = fields else {
                     // Deleted while pending: nothing to deliver.
                     continue;
@@ -551,31 +706,33 @@ impl Source {
                     lease: p.lease.clone(),
                     settle: Box::new(RedisSettle {
                         t: self.t.clone(),
-                        names: self.names.clone(),
+                        names: names.clone(),
+                        ctl: self.ctl.clone(),
                         group: self.group.clone(),
                         mode: Mode::Fenced,
                         key: p.key.as_str().to_owned(),
-                        stream: p.stream.clone(),
+                        stream: s.stream.clone(),
                         holder: p.holder.clone(),
                         consumer: p.holder.clone(),
                         generation: p.generation,
                         scope: p.lease.scope().clone(),
                         entry,
-                        acked: p.acked.clone(),
+                        acked: s.acked.clone(),
                         local_attempts: AtomicU32::new(0),
                         counted: AtomicU32::new(attempt.clamp(0, i64::from(u32::MAX)) as u32),
                     }),
                 });
             }
-            if p.pending_after.is_some() {
+            let s = &mut p.streams[*i];
+            if s.pending_after.is_some() {
                 if count == 0 {
-                    p.pending_after = None;
-                    p.dirty = true;
+                    s.pending_after = None;
+                    s.dirty = true;
                 } else {
-                    p.pending_after = Some(p.last.clone());
+                    s.pending_after = Some(s.last.clone());
                 }
             } else if count < share {
-                p.dirty = false;
+                s.dirty = false;
             }
         }
         Ok(())
@@ -605,7 +762,9 @@ impl TransportSource for Source {
             self.maintain_now().await?;
             // A periodic full look covers any lost wake-up.
             for p in self.parts.values_mut() {
-                p.dirty = true;
+                for s in &mut p.streams {
+                    s.dirty = true;
+                }
             }
             self.keyless_dirty = true;
         }
@@ -637,12 +796,14 @@ impl TransportSource for Source {
             self.release(&s).await?;
         }
         let _: i64 = redis::cmd("ZREM")
-            .arg(self.names.members(&self.group))
+            .arg(self.ctl.members(&self.group))
             .arg(&self.spec.instance)
             .query_async(&mut self.t.conn.clone())
             .await
             .map_err(broker)?;
-        self.listener.abort();
+        for l in &self.listeners {
+            l.abort();
+        }
         Ok(())
     }
 }

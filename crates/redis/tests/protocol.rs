@@ -34,6 +34,7 @@ fn lease() -> LeaseConfig {
 fn spec(category: &str, instance: &str) -> SourceSpec {
     SourceSpec {
         category: category.into(),
+        correlated: Vec::new(),
         group: "g".into(),
         instance: instance.into(),
         ordered: true,
@@ -302,4 +303,30 @@ async fn publishes_racing_the_reaper_are_never_lost() {
     assert!(generations >= 2, "the partition was reaped {} times", generations - 1);
     stop.notify_one();
     run.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_correlated_subscription_partitions_every_category_by_its_key() {
+    use keyorder_core::{Client, KeySource};
+    let client = Client::new(Arc::new(transport("").await));
+    let (orders, payments) = (category("orders"), category("payments"));
+    let _ledger = client
+        .subscribe(&payments, "ledger")
+        .ordered_by(KeySource::header("account"))
+        .lease(lease())
+        .build()
+        .await
+        .unwrap();
+    let err = client
+        .subscribe(&orders, "saga")
+        .correlated_with(&payments)
+        .ordered_by(KeySource::routing_key())
+        .lease(lease())
+        .build()
+        .await
+        .unwrap_err();
+    match err {
+        Error::Registration(m) => assert!(m.contains(&payments), "{m}"),
+        other => panic!("expected a registration error, got {other}"),
+    }
 }
