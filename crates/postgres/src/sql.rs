@@ -2,6 +2,8 @@
 
 use std::sync::Arc;
 
+use crate::shared::{after_position, commit_safe, read_order, LeaseSql, TXID_COLUMN};
+
 /// The statements of one schema (`AssertSqlSafe`: the schema name is
 /// validated as an identifier before it is formatted in).
 #[derive(Debug)]
@@ -36,14 +38,19 @@ pub(crate) struct Sql {
     pub(crate) ack_batch: Arc<str>,
 }
 
-/// The fence every guarded statement starts with: this owner, this
-/// generation, a lease unexpired on the database's clock.
-const OWN: &str = "own as (select 1 from {s}.slots where queue = $1 and grp = $2 and slot = $3 and owner = $4 \
-                   and generation = $5 and lease_expiry > clock_timestamp() for share)";
-
 impl Sql {
     pub(crate) fn new(schema: &str) -> Sql {
-        let f = |t: &str| -> Arc<str> { Arc::from(t.replace("{own}", OWN).replace("{s}", schema)) };
+        let lease = LeaseSql::new(schema);
+        let f = |t: &str| -> Arc<str> {
+            Arc::from(
+                t.replace("{own}", &lease.own)
+                    .replace("{after}", &after_position("e", 6, 7))
+                    .replace("{commit_safe}", &commit_safe("e"))
+                    .replace("{read_order}", &read_order("e"))
+                    .replace("{txid}", TXID_COLUMN)
+                    .replace("{s}", schema),
+            )
+        };
         let migrate = [
             "create schema if not exists {s}",
             "create table if not exists {s}.queues (queue text primary key, slots int not null)",
@@ -56,17 +63,11 @@ impl Sql {
                 correlation_id text,
                 headers jsonb not null default '{}',
                 payload bytea not null,
-                txid xid8 not null default pg_current_xact_id(),
+                {txid},
                 enqueued_at timestamptz not null default clock_timestamp())",
             "create index if not exists events_read on {s}.events (queue, slot, txid, id)",
-            "create table if not exists {s}.slots (
-                queue text not null, grp text not null, slot int not null,
-                owner text, generation bigint not null default 0, lease_expiry timestamptz,
-                cursor_txid xid8 not null default '0', cursor_id bigint not null default 0,
-                primary key (queue, grp, slot))",
-            "create table if not exists {s}.members (
-                queue text not null, grp text not null, member text not null, last_seen timestamptz not null,
-                primary key (queue, grp, member))",
+            "{create_slots}",
+            "{create_members}",
             "create table if not exists {s}.attempts (
                 queue text not null, grp text not null, event_id bigint not null, attempts int not null,
                 primary key (queue, grp, event_id))",
@@ -83,7 +84,11 @@ impl Sql {
                 parked_at timestamptz not null default clock_timestamp())",
         ]
         .iter()
-        .map(|t| f(t))
+        .map(|t| match *t {
+            "{create_slots}" => Arc::from(lease.create_slots.as_str()),
+            "{create_members}" => Arc::from(lease.create_members.as_str()),
+            t => f(t),
+        })
         .collect();
         Sql {
             channel: format!("keyorder_{schema}"),
@@ -99,25 +104,12 @@ impl Sql {
                  values ($1, $2, $3, $4, $5, $6::jsonb, $7) returning 1) \
                  select pg_notify($8, $1) from ins",
             ),
-            heartbeat: f(
-                "insert into {s}.members (queue, grp, member, last_seen) values ($1, $2, $3, clock_timestamp()) \
-                 on conflict (queue, grp, member) do update set last_seen = clock_timestamp()",
-            ),
-            live_members: f("select member from {s}.members where queue = $1 and grp = $2 \
-                 and last_seen > clock_timestamp() - make_interval(secs => $3::float8 / 1000) order by member"),
-            leave: f("delete from {s}.members where queue = $1 and grp = $2 and member = $3"),
-            renew: f(
-                "update {s}.slots set lease_expiry = clock_timestamp() + make_interval(secs => $4::float8 / 1000) \
-                 where queue = $1 and grp = $2 and owner = $3 and slot = any($5) and lease_expiry > clock_timestamp() \
-                 returning slot, generation",
-            ),
-            acquire: f("update {s}.slots set owner = $4, generation = generation + 1, \
-                 lease_expiry = clock_timestamp() + make_interval(secs => $5::float8 / 1000) \
-                 where queue = $1 and grp = $2 and slot = $3 \
-                 and (owner is null or lease_expiry is null or lease_expiry <= clock_timestamp() or owner = $4) \
-                 returning generation, cursor_txid::text, cursor_id"),
-            release: f("update {s}.slots set owner = null, lease_expiry = null \
-                 where queue = $1 and grp = $2 and slot = $3 and owner = $4 and generation = $5"),
+            heartbeat: Arc::from(lease.heartbeat.as_str()),
+            live_members: Arc::from(lease.live_members.as_str()),
+            leave: Arc::from(lease.leave.as_str()),
+            renew: Arc::from(lease.renew.as_str()),
+            acquire: Arc::from(lease.acquire.as_str()),
+            release: Arc::from(lease.release.as_str()),
             advance: f(
                 "with {own}, up as (update {s}.slots set cursor_txid = $6::text::xid8, cursor_id = $7 \
                  where queue = $1 and grp = $2 and slot = $3 and exists (select 1 from own) returning 1), \
@@ -131,10 +123,10 @@ impl Sql {
                  from {s}.events e join {s}.slots s on s.queue = e.queue and s.grp = $2 and s.slot = e.slot \
                  where e.queue = $1 and e.slot = $3 and s.owner = $4 and s.generation = $5 \
                  and s.lease_expiry > clock_timestamp() \
-                 and (e.txid, e.id) > ($6::text::xid8, $7) \
-                 and e.txid < pg_snapshot_xmin(pg_current_snapshot()) \
+                 and {after} \
+                 and {commit_safe} \
                  and not exists (select 1 from {s}.acked a where a.queue = $1 and a.grp = $2 and a.event_id = e.id) \
-                 order by e.txid, e.id limit $8",
+                 {read_order} limit $8",
             ),
             park: f(
                 "with {own}, d as (insert into {s}.dead (queue, grp, event_id, message_id, key, reason) \
@@ -229,5 +221,14 @@ impl Sql {
                  order by e.txid, e.id limit $3)",
             ),
         }
+    }
+}
+
+#[cfg(test)]
+mod tmp_dump {
+    #[test]
+    fn dump() {
+        let out = std::env::var("SQL_DUMP").unwrap_or_else(|_| "/tmp/sql_dump.txt".into());
+        std::fs::write(out, format!("{:#?}", super::Sql::new("keyorder"))).unwrap();
     }
 }
