@@ -84,6 +84,7 @@ impl RedisTransport {
     pub async fn connect(cfg: RedisConfig) -> Result<Self> {
         let client = redis::Client::open(cfg.server.as_str()).map_err(|e| Error::Url(format!("redis: {e}")))?;
         let conn = Self::manager(&client, &cfg, Some(cfg.response_timeout)).await?;
+        Self::check_eviction(&mut conn.clone(), &cfg).await?;
         Ok(RedisTransport {
             cfg: Arc::new(cfg),
             client,
@@ -96,6 +97,33 @@ impl RedisTransport {
     /// string; see [`RedisConfig::from_url`]).
     pub async fn from_url(url: &url::Url) -> Result<Self> {
         Self::connect(RedisConfig::from_url(url)?).await
+    }
+
+    /// Refuses a server that may evict keys: an evicted lease or generation
+    /// counter would break the fence (the contract's durability rule). A
+    /// server that does not answer `CONFIG GET` (some managed services) is
+    /// trusted, with a warning.
+    async fn check_eviction(conn: &mut ConnectionManager, cfg: &RedisConfig) -> Result<()> {
+        let policy: redis::RedisResult<Vec<String>> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory-policy")
+            .query_async(conn)
+            .await;
+        match policy {
+            Ok(v) => match v.get(1).map(String::as_str) {
+                Some("noeviction") | None => Ok(()),
+                Some(other) => Err(Error::Config(format!(
+                    "redis at {}: maxmemory-policy is `{other}`, which can evict leases and generation counters and \
+                     break the fence; set `maxmemory-policy noeviction` (CONFIG SET maxmemory-policy noeviction, \
+                     and in redis.conf)",
+                    cfg.display
+                ))),
+            },
+            Err(e) => {
+                tracing::warn!(error = %e, "redis: cannot read maxmemory-policy; assuming noeviction");
+                Ok(())
+            }
+        }
     }
 
     /// A reconnecting connection with `timeout` per response.

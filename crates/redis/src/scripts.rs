@@ -180,20 +180,30 @@ end
 /// with its attempt count: Redis's delivery counter, which the read itself
 /// increments (1 for a new entry), so the first attempt costs no round trip.
 ///
-/// KEYS: (lease, stream) per partition. ARGV: group, owner, then
+/// A successful fenced read also extends the lease by the TTL: it is a
+/// renewal, so the consumer's self-fence may count it as a confirmation
+/// (a read that only checked the lease would let the self-fence call a
+/// scope fresh after the lease expired; see `verification/`).
+///
+/// KEYS: (lease, stream) per partition. ARGV: group, owner, ttl ms, then
 /// (generation, start id, count) per partition. Returns per partition `0`
 /// (fenced: the lease is not ours) or `{entries, attempts}`.
 pub(crate) static READ: LazyLock<Script> = LazyLock::new(|| {
     script(&format!(
         r"{DELIVERIES}
 local out = {{}}
+local extended = {{}}
 for i = 1, #KEYS / 2 do
-  local gen, start, count = ARGV[3 * i], ARGV[3 * i + 1], ARGV[3 * i + 2]
+  local gen, start, count = ARGV[3 * i + 1], ARGV[3 * i + 2], ARGV[3 * i + 3]
   local holder = ARGV[2] .. ':' .. gen
-  local stream = KEYS[2 * i]
-  if redis.call('GET', KEYS[2 * i - 1]) ~= holder then
+  local lease, stream = KEYS[2 * i - 1], KEYS[2 * i]
+  if redis.call('GET', lease) ~= holder then
     out[i] = 0
   else
+    if not extended[lease] then
+      redis.call('PEXPIRE', lease, ARGV[3])
+      extended[lease] = true
+    end
     local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], holder, 'COUNT', count, 'STREAMS', stream, start)
     local entries, attempts = {{}}, {{}}
     if r then entries = r[1][2] end

@@ -650,7 +650,9 @@ impl Source {
     async fn read_chunk(&mut self, chunk: &[(String, usize)], share: usize, out: &mut Vec<Inbound>) -> Result<()> {
         let sent = Instant::now();
         let mut inv = crate::scripts::READ.prepare_invoke();
-        inv.arg(&*self.group).arg(&self.spec.instance);
+        inv.arg(&*self.group)
+            .arg(&self.spec.instance)
+            .arg(self.spec.lease.ttl.as_millis() as u64);
         for (k, i) in chunk {
             let p = &self.parts[k];
             let s = &p.streams[*i];
@@ -691,6 +693,7 @@ impl Source {
                 _ => (Vec::new(), Vec::new()),
             };
             let Some(p) = self.parts.get_mut(k) else { continue };
+            // The read extended the lease (a renewal), sent at `sent`.
             p.lease.confirm(sent);
             let names = self.cats[p.streams[*i].cat].clone();
             let count = got.len();

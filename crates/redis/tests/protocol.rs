@@ -330,3 +330,68 @@ async fn a_correlated_subscription_partitions_every_category_by_its_key() {
         other => panic!("expected a registration error, got {other}"),
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_read_renews_the_lease_it_confirms() {
+    let t = transport("").await;
+    let cat = category("renew");
+    let lease_key = Names::new(&cat).unwrap().lease("r", "g");
+    publish(&t, &cat, "r", 0..1).await;
+    let mut a = t.open(&spec(&cat, "A")).await.unwrap();
+    let got = fetch_n(&mut a, 1).await;
+    let mut c = conn().await;
+    // Let most of the lease run out without a heartbeat, then read.
+    poll("the lease to age", || {
+        let (mut c, k) = (c.clone(), lease_key.clone());
+        async move { c.pttl::<_, i64>(&k).await.unwrap() < 1_000 }
+    })
+    .await;
+    publish(&t, &cat, "r", 1..2).await;
+    let more = a.fetch(10, &HashSet::new(), Duration::from_millis(200)).await.unwrap();
+    assert_eq!(ids(&more), ["m1"]);
+    let left: i64 = c.pttl(&lease_key).await.unwrap();
+    assert!(
+        left > 1_500,
+        "the read confirmed the scope but left the lease with {left} ms"
+    );
+    got[0].settle.ack().await.unwrap();
+    more[0].settle.ack().await.unwrap();
+    a.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_may_evict_keys_is_refused() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut server = std::process::Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
+        .args(["--appendonly", "no", "--maxmemory-policy", "allkeys-lru"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("redis-server (run scripts/services)");
+    let url = format!("redis://127.0.0.1:{port}");
+    poll("the evicting server to answer", || {
+        let url = url.clone();
+        async move {
+            match redis::Client::open(url.as_str())
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+            {
+                Ok(mut c) => redis::cmd("PING").query_async::<String>(&mut c).await.is_ok(),
+                Err(_) => false,
+            }
+        }
+    })
+    .await;
+    let err = RedisTransport::from_url(&url.parse().unwrap()).await.unwrap_err();
+    server.kill().unwrap();
+    server.wait().unwrap();
+    match err {
+        Error::Config(m) => assert!(m.contains("noeviction") && m.contains("allkeys-lru"), "{m}"),
+        other => panic!("expected a configuration error, got {other}"),
+    }
+}
