@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 mod batch;
+pub mod shared;
 mod sql;
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
@@ -111,19 +112,7 @@ impl PgConfig {
         if !driver.is_empty() {
             rest.query_pairs_mut().extend_pairs(driver);
         }
-        let ident_ok = !cfg.schema.is_empty()
-            && cfg.schema.len() <= 40
-            && cfg
-                .schema
-                .chars()
-                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
-            && !cfg.schema.starts_with(|c: char| c.is_ascii_digit());
-        if !ident_ok {
-            return Err(Error::Url(format!(
-                "schema={}: expected a lower-case identifier of [a-z0-9_], at most 40 characters",
-                keyorder_core::key::redact(&cfg.schema)
-            )));
-        }
+        shared::check_schema(&cfg.schema)?;
         cfg.url = rest.to_string();
         Ok(cfg)
     }

@@ -223,12 +223,3 @@ impl Sql {
         }
     }
 }
-
-#[cfg(test)]
-mod tmp_dump {
-    #[test]
-    fn dump() {
-        let out = std::env::var("SQL_DUMP").unwrap_or_else(|_| "/tmp/sql_dump.txt".into());
-        std::fs::write(out, format!("{:#?}", super::Sql::new("keyorder"))).unwrap();
-    }
-}

@@ -1,0 +1,170 @@
+//! Every statement of one outbox schema, built once.
+
+use keyorder_postgres::shared::{after, commit_safe, read_order, LeaseSql, TXID_COLUMN};
+
+/// The `queue` value of the outbox's lease rows (the relay group is `grp`).
+pub(crate) const LEASE_QUEUE: &str = "outbox";
+
+/// The statements of one schema (run with `AssertSqlSafe`: the schema name
+/// is checked as an identifier before it is formatted in).
+#[derive(Debug)]
+pub(crate) struct Sql {
+    pub(crate) migrate: Vec<String>,
+    pub(crate) settings_init: String,
+    pub(crate) settings: String,
+    pub(crate) stage: String,
+    pub(crate) lease: LeaseSql,
+    pub(crate) ensure_slots: String,
+    pub(crate) read: String,
+    pub(crate) begin: String,
+    pub(crate) resolve: String,
+    pub(crate) halt: String,
+    pub(crate) halted: String,
+    pub(crate) unhalt: String,
+    pub(crate) reset_attempts: String,
+    pub(crate) dead: String,
+    pub(crate) purge: String,
+    pub(crate) applied_get: String,
+    pub(crate) applied_put: String,
+}
+
+impl Sql {
+    pub(crate) fn new(schema: &str) -> Sql {
+        let lease = LeaseSql::new(schema);
+        let f = |t: &str| -> String {
+            t.replace("{own}", &lease.own)
+                .replace("{after}", &after("e", "c.txid::xid8", "c.id"))
+                .replace("{commit_safe}", &commit_safe("e"))
+                .replace("{read_order}", &read_order("e"))
+                .replace("{txid}", TXID_COLUMN)
+                .replace("{s}", schema)
+        };
+        let mut migrate: Vec<String> = [
+            "create schema if not exists {s}",
+            "create table if not exists {s}.settings (id int primary key check (id = 1), slots int not null)",
+            "create table if not exists {s}.counters (
+                category text not null, key text not null, seq bigint not null,
+                primary key (category, key))",
+            "create table if not exists {s}.records (
+                id bigserial primary key,
+                message_id text not null,
+                category text not null,
+                key text not null,
+                slot int not null,
+                seq bigint not null,
+                correlation_id text,
+                headers jsonb not null default '{}',
+                payload bytea not null,
+                {txid},
+                created_at timestamptz not null default clock_timestamp(),
+                state text not null default 'pending'
+                    check (state in ('pending', 'published', 'abandoned', 'parked')),
+                attempts int not null default 0,
+                reason text,
+                resolved_by text,
+                resolved_at timestamptz)",
+            "create unique index if not exists records_key_seq on {s}.records (category, key, seq)",
+            "create index if not exists records_pending on {s}.records (slot, txid, id) where state = 'pending'",
+            "create table if not exists {s}.halted (
+                category text not null, key text not null, record_id bigint not null, reason text not null,
+                halted_at timestamptz not null default clock_timestamp(),
+                primary key (category, key))",
+            "create table if not exists {s}.dead (
+                id bigserial primary key, record_id bigint not null, message_id text not null,
+                category text not null, key text not null, seq bigint not null, reason text not null,
+                parked_at timestamptz not null default clock_timestamp())",
+            "create table if not exists {s}.applied (
+                name text not null, key text not null, seq bigint not null,
+                primary key (name, key))",
+        ]
+        .iter()
+        .map(|t| f(t))
+        .collect();
+        migrate.push(lease.create_slots.clone());
+        migrate.push(lease.create_members.clone());
+        Sql {
+            migrate,
+            settings_init: f("insert into {s}.settings (id, slots) values (1, $1) on conflict (id) do nothing"),
+            settings: f("select slots from {s}.settings where id = 1"),
+            // One statement: the counter row's lock is held until the
+            // caller's transaction ends, so same-key stagers serialise and
+            // the sequence is the key's commit order.
+            stage: f(
+                "with c as (insert into {s}.counters (category, key, seq) values ($1, $2, 1) \
+                 on conflict (category, key) do update set seq = {s}.counters.seq + 1 returning seq), \
+                 st as (select slots from {s}.settings where id = 1) \
+                 insert into {s}.records (message_id, category, key, slot, seq, correlation_id, headers, payload) \
+                 select $3, $1, $2, mod($4::bigint, st.slots)::int, c.seq, $5, $6::jsonb, $7 from c, st \
+                 returning id, seq",
+            ),
+            ensure_slots: f(
+                "insert into {s}.slots (queue, grp, slot) select $1, $2, g from generate_series(0, $3 - 1) g \
+                 on conflict do nothing",
+            ),
+            // Pending records of every owned slot after its read position,
+            // commit-safe, in (txid, id) order: $3 slots, $4 generations,
+            // $5 position txids (text), $6 position ids, $7 owner, $8 limit per slot.
+            read: f(
+                "select c.slot, e.id, e.txid::text, e.message_id, e.category, e.key, e.seq, e.correlation_id, \
+                 e.headers::text, e.payload \
+                 from unnest($3::int[], $4::bigint[], $5::text[], $6::bigint[]) as c(slot, gen, txid, id) \
+                 join {s}.slots s on s.queue = $1 and s.grp = $2 and s.slot = c.slot and s.owner = $7 \
+                 and s.generation = c.gen and s.lease_expiry > clock_timestamp() \
+                 cross join lateral (select * from {s}.records e where e.slot = c.slot and e.state = 'pending' \
+                 and {after} and {commit_safe} {read_order} limit $8) e \
+                 order by c.slot, e.txid, e.id",
+            ),
+            // Before a publish: the fence, the record still pending, no
+            // earlier record of its key pending, the key not halted; then the
+            // attempt is counted durably. Returns (owned, exists, earlier,
+            // halted, attempts, lease milliseconds left).
+            begin: f("with {own}, \
+                 r as (select id, category, key, seq from {s}.records where id = $6 and state = 'pending'), \
+                 lower as (select 1 from {s}.records p join r on p.category = r.category and p.key = r.key \
+                 and p.seq < r.seq where p.state = 'pending' limit 1), \
+                 h as (select 1 from {s}.halted h join r on h.category = r.category and h.key = r.key), \
+                 up as (update {s}.records set attempts = attempts + 1 where id = $6 and state = 'pending' \
+                 and exists (select 1 from own) and not exists (select 1 from lower) \
+                 and not exists (select 1 from h) returning attempts) \
+                 select (select count(*) from own), (select count(*) from r), (select count(*) from lower), \
+                 (select count(*) from h), (select attempts from up), \
+                 (select (extract(epoch from (lease_expiry - clock_timestamp())) * 1000)::bigint \
+                  from {s}.slots where queue = $1 and grp = $2 and slot = $3)"),
+            // Marks a record published, abandoned or parked ($7) with a
+            // reason ($8), only while this owner holds the slot at this
+            // generation: the same statement checks the fence.
+            resolve: f("with {own}, up as (update {s}.records set state = $7, reason = $8, \
+                 resolved_by = $4 || ':' || $5::text, resolved_at = clock_timestamp() \
+                 where id = $6 and state = 'pending' and exists (select 1 from own) \
+                 returning id, message_id, category, key, seq), \
+                 d as (insert into {s}.dead (record_id, message_id, category, key, seq, reason) \
+                 select id, message_id, category, key, seq, $8 from up where $7 = 'parked') \
+                 select (select count(*) from own), (select count(*) from up)"),
+            halt: f(
+                "with {own}, r as (select category, key from {s}.records where id = $6 and state = 'pending'), \
+                 h as (insert into {s}.halted (category, key, record_id, reason) \
+                 select r.category, r.key, $6, $7 from r, own \
+                 on conflict (category, key) do update set record_id = excluded.record_id, reason = excluded.reason) \
+                 select count(*) from own",
+            ),
+            halted: f(
+                "select h.category, h.key, h.record_id, h.reason, coalesce(r.attempts, 0), r.message_id \
+                 from {s}.halted h left join {s}.records r on r.id = h.record_id order by h.category, h.key",
+            ),
+            unhalt: f("delete from {s}.halted where category = $1 and key = $2"),
+            reset_attempts: f(
+                "update {s}.records set attempts = 0 where category = $1 and key = $2 and state = 'pending'",
+            ),
+            dead: f("select record_id, message_id, category, key, seq, reason from {s}.dead order by id"),
+            purge: f(
+                "delete from {s}.records where id in (select id from {s}.records where state <> 'pending' \
+                 and resolved_at < clock_timestamp() - make_interval(secs => $1::float8) limit $2)",
+            ),
+            applied_get: f("select seq from {s}.applied where name = $1 and key = $2"),
+            applied_put: f("insert into {s}.applied (name, key, seq) values ($1, $2, $3) \
+                 on conflict (name, key) do update set seq = excluded.seq where {s}.applied.seq < excluded.seq \
+                 returning 1"),
+            lease,
+        }
+    }
+}
