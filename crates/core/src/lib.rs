@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 
+pub mod assign;
 pub mod capability;
 pub mod client;
 pub mod dispatch;
