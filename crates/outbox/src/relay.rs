@@ -79,6 +79,7 @@ pub struct RelayStats {
     halted: AtomicU64,
     retries: AtomicU64,
     fenced: AtomicU64,
+    blocked: AtomicU64,
     slots_lost: AtomicU64,
 }
 
@@ -98,6 +99,10 @@ pub struct RelayStatsSnapshot {
     /// Statements refused by the fence (this relay no longer held the slot
     /// at its generation), late confirmations included.
     pub fenced: u64,
+    /// Publishes held back because an earlier record of the key was still
+    /// pending but not yet readable (its transaction ended after a later one
+    /// took a lower transaction id).
+    pub blocked: u64,
     /// Slot leases this relay lost (not renewed in time).
     pub slots_lost: u64,
 }
@@ -113,6 +118,7 @@ impl RelayStats {
             halted: g(&self.halted),
             retries: g(&self.retries),
             fenced: g(&self.fenced),
+            blocked: g(&self.blocked),
             slots_lost: g(&self.slots_lost),
         }
     }
@@ -687,6 +693,7 @@ async fn publish_one(ctx: Arc<Ctx>, slot: u32, generation: i64, rec: Arc<Record>
         return Outcome::Halted;
     }
     let Some(attempts) = attempts.filter(|_| earlier == 0) else {
+        bump(&ctx.stats.blocked, "keyorder_outbox_blocked_total");
         return Outcome::Blocked;
     };
     // Self-fence: start no publish with less than the margin of lease left.
