@@ -348,6 +348,56 @@ async fn sequence_is_commit_order_with_concurrent_stagers() {
     assert_eq!(order, ["a", "b"]);
 }
 
+/// stage_many takes counters in key order: a transaction that stages
+/// (c, a) while another holds a and then wants c waits on a first, holding
+/// nothing, instead of deadlocking.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stage_many_takes_counters_in_key_order() {
+    let (outbox, schema) = outbox().await;
+    let pool = outbox.pool().clone();
+    let mut t1 = pool.begin().await.unwrap();
+    outbox.stage(&mut t1, Outgoing::new("cat", "a", "t1")).await.unwrap();
+    let ob = outbox.clone();
+    let mut t2 = pool.begin().await.unwrap();
+    let t2 = tokio::spawn(async move {
+        let staged = ob
+            .stage_many(
+                &mut t2,
+                vec![Outgoing::new("cat", "c", "t2"), Outgoing::new("cat", "a", "t2")],
+            )
+            .await
+            .unwrap();
+        t2.commit().await.unwrap();
+        staged
+    });
+    until("T2 to wait on a's counter", 30, || {
+        let pool = pool.clone();
+        let schema = schema.clone();
+        async move {
+            count(
+                &pool,
+                &format!(
+                    "select count(*) from pg_stat_activity where wait_event_type = 'Lock' \
+                     and query like '%{schema}.counters%'"
+                ),
+            )
+            .await
+                == 1
+        }
+    })
+    .await;
+    // T1 now takes c: free, because T2 waits on a holding nothing.
+    let c1 = outbox.stage(&mut t1, Outgoing::new("cat", "c", "t1")).await.unwrap();
+    t1.commit().await.unwrap();
+    let t2 = t2.await.unwrap();
+    assert_eq!(c1.seq, 1);
+    assert_eq!(
+        t2.iter().map(|s| s.seq).collect::<Vec<_>>(),
+        [2, 2],
+        "T2 committed second on both keys"
+    );
+}
+
 // ---------------------------------------------------------------- relaying
 
 async fn end_to_end(client: Client, category: &str) {
