@@ -18,11 +18,11 @@
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::panic::AssertUnwindSafe;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::FutureExt;
-use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
 use crate::error::Error;
@@ -31,6 +31,7 @@ use crate::key::OrderingKey;
 use crate::lease::LeaseState;
 use crate::lease::ScopeLease;
 use crate::message::{Delivery, Message};
+use crate::rt::{self, AtomicU64, AtomicUsize, Either, Mutex, MutexGuard, Notify, Stop};
 use crate::stats::{bump, Stats};
 use crate::strategy::{GlobalBackoff, PoisonPolicy, RetryPolicy};
 use crate::transport::{HotKey, Inbound, Settle};
@@ -136,6 +137,10 @@ struct KeyQueue {
     /// A job was taken from the queue and is being processed.
     busy: bool,
     halted: bool,
+    /// An operator resolved the key (`Some(drop_head)`) while its job was
+    /// still coming back from recording the halt at the broker: applied as
+    /// soon as it is back, so the release is not lost.
+    release: Option<bool>,
 }
 
 /// Work a worker can pick up: a key with waiting jobs, or a keyless job.
@@ -177,12 +182,12 @@ struct Inner {
     /// Notified when the held count falls to `budget - low_water`, or a
     /// full key's to three quarters of its depth.
     room: Notify,
-    room_epoch: std::sync::atomic::AtomicU64,
+    room_epoch: AtomicU64,
     /// The [`crate::lease::lost_epoch`] last swept by `discard_lost`.
-    lost_seen: std::sync::atomic::AtomicU64,
-    epoch: std::sync::atomic::AtomicU64,
-    waiters: std::sync::atomic::AtomicUsize,
-    stopping: watch::Sender<bool>,
+    lost_seen: AtomicU64,
+    epoch: AtomicU64,
+    waiters: AtomicUsize,
+    stopping: Stop,
     stats: Arc<Stats>,
 }
 
@@ -231,11 +236,11 @@ impl Dispatcher {
                 health: Mutex::new(Health::default()),
                 changed: Notify::new(),
                 room: Notify::new(),
-                room_epoch: std::sync::atomic::AtomicU64::new(0),
-                lost_seen: std::sync::atomic::AtomicU64::new(0),
-                epoch: std::sync::atomic::AtomicU64::new(0),
-                waiters: std::sync::atomic::AtomicUsize::new(0),
-                stopping: watch::channel(false).0,
+                room_epoch: AtomicU64::new(0),
+                lost_seen: AtomicU64::new(0),
+                epoch: AtomicU64::new(0),
+                waiters: AtomicUsize::new(0),
+                stopping: Stop::new(),
                 stats,
             }),
         }
@@ -248,11 +253,18 @@ impl Dispatcher {
 
     /// Takes a job, or hands it back when the key's depth or the budget is full.
     pub fn submit(&self, job: Job) -> Submit {
+        #[cfg(keyorder_shuttle)]
+        if job.key.is_some() && rt::planted_bug() {
+            return self.submit_split(job);
+        }
         let inner = &self.inner;
-        if *inner.stopping.borrow() {
+        let mut st = inner.lock();
+        // Under the lock: `drain` sets the flag before it sweeps the waiting
+        // jobs under the lock, so a job is either swept or refused, never
+        // taken after the sweep and held forever.
+        if inner.stopping.is_set() {
             return Submit::Full(job, Widening::Stopping);
         }
-        let mut st = inner.lock();
         if st.total >= inner.cfg.budget {
             return Submit::Full(job, Widening::Budget);
         }
@@ -282,7 +294,53 @@ impl Dispatcher {
         bump(&inner.stats.received, "keyorder_received_total");
         if spawn {
             let inner = self.inner.clone();
-            tokio::spawn(inner.worker());
+            rt::spawn(inner.worker());
+        }
+        Submit::Accepted
+    }
+
+    /// The planted bug of the schedule tests (`crates/core/tests/SHUTTLE.md`):
+    /// [`submit`](Self::submit) with its check-then-act split over two
+    /// critical sections, as if the scheduling were moved out of the lock.
+    /// Two submits of one idle key can both see it unscheduled and both
+    /// queue it, so two workers run the key at once. Compiled only into
+    /// `--cfg keyorder_shuttle` builds, and used only while
+    /// [`crate::plant_bug`] is on.
+    #[cfg(keyorder_shuttle)]
+    fn submit_split(&self, job: Job) -> Submit {
+        let inner = &self.inner;
+        let mut st = inner.lock();
+        // Under the lock: `drain` sets the flag before it sweeps the waiting
+        // jobs under the lock, so a job is either swept or refused, never
+        // taken after the sweep and held forever.
+        if inner.stopping.is_set() {
+            return Submit::Full(job, Widening::Stopping);
+        }
+        if st.total >= inner.cfg.budget {
+            return Submit::Full(job, Widening::Budget);
+        }
+        let key = job.key.clone().expect("only keyed jobs come here");
+        let depth = inner.cfg.per_key_depth;
+        let q = st.keys.entry(key.clone()).or_default();
+        if q.held() >= depth {
+            return Submit::Full(job, Widening::KeyDepth);
+        }
+        let scope = job.scope().clone();
+        q.queue.push_back(job);
+        let schedule = !q.scheduled && !q.halted;
+        st.total += 1;
+        *st.scopes.entry(scope).or_default() += 1;
+        drop(st);
+        bump(&inner.stats.received, "keyorder_received_total");
+        if schedule {
+            let mut st = inner.lock();
+            if let Some(q) = st.keys.get_mut(&key) {
+                q.scheduled = true;
+            }
+            if st.make_ready(Ready::Key(key), inner.cfg.concurrency) {
+                drop(st);
+                rt::spawn(inner.clone().worker());
+            }
         }
         Submit::Accepted
     }
@@ -302,7 +360,7 @@ impl Dispatcher {
     /// to [`low_water`](Self::low_water) free, or a key that was full has a
     /// quarter of its depth free.
     pub fn room_epoch(&self) -> u64 {
-        self.inner.room_epoch.load(std::sync::atomic::Ordering::SeqCst)
+        self.inner.room_epoch.load(Ordering::SeqCst)
     }
 
     /// Waits until [`room_epoch`](Self::room_epoch) moved past `epoch` (read
@@ -313,7 +371,7 @@ impl Dispatcher {
         tokio::pin!(notified);
         notified.as_mut().enable();
         if self.room_epoch() == epoch {
-            let _ = tokio::time::timeout(timeout, notified).await;
+            let _ = rt::timeout(timeout, notified).await;
         }
     }
 
@@ -324,7 +382,7 @@ impl Dispatcher {
         tokio::pin!(notified);
         notified.as_mut().enable();
         if self.room() < self.low_water() {
-            let _ = tokio::time::timeout(timeout, notified).await;
+            let _ = rt::timeout(timeout, notified).await;
         }
     }
 
@@ -349,7 +407,7 @@ impl Dispatcher {
     /// lease was lost since the last call.
     pub fn discard_lost(&self) -> usize {
         let epoch = crate::lease::lost_epoch();
-        if self.inner.lost_seen.swap(epoch, std::sync::atomic::Ordering::SeqCst) == epoch {
+        if self.inner.lost_seen.swap(epoch, Ordering::SeqCst) == epoch {
             return 0;
         }
         self.discard(Job::is_lost, true)
@@ -402,10 +460,7 @@ impl Dispatcher {
         }
         drop(st);
         for _ in 0..halted_cleared {
-            self.inner
-                .stats
-                .halted_now
-                .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            self.inner.stats.halted_now.fetch_sub(1, Ordering::Relaxed);
             metrics::gauge!("keyorder_halted_keys").decrement(1.0);
         }
         if fenced {
@@ -419,7 +474,7 @@ impl Dispatcher {
         self.inner.signal();
         self.inner.refilled();
         for _ in 0..spawn {
-            tokio::spawn(self.inner.clone().worker());
+            rt::spawn(self.inner.clone().worker());
         }
         dropped.len()
     }
@@ -427,15 +482,25 @@ impl Dispatcher {
     /// Releases a halted key after an operator resolved its head at the
     /// broker: drops the head (`drop_head`, after skip or dead letter) or runs
     /// it again (resume). `key` is the key's value or its label. Returns
-    /// whether a halted key was found here.
+    /// whether a halted key was found here (or a key whose job is in flight,
+    /// maybe coming back from recording its halt: the release then applies
+    /// when it is back, if it halted).
     pub fn release(&self, key: &str, drop_head: bool) -> bool {
         let mut st = self.inner.lock();
+        let named = |k: &OrderingKey| k.as_str() == key || k.label() == key;
         let Some(found) = st
             .keys
             .iter()
-            .find(|(k, q)| q.halted && (k.as_str() == key || k.label() == key))
+            .find(|(k, q)| q.halted && named(k))
             .map(|(k, _)| k.clone())
         else {
+            // The halt is recorded at the broker before its job comes back
+            // here: an operator may resolve it in between. The release then
+            // waits for the job (and lapses if it did not halt).
+            if let Some((_, q)) = st.keys.iter_mut().find(|(k, q)| q.busy && named(k)) {
+                q.release = Some(drop_head);
+                return true;
+            }
             return false;
         };
         let q = st.keys.get_mut(&found).expect("found above");
@@ -452,15 +517,12 @@ impl Dispatcher {
             st.forget(job);
         }
         drop(st);
-        self.inner
-            .stats
-            .halted_now
-            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.stats.halted_now.fetch_sub(1, Ordering::Relaxed);
         metrics::gauge!("keyorder_halted_keys").decrement(1.0);
         self.inner.signal();
         if spawn {
             let inner = self.inner.clone();
-            tokio::spawn(inner.worker());
+            rt::spawn(inner.worker());
         }
         true
     }
@@ -488,13 +550,13 @@ impl Dispatcher {
     /// read it before [`submit`](Self::submit) and pass it to
     /// [`changed_since`](Self::changed_since) so no change is missed.
     pub fn epoch(&self) -> u64 {
-        self.inner.epoch.load(std::sync::atomic::Ordering::SeqCst)
+        self.inner.epoch.load(Ordering::SeqCst)
     }
 
     /// Waits until something changed since `epoch` (a job finished, a key
     /// was released), or `timeout` passed.
     pub async fn changed_since(&self, epoch: u64, timeout: Duration) {
-        use std::sync::atomic::Ordering::SeqCst;
+        use Ordering::SeqCst;
         // Announce the waiter before checking the epoch; `signal` bumps the
         // epoch before checking for waiters: one of the two sees the other.
         self.inner.waiters.fetch_add(1, SeqCst);
@@ -502,7 +564,7 @@ impl Dispatcher {
         tokio::pin!(notified);
         notified.as_mut().enable();
         if self.epoch() == epoch {
-            let _ = tokio::time::timeout(timeout, notified).await;
+            let _ = rt::timeout(timeout, notified).await;
         }
         self.inner.waiters.fetch_sub(1, SeqCst);
     }
@@ -512,7 +574,7 @@ impl Dispatcher {
     /// are unacknowledged, so the broker delivers them again). Returns how
     /// many waiting jobs were dropped.
     pub async fn drain(&self) -> usize {
-        self.inner.stopping.send_replace(true);
+        self.inner.stopping.set();
         loop {
             let epoch = self.epoch();
             if self.inner.lock().running == 0 {
@@ -571,17 +633,28 @@ impl State {
         match outcome {
             Outcome::Done | Outcome::Stopped => self.forget(&job),
             Outcome::Halted if !job.is_lost() => {
-                let q = self.keys.entry(key).or_default();
-                q.queue.push_front(job);
-                q.halted = true;
-                q.busy = false;
-                q.scheduled = false;
-                return false;
+                let q = self.keys.entry(key.clone()).or_default();
+                let Some(drop_head) = q.release.take() else {
+                    q.queue.push_front(job);
+                    q.halted = true;
+                    q.busy = false;
+                    q.scheduled = false;
+                    return false;
+                };
+                // Resolved while the halt was being recorded: released at
+                // once, as `Dispatcher::release` would have.
+                stats.halted_now.fetch_sub(1, Ordering::Relaxed);
+                metrics::gauge!("keyorder_halted_keys").decrement(1.0);
+                if drop_head {
+                    self.forget(&job);
+                } else {
+                    q.queue.push_front(job);
+                }
             }
             Outcome::Halted | Outcome::Lost => {
                 if matches!(outcome, Outcome::Halted) {
                     // Halted on a lease lost meanwhile: the next owner re-reads it.
-                    stats.halted_now.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+                    stats.halted_now.fetch_sub(1, Ordering::Relaxed);
                     metrics::gauge!("keyorder_halted_keys").decrement(1.0);
                 }
                 self.forget(&job);
@@ -602,6 +675,7 @@ impl State {
         }
         let Some(q) = self.keys.get_mut(&key) else { return false };
         q.busy = false;
+        q.release = None;
         let low = q.held() == key_low;
         if q.halted {
             q.scheduled = false;
@@ -617,7 +691,7 @@ impl State {
 
 impl Inner {
     fn refilled(&self) {
-        self.room_epoch.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.room_epoch.fetch_add(1, Ordering::SeqCst);
         self.room.notify_waiters();
     }
 
@@ -626,7 +700,7 @@ impl Inner {
     }
 
     fn signal(&self) {
-        use std::sync::atomic::Ordering::SeqCst;
+        use Ordering::SeqCst;
         self.epoch.fetch_add(1, SeqCst);
         if self.waiters.load(SeqCst) > 0 {
             self.changed.notify_waiters();
@@ -638,7 +712,7 @@ impl Inner {
     }
 
     fn is_stopping(&self) -> bool {
-        *self.stopping.borrow()
+        self.stopping.is_set()
     }
 
     /// A worker: takes ready work until there is none (or shutdown), one
@@ -707,14 +781,11 @@ impl Inner {
 
     /// Sleeps `d` unless shutdown starts first; returns `false` on shutdown.
     async fn nap(&self, d: Duration) -> bool {
-        let mut rx = self.stopping.subscribe();
-        if *rx.borrow() {
+        let stopped = self.stopping.stopped();
+        if self.stopping.is_set() {
             return false;
         }
-        tokio::select! {
-            _ = tokio::time::sleep(d) => true,
-            _ = rx.wait_for(|s| *s) => false,
-        }
+        matches!(rt::race(rt::sleep(d), stopped).await, Either::Left(()))
     }
 
     fn note_failure(&self, key: Option<&OrderingKey>) -> bool {
@@ -781,13 +852,16 @@ impl Inner {
     /// The self-fence, abandoned on shutdown: `Some(fresh)`, or `None` when
     /// shutdown started while the scope was unconfirmed.
     async fn usable(&self, job: &Job) -> Option<bool> {
-        let mut stop = self.stopping.subscribe();
-        if *stop.borrow() && job.lease.state() != LeaseState::Fresh {
+        let stopped = self.stopping.stopped();
+        if self.stopping.is_set() && job.lease.state() != LeaseState::Fresh {
             return None;
         }
-        tokio::select! {
-            fresh = job.lease.usable(|| bump(&self.stats.self_fence_pauses, "keyorder_self_fence_pauses_total")) => Some(fresh),
-            _ = stop.wait_for(|s| *s) => match job.lease.state() {
+        let usable = job
+            .lease
+            .usable(|| bump(&self.stats.self_fence_pauses, "keyorder_self_fence_pauses_total"));
+        match rt::race(usable, stopped).await {
+            Either::Left(fresh) => Some(fresh),
+            Either::Right(()) => match job.lease.state() {
                 LeaseState::Fresh => Some(true),
                 LeaseState::Lost => Some(false),
                 LeaseState::Stale => None,
@@ -948,7 +1022,7 @@ impl Inner {
             PoisonPolicy::Halt => match self.settle_until(job, "halt", |j| j.settle.halt(reason)).await {
                 Ok(()) => {
                     bump(&self.stats.halts, "keyorder_halts_total");
-                    self.stats.halted_now.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    self.stats.halted_now.fetch_add(1, Ordering::Relaxed);
                     metrics::gauge!("keyorder_halted_keys").increment(1.0);
                     tracing::error!(key = %label, id = job.message.id(), reason, "key halted at a poison head");
                     Outcome::Halted

@@ -7,14 +7,17 @@
 //! until a fenced round trip succeeds again, and discards buffered deliveries
 //! of a scope marked lost.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::Notify;
 use tokio::time::Instant;
 
-static LOST_EPOCH: AtomicU64 = AtomicU64::new(0);
+use crate::rt::{AtomicBool, AtomicU64, Notify};
+
+/// Process-wide, so a plain std atomic even under shuttle (a static outlives
+/// shuttle's runs; only its monotonic growth matters).
+static LOST_EPOCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// A process-wide counter of leases marked lost: a dispatcher sweeps its
 /// waiting jobs for lost leases only when it moved.
@@ -153,7 +156,7 @@ impl ScopeLease {
                     }
                     // Re-check at least every 100 ms: the adapter may confirm
                     // without anybody waiting yet.
-                    let _ = tokio::time::timeout(Duration::from_millis(100), notified).await;
+                    let _ = crate::rt::timeout(Duration::from_millis(100), notified).await;
                 }
             }
         }

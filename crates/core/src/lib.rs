@@ -11,10 +11,18 @@ pub mod key;
 pub mod lease;
 pub mod memory;
 pub mod message;
+mod rt;
 pub mod stats;
 pub mod strategy;
 pub mod subscription;
 pub mod transport;
+
+/// Switches the planted dispatcher bug on or off for the shuttle runs of
+/// this thread: the schedule tests show they catch it
+/// (`crates/core/tests/SHUTTLE.md`). Only in `--cfg keyorder_shuttle` builds.
+#[cfg(keyorder_shuttle)]
+#[doc(hidden)]
+pub use rt::plant_bug;
 
 pub use capability::Capabilities;
 pub use client::{Client, Publisher};
