@@ -11,6 +11,8 @@ pub fn schemes() -> &'static [&'static str] {
         "postgres",
         #[cfg(feature = "redis")]
         "redis",
+        #[cfg(feature = "rabbitmq")]
+        "amqp",
     ]
 }
 
@@ -19,6 +21,9 @@ pub use keyorder_postgres as postgres;
 
 #[cfg(feature = "redis")]
 pub use keyorder_redis as redis;
+
+#[cfg(feature = "rabbitmq")]
+pub use keyorder_rabbitmq as rabbitmq;
 
 /// Connects to the transport a URL names; the rest of the URL (host, query
 /// string) is the adapter's configuration, so a deployment swaps brokers by
@@ -29,6 +34,7 @@ pub use keyorder_redis as redis;
 /// | `memory://` | [`MemoryTransport`] (one process) | `partitions=N` |
 /// | `postgres://` | `keyorder_postgres::PgTransport` (feature `postgres`) | `schema`, `slots`, `pool`, `migrate` |
 /// | `redis://`, `rediss://` | `keyorder_redis::RedisTransport` (feature `redis`) | `layout`, `response_timeout_ms`, `reap_idle_ms`, `partition_warn` |
+/// | `amqp://`, `amqps://` | `keyorder_rabbitmq::RabbitTransport` (feature `rabbitmq`) | `topology`, `queues`, `queue_type`, `declare`, `prefetch` |
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> keyorder::Result<()> {
@@ -53,6 +59,10 @@ pub async fn connect(url: &str) -> Result<Client> {
         #[cfg(feature = "redis")]
         "redis" | "rediss" => Ok(Client::new(std::sync::Arc::new(
             keyorder_redis::RedisTransport::from_url(&parsed).await?,
+        ))),
+        #[cfg(feature = "rabbitmq")]
+        "amqp" | "amqps" => Ok(Client::new(std::sync::Arc::new(
+            keyorder_rabbitmq::RabbitTransport::from_url(&parsed).await?,
         ))),
         other => Err(Error::Url(format!(
             "no adapter for `{other}://` in this build (compiled in: {}); enable the adapter's feature of the \

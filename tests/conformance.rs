@@ -243,6 +243,59 @@ impl Harness for RedisRestartHarness {
     }
 }
 
+/// RabbitMQ at `AMQP_URL` with an affinity topology (`hash` or `sac`).
+#[cfg(feature = "rabbitmq")]
+struct RabbitHarness {
+    name: &'static str,
+    base: String,
+    topology: &'static str,
+}
+
+#[cfg(feature = "rabbitmq")]
+impl RabbitHarness {
+    fn url(&self, topology: &str) -> String {
+        format!("{}?{topology}&queue_type=classic&expires_ms=600000", self.base)
+    }
+}
+
+#[cfg(feature = "rabbitmq")]
+#[keyorder::async_trait]
+impl Harness for RabbitHarness {
+    fn name(&self) -> &str {
+        self.name
+    }
+    fn capabilities(&self) -> Capabilities {
+        keyorder::rabbitmq::CAPABILITIES
+    }
+    async fn client(&self) -> Result<Client> {
+        keyorder::connect(&self.url(self.topology)).await
+    }
+    async fn client_without_affinity(&self) -> Option<Result<Client>> {
+        Some(keyorder::connect(&self.url("topology=plain")).await)
+    }
+    fn not_applicable(&self, scenario: Scenario) -> Option<String> {
+        (scenario == Scenario::C14).then(|| {
+            "the test RabbitMQ is shared by every trial running at once; C14 needs a node of its own to restart \
+             (not set up yet)"
+                .to_owned()
+        })
+    }
+    fn lease(&self) -> keyorder::LeaseConfig {
+        keyorder::LeaseConfig {
+            ttl: std::time::Duration::from_secs(4),
+            heartbeat: std::time::Duration::from_millis(500),
+            margin: std::time::Duration::from_millis(1500),
+        }
+    }
+    fn worker_url(&self) -> Option<String> {
+        Some(self.url(self.topology))
+    }
+    fn spreads(&self) -> bool {
+        // One single-active-consumer queue: one instance at a time.
+        !self.topology.contains("sac")
+    }
+}
+
 fn harnesses() -> Vec<Arc<dyn Harness>> {
     #[allow(unused_mut)]
     let mut all: Vec<Arc<dyn Harness>> = vec![Arc::new(MemoryHarness {
@@ -268,6 +321,20 @@ fn harnesses() -> Vec<Arc<dyn Harness>> {
         let conf =
             std::env::var("REDIS_RESTART_CONF").unwrap_or_else(|_| "/var/lib/keyorder-redis/redis-6380.conf".into());
         all.push(Arc::new(RedisRestartHarness { url, conf }));
+    }
+    #[cfg(feature = "rabbitmq")]
+    {
+        let base = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+        all.push(Arc::new(RabbitHarness {
+            name: "rabbitmq-hash",
+            base: base.clone(),
+            topology: "topology=hash&queues=8",
+        }));
+        all.push(Arc::new(RabbitHarness {
+            name: "rabbitmq-sac",
+            base,
+            topology: "topology=sac",
+        }));
     }
     all
 }

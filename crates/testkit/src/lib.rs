@@ -59,6 +59,13 @@ pub trait Harness: Send + Sync {
         Duration::from_secs(90)
     }
 
+    /// Whether ownership spreads over concurrent instances. `false` for a
+    /// single-scope topology (RabbitMQ single active consumer: one instance
+    /// consumes at a time by design), where C2 checks everything but spread.
+    fn spreads(&self) -> bool {
+        true
+    }
+
     /// The URL a worker process connects with (process scenarios C6, C7).
     fn worker_url(&self) -> Option<String> {
         None

@@ -1,0 +1,178 @@
+//! The operator's view. Queue depth and consumer count come from the broker
+//! (passive declarations); halted heads are held by the process that halted
+//! them, so this view sees the halts of its own process.
+
+use std::fmt;
+
+use async_trait::async_trait;
+use keyorder_core::key::{label, redact};
+use keyorder_core::{Admin, DeadLetter, Error, HaltedKey, HeadAction, HotKey, Result, ScopeInfo, SourceEvent};
+use lapin::options::{BasicGetOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable};
+
+use crate::topology::{amqp, Names};
+use crate::{confirm_channel, publish_confirmed, RabbitTransport};
+
+pub(crate) struct RabbitAdmin {
+    pub(crate) t: RabbitTransport,
+}
+
+impl fmt::Debug for RabbitAdmin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitAdmin").finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl Admin for RabbitAdmin {
+    async fn scopes(&self, category: &str, _group: &str) -> Result<Vec<ScopeInfo>> {
+        let n = Names::new(category)?;
+        let mut out = Vec::new();
+        for q in n.queues(self.t.cfg.topology) {
+            let ch = self.t.conn.create_channel().await.map_err(amqp)?;
+            let info = ch
+                .queue_declare(
+                    q.as_str().into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|e| Error::NotFound(format!("queue `{q}`: {e}")))?;
+            let _ = ch.close(200, "admin".into()).await;
+            let scope = format!("{category}/{q}");
+            let halted = self
+                .t
+                .shared
+                .halted
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .values()
+                .filter(|h| h.scope == scope)
+                .count();
+            out.push(ScopeInfo {
+                scope,
+                owner: (info.consumer_count() > 0).then(|| format!("{} consumer(s)", info.consumer_count())),
+                generation: 0,
+                lag: u64::from(info.message_count()),
+                halted,
+            });
+        }
+        Ok(out)
+    }
+
+    async fn halted(&self, category: &str, _group: &str) -> Result<Vec<HaltedKey>> {
+        let map = self.t.shared.halted.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<HaltedKey> = map
+            .iter()
+            .filter(|((c, _), _)| c == category)
+            .map(|((_, k), h)| HaltedKey {
+                label: label(k),
+                preview: redact(k),
+                scope: h.scope.clone(),
+                head_id: h.head_id.clone(),
+                attempts: h.attempts,
+                reason: h.reason.clone(),
+            })
+            .collect();
+        out.sort_by(|a, b| a.label.cmp(&b.label));
+        Ok(out)
+    }
+
+    async fn hot_keys(&self, _category: &str, _group: &str, _limit: usize) -> Result<Vec<HotKey>> {
+        Err(Error::Unsupported {
+            transport: "rabbitmq".into(),
+            capability: "hot_keys",
+            fix: "RabbitMQ keeps no per-key backlog; `keyorder scopes` shows each queue's depth".into(),
+        })
+    }
+
+    async fn dead_letters(&self, category: &str, _group: &str) -> Result<Vec<DeadLetter>> {
+        // Peek: get without acknowledging, then close the channel, which
+        // returns every message to the dead-letter queue.
+        let n = Names::new(category)?;
+        let ch = self.t.conn.create_channel().await.map_err(amqp)?;
+        let mut out = Vec::new();
+        while out.len() < 1000 {
+            let Some(m) = ch
+                .basic_get(n.dlq().as_str().into(), BasicGetOptions::default())
+                .await
+                .map_err(amqp)?
+            else {
+                break;
+            };
+            let props = &m.delivery.properties;
+            let text = |name: &str| {
+                props.headers().as_ref().and_then(|h| match h.inner().get(name) {
+                    Some(AMQPValue::LongString(s)) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+                    _ => None,
+                })
+            };
+            out.push(DeadLetter {
+                id: props.message_id().as_ref().map(|s| s.to_string()).unwrap_or_default(),
+                label: text(keyorder_core::KEY_HEADER).map_or_else(|| "keyless".into(), |k| label(&k)),
+                reason: text("x-keyorder-reason").unwrap_or_default(),
+            });
+        }
+        let _ = ch.close(200, "peeked".into()).await;
+        Ok(out)
+    }
+
+    async fn resolve(&self, category: &str, _group: &str, key: &str, action: HeadAction) -> Result<()> {
+        let (found, held) = {
+            let map = self.t.shared.halted.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(((_, k), h)) = map
+                .iter()
+                .find(|((c, k), _)| c == category && (k == key || label(k) == key))
+            else {
+                return Err(Error::NotFound(format!(
+                    "no halted key {} in this process (RabbitMQ halts are held by the consumer that halted them)",
+                    redact(key)
+                )));
+            };
+            (k.clone(), h.settle.clone())
+        };
+        let drop_head = match action {
+            HeadAction::Skip => {
+                held.acker.ack(Default::default()).await.map_err(amqp)?;
+                tracing::warn!(key = %label(&found), "operator skipped a halted head");
+                true
+            }
+            HeadAction::DeadLetter => {
+                let n = Names::new(category)?;
+                let ch = confirm_channel(&self.t.conn).await?;
+                let mut props = held.properties.clone();
+                let mut headers = props.headers().clone().unwrap_or_default();
+                headers.insert(
+                    "x-keyorder-reason".into(),
+                    AMQPValue::LongString("moved to the dead-letter queue by an operator".into()),
+                );
+                props = props.with_headers(headers);
+                publish_confirmed(&ch, "", &n.dlq(), &held.payload, props).await?;
+                held.acker.ack(Default::default()).await.map_err(amqp)?;
+                true
+            }
+            HeadAction::Resume => {
+                held.reset.store(true, std::sync::atomic::Ordering::SeqCst);
+                false
+            }
+        };
+        self.t
+            .shared
+            .halted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(category.to_owned(), found.clone()));
+        self.t
+            .shared
+            .resolved
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(category.to_owned())
+            .or_default()
+            .push(SourceEvent::Resolved { key: found, drop_head });
+        Ok(())
+    }
+}

@@ -1,0 +1,304 @@
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
+
+mod admin;
+mod config;
+mod settle;
+mod source;
+mod topology;
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use keyorder_core::{
+    Admin, Capabilities, Error, Message, Result, SourceEvent, SourceSpec, Transport, TransportPublisher,
+    TransportSource, KEY_HEADER,
+};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::Confirmation;
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use tokio::sync::OnceCell;
+
+pub use crate::config::{QueueType, RabbitConfig, Topology};
+pub use crate::topology::Names;
+pub use lapin;
+
+use crate::topology::amqp;
+
+/// The header carrying the topology epoch (the queue count of the `hash`
+/// topology, 0 otherwise) a message was published under.
+pub const EPOCH_HEADER: &str = "keyorder-epoch";
+
+/// What the RabbitMQ transport can do with an affinity topology (`hash`, `sac`).
+pub const CAPABILITIES: Capabilities = Capabilities {
+    cross_instance_affinity: true,
+    fencing: true,
+    self_fencing: true,
+    crash_reclaim: true,
+    halt_on_poison: true,
+    park_and_release: true,
+    correlated_ownership: false,
+    dynamic_partitions: false,
+    remap_window: false,
+    multi_process: true,
+    persistent: false,
+};
+
+/// What it can do with the `plain` topology (competing consumers).
+pub const PLAIN_CAPABILITIES: Capabilities = Capabilities {
+    cross_instance_affinity: false,
+    fencing: false,
+    self_fencing: false,
+    crash_reclaim: true,
+    halt_on_poison: false,
+    park_and_release: true,
+    correlated_ownership: false,
+    dynamic_partitions: false,
+    remap_window: false,
+    multi_process: true,
+    persistent: false,
+};
+
+/// A halted head held in this process (its delivery stays unacknowledged).
+pub(crate) struct Halted {
+    pub(crate) scope: String,
+    pub(crate) head_id: String,
+    pub(crate) attempts: u32,
+    pub(crate) reason: String,
+    pub(crate) settle: Arc<settle::Held>,
+}
+
+/// State the sources of this transport share with its admin view.
+#[derive(Default)]
+pub(crate) struct Shared {
+    /// (category, key) -> halted head.
+    pub(crate) halted: Mutex<HashMap<(String, String), Halted>>,
+    /// category -> operator actions for the owner.
+    pub(crate) resolved: Mutex<HashMap<String, Vec<SourceEvent>>>,
+}
+
+/// The RabbitMQ transport (`amqp://`).
+#[derive(Clone)]
+pub struct RabbitTransport {
+    pub(crate) cfg: Arc<RabbitConfig>,
+    pub(crate) conn: Arc<Connection>,
+    pub(crate) shared: Arc<Shared>,
+    declared: Arc<Mutex<HashSet<String>>>,
+}
+
+impl fmt::Debug for RabbitTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitTransport")
+            .field("topology", &self.cfg.topology)
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) async fn connect_uri(uri: &str, display: &str) -> Result<Connection> {
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        Connection::connect(uri, ConnectionProperties::default()),
+    )
+    .await
+    .map_err(|_| Error::Broker(format!("rabbitmq: no answer from {display} (is it running?)")))?
+    .map_err(|e| Error::Broker(format!("rabbitmq: cannot connect to {display}: {e} (is it running?)")))
+}
+
+impl RabbitTransport {
+    /// Connects with `cfg`.
+    pub async fn connect(cfg: RabbitConfig) -> Result<Self> {
+        let conn = connect_uri(&cfg.uri, &cfg.display).await?;
+        Ok(RabbitTransport {
+            cfg: Arc::new(cfg),
+            conn: Arc::new(conn),
+            shared: Arc::default(),
+            declared: Arc::default(),
+        })
+    }
+
+    /// Connects to the broker an `amqp://` URL names (options in its query
+    /// string; see [`RabbitConfig`]).
+    pub async fn from_url(url: &url::Url) -> Result<Self> {
+        Self::connect(RabbitConfig::from_url(url)?).await
+    }
+
+    /// The configuration in use.
+    pub fn config(&self) -> &RabbitConfig {
+        &self.cfg
+    }
+
+    /// Declares or verifies the category's topology once per transport.
+    pub(crate) async fn ensure(&self, names: &Names) -> Result<()> {
+        if self
+            .declared
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(names.category())
+        {
+            return Ok(());
+        }
+        topology::ensure(&self.conn, &self.cfg, names).await?;
+        self.declared
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(names.category().to_owned());
+        Ok(())
+    }
+
+    pub(crate) fn epoch(&self) -> u32 {
+        match self.cfg.topology {
+            Topology::ConsistentHash { queues } => u32::from(queues),
+            _ => 0,
+        }
+    }
+}
+
+#[async_trait]
+impl Transport for RabbitTransport {
+    fn name(&self) -> &str {
+        "rabbitmq"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        match self.cfg.topology {
+            Topology::Plain => PLAIN_CAPABILITIES,
+            _ => CAPABILITIES,
+        }
+    }
+
+    fn affinity_fix(&self) -> String {
+        "declare an affinity topology in the amqp:// URL: `?topology=hash&queues=8` (a consistent-hash exchange \
+         over 8 single-active-consumer queues, spread over the instances) or `?topology=sac` (one \
+         single-active-consumer queue)"
+            .into()
+    }
+
+    async fn publisher(&self, category: &str) -> Result<Arc<dyn TransportPublisher>> {
+        let names = Names::new(category)?;
+        self.ensure(&names).await?;
+        Ok(Arc::new(RabbitPublisher {
+            t: self.clone(),
+            names,
+            channel: OnceCell::new(),
+        }))
+    }
+
+    async fn open(&self, spec: &SourceSpec) -> Result<Box<dyn TransportSource>> {
+        if spec.ordered && self.cfg.topology == Topology::Plain {
+            return Err(Error::Config(format!(
+                "an ordered subscription needs cross-instance affinity: {}",
+                self.affinity_fix()
+            )));
+        }
+        let names = Names::new(&spec.category)?;
+        self.ensure(&names).await?;
+        Ok(Box::new(source::Source::open(self.clone(), spec.clone(), names).await?))
+    }
+
+    fn admin(&self) -> Arc<dyn Admin> {
+        Arc::new(admin::RabbitAdmin { t: self.clone() })
+    }
+}
+
+/// A confirm-mode channel.
+pub(crate) async fn confirm_channel(conn: &Connection) -> Result<Channel> {
+    let ch = conn.create_channel().await.map_err(amqp)?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await.map_err(amqp)?;
+    Ok(ch)
+}
+
+/// Publishes with `mandatory` and waits for the broker's confirm; an
+/// unroutable or refused message is an error, never a silent drop.
+pub(crate) async fn publish_confirmed(
+    ch: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    payload: &[u8],
+    props: BasicProperties,
+) -> Result<()> {
+    let confirm = ch
+        .basic_publish(
+            exchange.into(),
+            routing_key.into(),
+            BasicPublishOptions {
+                mandatory: true,
+                ..Default::default()
+            },
+            payload,
+            props,
+        )
+        .await
+        .map_err(amqp)?
+        .await
+        .map_err(amqp)?;
+    match confirm {
+        Confirmation::Ack(None) => Ok(()),
+        Confirmation::Ack(Some(_)) => Err(Error::Broker(format!(
+            "rabbitmq: message unroutable through exchange `{exchange}` (no queue bound: declare the topology)"
+        ))),
+        Confirmation::Nack(_) => Err(Error::Broker("rabbitmq: the broker refused the message (nack)".into())),
+        Confirmation::NotRequested => Err(Error::Broker("rabbitmq: publisher confirms are off".into())),
+    }
+}
+
+fn long(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s))
+}
+
+/// The AMQP properties of a message: id, correlation id, persistent
+/// delivery, headers (the key in [`KEY_HEADER`], the topology epoch).
+pub(crate) fn properties(message: &Message, epoch: u32) -> BasicProperties {
+    let mut headers = FieldTable::default();
+    for (k, v) in message.headers() {
+        headers.insert(k.as_str().into(), long(v));
+    }
+    if let Some(k) = message.key() {
+        headers.insert(KEY_HEADER.into(), long(k.as_str()));
+    }
+    headers.insert(EPOCH_HEADER.into(), AMQPValue::LongUInt(epoch));
+    let mut props = BasicProperties::default()
+        .with_message_id(message.id().into())
+        .with_delivery_mode(2)
+        .with_headers(headers);
+    if let Some(c) = message.correlation_id() {
+        props = props.with_correlation_id(c.into());
+    }
+    props
+}
+
+struct RabbitPublisher {
+    t: RabbitTransport,
+    names: Names,
+    channel: OnceCell<Channel>,
+}
+
+impl fmt::Debug for RabbitPublisher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitPublisher")
+            .field("category", &self.names.category())
+            .finish()
+    }
+}
+
+#[async_trait]
+impl TransportPublisher for RabbitPublisher {
+    async fn publish(&self, message: Message) -> Result<()> {
+        let ch = self.channel.get_or_try_init(|| confirm_channel(&self.t.conn)).await?;
+        // Keyless messages spread by their id.
+        let key = message
+            .key()
+            .map_or_else(|| message.id().to_owned(), |k| k.as_str().to_owned());
+        let (exchange, routing_key) = self.names.route(self.t.cfg.topology, &key);
+        publish_confirmed(
+            ch,
+            &exchange,
+            &routing_key,
+            message.payload(),
+            properties(&message, self.t.epoch()),
+        )
+        .await
+    }
+}

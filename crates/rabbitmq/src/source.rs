@@ -1,0 +1,565 @@
+//! The source: a connection of its own (its AMQP heartbeat is the stall
+//! fence), a consumer per queue this instance owns, and presence.
+//!
+//! Ordered (`hash`, `sac`): instances announce themselves on the category's
+//! presence exchange every heartbeat; every instance computes the same fair
+//! share of the queues over the live ones and consumes only its share. The
+//! queues' single active consumer keeps a queue from being consumed twice
+//! while instances disagree during a change. A queue is handed over by
+//! finishing and acknowledging its in-flight work and then closing its
+//! channel, so the broker activates the next consumer with nothing of the old
+//! one outstanding.
+//!
+//! Self-fence: a scope's lease is confirmed by a round trip on its channel
+//! (a passive queue declaration) every heartbeat; the connection's heartbeat
+//! is the lease TTL, so a consumer stalled past it has lost its queues (the
+//! broker closed its connection and requeued) before its self-fence could
+//! call them fresh.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU32};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::StreamExt;
+use keyorder_core::assign::assign;
+use keyorder_core::{
+    Inbound, Message, OrderingKey, Result, ScopeLease, SourceEvent, SourceSpec, TransportSource, KEY_HEADER,
+};
+use lapin::message::Delivery;
+use lapin::options::{BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ExchangeDeclareOptions};
+use lapin::options::{QueueBindOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection, ExchangeKind};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::config::Topology;
+use crate::settle::{Held, RabbitSettle};
+use crate::topology::{amqp, Names};
+use crate::{confirm_channel, connect_uri, RabbitTransport, EPOCH_HEADER};
+
+type Arrival = (String, u64, Delivery);
+
+struct Owned {
+    channel: Channel,
+    generation: u64,
+    lease: Arc<ScopeLease>,
+    revoking: bool,
+    task: JoinHandle<()>,
+}
+
+struct Link {
+    conn: Arc<Connection>,
+    dlq_channel: Channel,
+    presence: Option<(Channel, JoinHandle<()>)>,
+}
+
+pub(crate) struct Source {
+    t: RabbitTransport,
+    spec: SourceSpec,
+    names: Names,
+    queues: Vec<String>,
+    link: Option<Link>,
+    /// Live instances: last announcement (local clock) and start time.
+    seen: Arc<Mutex<HashMap<String, (Instant, u64)>>>,
+    started_ms: u64,
+    owned: HashMap<String, Owned>,
+    scopes: HashMap<Arc<str>, String>,
+    tx: mpsc::UnboundedSender<Arrival>,
+    rx: mpsc::UnboundedReceiver<Arrival>,
+    held: HashMap<String, VecDeque<Inbound>>,
+    events: Vec<SourceEvent>,
+    last_maintain: Option<Instant>,
+    generation: u64,
+    soon: bool,
+}
+
+impl fmt::Debug for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitSource")
+            .field("category", &self.names.category())
+            .field("owned", &self.owned.len())
+            .finish()
+    }
+}
+
+impl Drop for Source {
+    fn drop(&mut self) {
+        for o in self.owned.values() {
+            o.task.abort();
+        }
+        if let Some(Link {
+            presence: Some((_, h)), ..
+        }) = &self.link
+        {
+            h.abort();
+        }
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn header_text(props: &BasicProperties, name: &str) -> Option<String> {
+    let h = props.headers().as_ref()?;
+    match h.inner().get(name)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        _ => None,
+    }
+}
+
+fn header_int(props: &BasicProperties, name: &str) -> Option<i64> {
+    let h = props.headers().as_ref()?;
+    match h.inner().get(name)? {
+        AMQPValue::LongLongInt(n) => Some(*n),
+        AMQPValue::LongInt(n) => Some(i64::from(*n)),
+        AMQPValue::LongUInt(n) => Some(i64::from(*n)),
+        AMQPValue::ShortInt(n) => Some(i64::from(*n)),
+        AMQPValue::ShortUInt(n) => Some(i64::from(*n)),
+        _ => None,
+    }
+}
+
+impl Source {
+    pub(crate) async fn open(t: RabbitTransport, spec: SourceSpec, names: Names) -> Result<Self> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut source = Source {
+            queues: names.queues(t.cfg.topology),
+            t,
+            spec,
+            names,
+            link: None,
+            seen: Arc::default(),
+            started_ms: now_ms(),
+            owned: HashMap::new(),
+            scopes: HashMap::new(),
+            tx,
+            rx,
+            held: HashMap::new(),
+            events: Vec::new(),
+            last_maintain: None,
+            generation: 0,
+            soon: false,
+        };
+        source.maintain_now().await?;
+        Ok(source)
+    }
+
+    fn ordered(&self) -> bool {
+        self.spec.ordered
+    }
+
+    /// The AMQP heartbeat: the lease TTL (the broker closes a silent
+    /// connection after about one heartbeat timeout).
+    fn heartbeat_secs(&self) -> u64 {
+        self.spec.lease.ttl.as_secs().max(1)
+    }
+
+    fn lose_all(&mut self, why: &str) {
+        for (q, o) in self.owned.drain() {
+            o.task.abort();
+            o.lease.lose();
+            self.scopes.remove(o.lease.scope());
+            self.held.remove(&q);
+            tracing::warn!(scope = %o.lease.scope(), why, "rabbitmq: queue lost");
+        }
+    }
+
+    async fn connect(&mut self) -> Result<()> {
+        let uri = self.t.cfg.uri_with_heartbeat(self.heartbeat_secs());
+        let conn = Arc::new(connect_uri(&uri, &self.t.cfg.display).await?);
+        let dlq_channel = confirm_channel(&conn).await?;
+        let presence = if self.ordered() {
+            let ch = conn.create_channel().await.map_err(amqp)?;
+            ch.exchange_declare(
+                self.names.presence().as_str().into(),
+                ExchangeKind::Fanout,
+                ExchangeDeclareOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(amqp)?;
+            let q = ch
+                .queue_declare(
+                    "".into(),
+                    QueueDeclareOptions {
+                        exclusive: true,
+                        auto_delete: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(amqp)?;
+            ch.queue_bind(
+                q.name().clone(),
+                self.names.presence().as_str().into(),
+                "".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(amqp)?;
+            let mut consumer = ch
+                .basic_consume(
+                    q.name().clone(),
+                    "".into(),
+                    BasicConsumeOptions {
+                        no_ack: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(amqp)?;
+            let seen = self.seen.clone();
+            let task = tokio::spawn(async move {
+                while let Some(Ok(d)) = consumer.next().await {
+                    let text = String::from_utf8_lossy(&d.data).into_owned();
+                    let Some((started, who)) = text.split_once(':') else {
+                        continue;
+                    };
+                    let started = started.parse().unwrap_or(0);
+                    seen.lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(who.to_owned(), (Instant::now(), started));
+                }
+            });
+            Some((ch, task))
+        } else {
+            None
+        };
+        self.link = Some(Link {
+            conn,
+            dlq_channel,
+            presence,
+        });
+        Ok(())
+    }
+
+    async fn consume(&mut self, queue: &str, sent: Instant) -> Result<()> {
+        let Some(link) = &self.link else { return Ok(()) };
+        let ch = link.conn.create_channel().await.map_err(amqp)?;
+        ch.basic_qos(self.t.cfg.prefetch, BasicQosOptions::default())
+            .await
+            .map_err(amqp)?;
+        // RabbitMQ keeps no counter a consumer could take a generation
+        // from: the fencing token is the acquisition time in ms on this host
+        // (strictly increasing here), so it orders owners across instances
+        // whose clocks agree within a hand-over (the lease TTL).
+        self.generation = now_ms().max(self.generation + 1);
+        let generation = self.generation;
+        let tag = format!("{}-{generation}", self.spec.instance);
+        let mut consumer = ch
+            .basic_consume(
+                queue.into(),
+                tag.as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(amqp)?;
+        let scope: Arc<str> = Arc::from(format!("{}/{queue}", self.names.category()));
+        let lease = ScopeLease::new(scope.clone(), generation, &self.spec.lease, sent);
+        let tx = self.tx.clone();
+        let q = queue.to_owned();
+        let task = tokio::spawn(async move {
+            while let Some(Ok(d)) = consumer.next().await {
+                if tx.send((q.clone(), generation, d)).is_err() {
+                    break;
+                }
+            }
+        });
+        tracing::debug!(scope = %scope, generation, "rabbitmq: consuming");
+        self.scopes.insert(scope, queue.to_owned());
+        self.owned.insert(
+            queue.to_owned(),
+            Owned {
+                channel: ch,
+                generation,
+                lease,
+                revoking: false,
+                task,
+            },
+        );
+        Ok(())
+    }
+
+    async fn maintain_now(&mut self) -> Result<()> {
+        let sent = Instant::now();
+        let healthy = self.link.as_ref().is_some_and(|l| l.conn.status().connected());
+        if !healthy {
+            self.lose_all("connection closed");
+            self.link = None;
+            self.connect().await?;
+        }
+        let link = self.link.as_ref().expect("connected above");
+        // Confirm what we hold: a round trip on each queue's channel.
+        let mut lost = Vec::new();
+        for (q, o) in &self.owned {
+            let alive = o.channel.status().connected()
+                && o.channel
+                    .queue_declare(
+                        q.as_str().into(),
+                        QueueDeclareOptions {
+                            passive: true,
+                            ..Default::default()
+                        },
+                        FieldTable::default(),
+                    )
+                    .await
+                    .is_ok();
+            if alive {
+                o.lease.confirm(sent);
+            } else {
+                lost.push(q.clone());
+            }
+        }
+        for q in lost {
+            if let Some(o) = self.owned.remove(&q) {
+                o.task.abort();
+                o.lease.lose();
+                self.scopes.remove(o.lease.scope());
+                self.held.remove(&q);
+                metrics::counter!("keyorder_rabbitmq_queues_lost_total").increment(1);
+                tracing::warn!(scope = %o.lease.scope(), "rabbitmq: queue channel closed; lost");
+            }
+        }
+        let me = self.spec.instance.clone();
+        let mine: HashSet<String> = if self.ordered() {
+            if let Some((ch, _)) = &link.presence {
+                ch.basic_publish(
+                    self.names.presence().as_str().into(),
+                    "".into(),
+                    BasicPublishOptions::default(),
+                    format!("{}:{me}", self.started_ms).as_bytes(),
+                    BasicProperties::default(),
+                )
+                .await
+                .map_err(amqp)?;
+            }
+            let ttl = self.spec.lease.ttl;
+            let mut live: Vec<(u64, String)> = {
+                let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+                seen.retain(|_, (at, _)| at.elapsed() < ttl * 4);
+                seen.iter()
+                    .filter(|(m, (at, _))| at.elapsed() < ttl && **m != me)
+                    .map(|(m, (_, started))| (*started, m.clone()))
+                    .collect()
+            };
+            live.push((self.started_ms, me.clone()));
+            live.sort();
+            if self.t.cfg.topology == Topology::SingleActiveConsumer {
+                // One queue: it follows the newest instance, so a scale-out or
+                // a deploy moves it to a new instance (after the old one
+                // finished its in-flight work).
+                live.last()
+                    .filter(|(_, m)| *m == me)
+                    .map(|_| self.queues.iter().cloned().collect())
+                    .unwrap_or_default()
+            } else {
+                let members: Vec<String> = live.into_iter().map(|(_, m)| m).collect();
+                assign(&members, &self.queues)
+                    .into_iter()
+                    .filter(|(_, m)| *m == me.as_str())
+                    .map(|(q, _)| q.to_owned())
+                    .collect()
+            }
+        } else {
+            self.queues.iter().cloned().collect()
+        };
+        for (q, o) in &mut self.owned {
+            if !mine.contains(q) && !o.revoking {
+                o.revoking = true;
+                self.events.push(SourceEvent::Revoke(o.lease.scope().clone()));
+            }
+        }
+        self.soon = false;
+        for q in self.queues.clone() {
+            if mine.contains(&q) && !self.owned.contains_key(&q) {
+                self.consume(&q, sent).await?;
+            }
+        }
+        let resolved = self
+            .t
+            .shared
+            .resolved
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(self.names.category());
+        self.events.extend(resolved.unwrap_or_default());
+        self.last_maintain = Some(sent);
+        Ok(())
+    }
+
+    fn inbound(&self, queue: &str, generation: u64, d: Delivery) -> Option<Inbound> {
+        let o = self.owned.get(queue).filter(|o| o.generation == generation)?;
+        let link = self.link.as_ref()?;
+        let props = d.properties.clone();
+        let epoch = header_int(&props, EPOCH_HEADER).unwrap_or(0);
+        if epoch != i64::from(self.t.epoch()) {
+            metrics::counter!("keyorder_rabbitmq_epoch_mismatches_total").increment(1);
+            tracing::warn!(
+                scope = %o.lease.scope(),
+                published = epoch,
+                consuming = self.t.epoch(),
+                "rabbitmq: message published under another topology epoch (queue count)"
+            );
+        }
+        let mut msg = Message::new(d.data.clone());
+        if let Some(id) = props.message_id() {
+            msg = msg.with_id(id.as_str());
+        }
+        if let Some(c) = props.correlation_id() {
+            msg = msg.with_correlation_id(c.as_str());
+        }
+        if let Some(h) = props.headers() {
+            for k in h.inner().keys() {
+                if k.as_str() == EPOCH_HEADER || k.as_str().starts_with("x-") {
+                    continue;
+                }
+                if let Some(v) = header_text(&props, k.as_str()) {
+                    msg = msg.with_header(k.as_str(), v);
+                }
+            }
+        }
+        let key_text = header_text(&props, KEY_HEADER);
+        let key = key_text
+            .as_deref()
+            .and_then(|k| OrderingKey::with_rules(k, &self.spec.key_rules).ok());
+        if let Some(k) = &key {
+            msg = msg.with_ordering_key(k.clone());
+        }
+        // Quorum queues count earlier deliveries; classic ones only flag a redelivery.
+        let earlier = header_int(&props, "x-delivery-count")
+            .map(|n| n.clamp(0, i64::from(u32::MAX / 2)) as u32)
+            .unwrap_or(u32::from(d.redelivered));
+        let message_id = msg.id().to_owned();
+        Some(Inbound {
+            message: msg,
+            lease: o.lease.clone(),
+            settle: Box::new(RabbitSettle {
+                t: self.t.clone(),
+                dlq_channel: link.dlq_channel.clone(),
+                category: self.names.category().to_owned(),
+                dlq: self.names.dlq(),
+                key: key.map(|k| k.as_str().to_owned()),
+                scope: o.lease.scope().clone(),
+                generation,
+                message_id,
+                earlier,
+                attempts: AtomicU32::new(0),
+                held: Arc::new(Held {
+                    acker: d.acker.clone(),
+                    payload: d.data.clone(),
+                    properties: props,
+                    reset: AtomicBool::new(false),
+                }),
+            }),
+        })
+    }
+
+    fn take(&mut self, max: usize, paused: &HashSet<Arc<str>>, out: &mut Vec<Inbound>) {
+        // Held deliveries of scopes no longer paused go first, in order.
+        for (q, buf) in &mut self.held {
+            let Some(o) = self.owned.get(q) else { continue };
+            if paused.contains(o.lease.scope()) {
+                continue;
+            }
+            while out.len() < max {
+                match buf.pop_front() {
+                    Some(i) => out.push(i),
+                    None => break,
+                }
+            }
+        }
+        self.held.retain(|_, b| !b.is_empty());
+        while out.len() < max {
+            let Ok((q, generation, d)) = self.rx.try_recv() else {
+                break;
+            };
+            let Some(i) = self.inbound(&q, generation, d) else {
+                continue;
+            };
+            let paused_now = self.held.contains_key(&q) || paused.contains(i.lease.scope());
+            if paused_now {
+                // Bounded by the queue's prefetch.
+                self.held.entry(q).or_default().push_back(i);
+            } else {
+                out.push(i);
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl TransportSource for Source {
+    async fn fetch(&mut self, max: usize, paused: &HashSet<Arc<str>>, wait: Duration) -> Result<Vec<Inbound>> {
+        let mut out = Vec::new();
+        self.take(max, paused, &mut out);
+        if out.is_empty() {
+            if let Ok(Some((q, generation, d))) = tokio::time::timeout(wait, self.rx.recv()).await {
+                if let Some(i) = self.inbound(&q, generation, d) {
+                    if paused.contains(i.lease.scope()) || self.held.contains_key(&q) {
+                        self.held.entry(q).or_default().push_back(i);
+                    } else {
+                        out.push(i);
+                    }
+                }
+                self.take(max, paused, &mut out);
+            }
+        }
+        Ok(out)
+    }
+
+    async fn maintain(&mut self) -> Result<Vec<SourceEvent>> {
+        let every = if self.soon {
+            Duration::from_millis(100).min(self.spec.lease.heartbeat)
+        } else {
+            self.spec.lease.heartbeat
+        };
+        if self.last_maintain.is_none_or(|t| t.elapsed() >= every) {
+            self.maintain_now().await?;
+        }
+        Ok(std::mem::take(&mut self.events))
+    }
+
+    async fn release(&mut self, scope: &str) -> Result<()> {
+        let Some(q) = self.scopes.remove(scope) else {
+            return Ok(());
+        };
+        if let Some(o) = self.owned.remove(&q) {
+            // Closing the channel returns anything unacknowledged (nothing
+            // in flight: the subscription drained the scope) to the queue and
+            // activates the next consumer.
+            o.task.abort();
+            o.lease.lose();
+            let _ = o.channel.close(200, "handed over".into()).await;
+            metrics::counter!("keyorder_rabbitmq_queues_released_total").increment(1);
+        }
+        self.held.remove(&q);
+        Ok(())
+    }
+
+    async fn close(&mut self) -> Result<()> {
+        let scopes: Vec<Arc<str>> = self.scopes.keys().cloned().collect();
+        for s in scopes {
+            self.release(&s).await?;
+        }
+        if let Some(link) = self.link.take() {
+            if let Some((_, h)) = &link.presence {
+                h.abort();
+            }
+            let _ = link.conn.close(200, "closing".into()).await;
+        }
+        Ok(())
+    }
+}
