@@ -15,18 +15,37 @@ use tokio::task::JoinHandle;
 /// migrations (`migrate=true`) unless the URL says otherwise.
 pub(crate) fn with_setup(url: &str) -> String {
     let pg = url.starts_with("postgres://") || url.starts_with("postgresql://");
+    let amqp = url.starts_with("amqp://") || url.starts_with("amqps://");
+    let sep = if url.contains('?') { '&' } else { '?' };
     if pg && !url.contains("migrate=") {
-        let sep = if url.contains('?') { '&' } else { '?' };
         format!("{url}{sep}migrate=true")
+    } else if amqp && !url.contains("topology=") {
+        // The consistent-hash topology is what demo and bench run by default.
+        format!("{url}{sep}topology=hash&queues=8")
     } else {
         url.to_owned()
     }
 }
 
 /// The URL of the plain, unordered baseline on the same broker: Redis reads
-/// one stream with a competing-consumer group (`layout=single`); every other
+/// one stream with a competing-consumer group (`layout=single`), RabbitMQ one
+/// queue with competing consumers (`topology=plain`); every other
 /// transport's unordered subscription is already its plain path.
 pub(crate) fn baseline_url(url: &str) -> String {
+    if url.starts_with("amqp://") || url.starts_with("amqps://") {
+        let mut u = match url::Url::parse(url) {
+            Ok(u) => u,
+            Err(_) => return url.to_owned(),
+        };
+        let keep: Vec<(String, String)> = u
+            .query_pairs()
+            .filter(|(k, _)| k != "topology" && k != "queues")
+            .map(|(k, v)| (k.into_owned(), v.into_owned()))
+            .collect();
+        u.set_query(None);
+        u.query_pairs_mut().extend_pairs(keep).append_pair("topology", "plain");
+        return u.to_string();
+    }
     let redis = url.starts_with("redis://") || url.starts_with("rediss://");
     if redis && !url.contains("layout=") {
         let sep = if url.contains('?') {

@@ -67,6 +67,8 @@ pub(crate) struct Source {
     /// Live instances: last announcement (local clock) and start time.
     seen: Arc<Mutex<HashMap<String, (Instant, u64)>>>,
     started_ms: u64,
+    /// Set by the presence listener when an instance appears: rebalance now.
+    joined: Arc<AtomicBool>,
     owned: HashMap<String, Owned>,
     scopes: HashMap<Arc<str>, String>,
     tx: mpsc::UnboundedSender<Arrival>,
@@ -139,6 +141,7 @@ impl Source {
             link: None,
             seen: Arc::default(),
             started_ms: now_ms(),
+            joined: Arc::default(),
             owned: HashMap::new(),
             scopes: HashMap::new(),
             tx,
@@ -221,6 +224,7 @@ impl Source {
                 .await
                 .map_err(amqp)?;
             let seen = self.seen.clone();
+            let joined = self.joined.clone();
             let task = tokio::spawn(async move {
                 while let Some(Ok(d)) = consumer.next().await {
                     let text = String::from_utf8_lossy(&d.data).into_owned();
@@ -228,9 +232,14 @@ impl Source {
                         continue;
                     };
                     let started = started.parse().unwrap_or(0);
-                    seen.lock()
+                    let fresh = seen
+                        .lock()
                         .unwrap_or_else(|e| e.into_inner())
-                        .insert(who.to_owned(), (Instant::now(), started));
+                        .insert(who.to_owned(), (Instant::now(), started))
+                        .is_none();
+                    if fresh {
+                        joined.store(true, std::sync::atomic::Ordering::SeqCst);
+                    }
                 }
             });
             Some((ch, task))
@@ -526,7 +535,8 @@ impl TransportSource for Source {
         } else {
             self.spec.lease.heartbeat
         };
-        if self.last_maintain.is_none_or(|t| t.elapsed() >= every) {
+        let joined = self.joined.swap(false, std::sync::atomic::Ordering::SeqCst);
+        if joined || self.last_maintain.is_none_or(|t| t.elapsed() >= every) {
             self.maintain_now().await?;
         }
         Ok(std::mem::take(&mut self.events))
