@@ -1,7 +1,10 @@
 //! The source: a connection of its own (its AMQP heartbeat is the stall
 //! fence), a consumer per queue this instance owns, and presence.
 //!
-//! Ordered (`hash`, `sac`): instances announce themselves on the category's
+//! Ordered `sac`: every instance consumes the one queue; the broker keeps the
+//! first consumer active until it goes away, then activates the next.
+//!
+//! Ordered `hash`: instances announce themselves on the category's
 //! presence exchange every heartbeat; every instance computes the same fair
 //! share of the queues over the live ones and consumes only its share. The
 //! queues' single active consumer keeps a queue from being consumed twice
@@ -156,8 +159,12 @@ impl Source {
         Ok(source)
     }
 
-    fn ordered(&self) -> bool {
-        self.spec.ordered
+    /// Whether queues are spread over the instances (ordered `hash`): with
+    /// `sac` every instance consumes the one queue and the broker keeps the
+    /// first consumer active until it goes away (the next takes over at
+    /// once); unordered sources consume every queue.
+    fn spreads(&self) -> bool {
+        self.spec.ordered && matches!(self.t.cfg.topology, Topology::ConsistentHash { .. })
     }
 
     /// The AMQP heartbeat: the lease TTL (the broker closes a silent
@@ -180,7 +187,7 @@ impl Source {
         let uri = self.t.cfg.uri_with_heartbeat(self.heartbeat_secs());
         let conn = Arc::new(connect_uri(&uri, &self.t.cfg.display).await?);
         let dlq_channel = confirm_channel(&conn).await?;
-        let presence = if self.ordered() {
+        let presence = if self.spreads() {
             let ch = conn.create_channel().await.map_err(amqp)?;
             ch.exchange_declare(
                 self.names.presence().as_str().into(),
@@ -343,7 +350,7 @@ impl Source {
             }
         }
         let me = self.spec.instance.clone();
-        let mine: HashSet<String> = if self.ordered() {
+        let mine: HashSet<String> = if self.spreads() {
             if let Some((ch, _)) = &link.presence {
                 ch.basic_publish(
                     self.names.presence().as_str().into(),
@@ -366,22 +373,12 @@ impl Source {
             };
             live.push((self.started_ms, me.clone()));
             live.sort();
-            if self.t.cfg.topology == Topology::SingleActiveConsumer {
-                // One queue: it follows the newest instance, so a scale-out or
-                // a deploy moves it to a new instance (after the old one
-                // finished its in-flight work).
-                live.last()
-                    .filter(|(_, m)| *m == me)
-                    .map(|_| self.queues.iter().cloned().collect())
-                    .unwrap_or_default()
-            } else {
-                let members: Vec<String> = live.into_iter().map(|(_, m)| m).collect();
-                assign(&members, &self.queues)
-                    .into_iter()
-                    .filter(|(_, m)| *m == me.as_str())
-                    .map(|(q, _)| q.to_owned())
-                    .collect()
-            }
+            let members: Vec<String> = live.into_iter().map(|(_, m)| m).collect();
+            assign(&members, &self.queues)
+                .into_iter()
+                .filter(|(_, m)| *m == me.as_str())
+                .map(|(q, _)| q.to_owned())
+                .collect()
         } else {
             self.queues.iter().cloned().collect()
         };
