@@ -275,9 +275,7 @@ impl Harness for RabbitHarness {
     }
     fn not_applicable(&self, scenario: Scenario) -> Option<String> {
         (scenario == Scenario::C14).then(|| {
-            "the test RabbitMQ is shared by every trial running at once; C14 needs a node of its own to restart \
-             (not set up yet)"
-                .to_owned()
+            "runs on `rabbitmq-restart`: restarting the RabbitMQ every trial shares would disturb the others".to_owned()
         })
     }
     fn lease(&self) -> keyorder::LeaseConfig {
@@ -293,6 +291,62 @@ impl Harness for RabbitHarness {
     fn spreads(&self) -> bool {
         // One single-active-consumer queue: one instance at a time.
         !self.topology.contains("sac")
+    }
+}
+
+/// The second RabbitMQ node (`AMQP_RESTART_URL`, 127.0.0.1:5673, started by
+/// `scripts/services`) whose application C14 restarts; quorum queues.
+#[cfg(feature = "rabbitmq")]
+struct RabbitRestartHarness {
+    base: String,
+}
+
+#[cfg(feature = "rabbitmq")]
+#[keyorder::async_trait]
+impl Harness for RabbitRestartHarness {
+    fn name(&self) -> &str {
+        "rabbitmq-restart"
+    }
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            persistent: true,
+            ..keyorder::rabbitmq::CAPABILITIES
+        }
+    }
+    async fn client(&self) -> Result<Client> {
+        keyorder::connect(&format!(
+            "{}?topology=hash&queues=8&queue_type=quorum&expires_ms=600000",
+            self.base
+        ))
+        .await
+    }
+    fn not_applicable(&self, scenario: Scenario) -> Option<String> {
+        (scenario != Scenario::C14)
+            .then(|| "runs on `rabbitmq-hash`; this node exists to be restarted by C14".to_owned())
+    }
+    fn lease(&self) -> keyorder::LeaseConfig {
+        keyorder::LeaseConfig {
+            ttl: std::time::Duration::from_secs(4),
+            heartbeat: std::time::Duration::from_millis(500),
+            margin: std::time::Duration::from_millis(1500),
+        }
+    }
+    async fn restart_broker(&self) -> Result<()> {
+        let ctl = |cmd: &'static str| async move {
+            let status = tokio::process::Command::new("rabbitmqctl")
+                .args(["-n", "keyorder@localhost", "-q", cmd])
+                .status()
+                .await
+                .map_err(|e| keyorder::Error::Config(format!("rabbitmqctl {cmd}: {e}")))?;
+            if status.success() {
+                Ok(())
+            } else {
+                Err(keyorder::Error::Config(format!("rabbitmqctl {cmd} failed: {status}")))
+            }
+        };
+        ctl("stop_app").await?;
+        ctl("start_app").await?;
+        ctl("await_startup").await
     }
 }
 
@@ -335,6 +389,8 @@ fn harnesses() -> Vec<Arc<dyn Harness>> {
             base,
             topology: "topology=sac",
         }));
+        let base = std::env::var("AMQP_RESTART_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5673/%2f".into());
+        all.push(Arc::new(RabbitRestartHarness { base }));
     }
     all
 }

@@ -29,7 +29,7 @@ impl Admin for RabbitAdmin {
         let n = Names::new(category)?;
         let mut out = Vec::new();
         for q in n.queues(self.t.cfg.topology) {
-            let ch = self.t.conn.create_channel().await.map_err(amqp)?;
+            let ch = self.t.connection().await?.create_channel().await.map_err(amqp)?;
             let info = ch
                 .queue_declare(
                     q.as_str().into(),
@@ -93,7 +93,7 @@ impl Admin for RabbitAdmin {
         // Peek: get without acknowledging, then close the channel, which
         // returns every message to the dead-letter queue.
         let n = Names::new(category)?;
-        let ch = self.t.conn.create_channel().await.map_err(amqp)?;
+        let ch = self.t.connection().await?.create_channel().await.map_err(amqp)?;
         let mut out = Vec::new();
         while out.len() < 1000 {
             let Some(m) = ch
@@ -142,7 +142,7 @@ impl Admin for RabbitAdmin {
             }
             HeadAction::DeadLetter => {
                 let n = Names::new(category)?;
-                let ch = confirm_channel(&self.t.conn).await?;
+                let ch = confirm_channel(&*self.t.connection().await?).await?;
                 let mut props = held.properties.clone();
                 let mut headers = props.headers().clone().unwrap_or_default();
                 headers.insert(

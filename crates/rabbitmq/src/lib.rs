@@ -20,7 +20,6 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::Confirmation;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
-use tokio::sync::OnceCell;
 
 pub use crate::config::{QueueType, RabbitConfig, Topology};
 pub use crate::topology::Names;
@@ -84,7 +83,7 @@ pub(crate) struct Shared {
 #[derive(Clone)]
 pub struct RabbitTransport {
     pub(crate) cfg: Arc<RabbitConfig>,
-    pub(crate) conn: Arc<Connection>,
+    conn: Arc<tokio::sync::Mutex<Arc<Connection>>>,
     pub(crate) shared: Arc<Shared>,
     declared: Arc<Mutex<HashSet<String>>>,
 }
@@ -113,7 +112,7 @@ impl RabbitTransport {
         let conn = connect_uri(&cfg.uri, &cfg.display).await?;
         Ok(RabbitTransport {
             cfg: Arc::new(cfg),
-            conn: Arc::new(conn),
+            conn: Arc::new(tokio::sync::Mutex::new(Arc::new(conn))),
             shared: Arc::default(),
             declared: Arc::default(),
         })
@@ -130,6 +129,17 @@ impl RabbitTransport {
         &self.cfg
     }
 
+    /// The shared connection (publishing, declarations, admin), reconnected
+    /// when the broker closed it (a restart).
+    pub(crate) async fn connection(&self) -> Result<Arc<Connection>> {
+        let mut conn = self.conn.lock().await;
+        if !conn.status().connected() {
+            tracing::info!(broker = %self.cfg.display, "rabbitmq: reconnecting");
+            *conn = Arc::new(connect_uri(&self.cfg.uri, &self.cfg.display).await?);
+        }
+        Ok(conn.clone())
+    }
+
     /// Declares or verifies the category's topology once per transport.
     pub(crate) async fn ensure(&self, names: &Names) -> Result<()> {
         if self
@@ -140,7 +150,7 @@ impl RabbitTransport {
         {
             return Ok(());
         }
-        topology::ensure(&self.conn, &self.cfg, names).await?;
+        topology::ensure(&*self.connection().await?, &self.cfg, names).await?;
         self.declared
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -182,7 +192,7 @@ impl Transport for RabbitTransport {
         Ok(Arc::new(RabbitPublisher {
             t: self.clone(),
             names,
-            channel: OnceCell::new(),
+            channel: tokio::sync::Mutex::new(None),
         }))
     }
 
@@ -272,7 +282,7 @@ pub(crate) fn properties(message: &Message, epoch: u32) -> BasicProperties {
 struct RabbitPublisher {
     t: RabbitTransport,
     names: Names,
-    channel: OnceCell<Channel>,
+    channel: tokio::sync::Mutex<Option<Channel>>,
 }
 
 impl fmt::Debug for RabbitPublisher {
@@ -286,14 +296,23 @@ impl fmt::Debug for RabbitPublisher {
 #[async_trait]
 impl TransportPublisher for RabbitPublisher {
     async fn publish(&self, message: Message) -> Result<()> {
-        let ch = self.channel.get_or_try_init(|| confirm_channel(&self.t.conn)).await?;
+        let mut slot = self.channel.lock().await;
+        let ch = match slot.as_ref() {
+            Some(ch) if ch.status().connected() => ch.clone(),
+            _ => {
+                let ch = confirm_channel(&*self.t.connection().await?).await?;
+                *slot = Some(ch.clone());
+                ch
+            }
+        };
+        drop(slot);
         // Keyless messages spread by their id.
         let key = message
             .key()
             .map_or_else(|| message.id().to_owned(), |k| k.as_str().to_owned());
         let (exchange, routing_key) = self.names.route(self.t.cfg.topology, &key);
         publish_confirmed(
-            ch,
+            &ch,
             &exchange,
             &routing_key,
             message.payload(),
