@@ -21,7 +21,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::Confirmation;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
-pub use crate::config::{QueueType, RabbitConfig, Topology};
+pub use crate::config::{QueueType, RabbitConfig, Topology, QUORUM_MAX_PREFETCH};
 pub use crate::topology::Names;
 pub use lapin;
 

@@ -2,8 +2,8 @@
 //!
 //! | Name | Kind | What |
 //! |---|---|---|
-//! | `{c}.hash` | `x-consistent-hash` exchange, argument `x-keyorder-queues: N` | the `hash` topology's entry |
-//! | `{c}.hash.{i}` | queue, single active consumer, bound with weight `1` | one of the N queues |
+//! | `{c}.hash` | `x-consistent-hash` exchange, arguments `x-keyorder-queues: N`, `x-keyorder-weight: W` | the `hash` topology's entry |
+//! | `{c}.hash.{i}` | queue, single active consumer, bound with weight W (`RING_WEIGHT`) | one of the N queues |
 //! | `{c}.sac` | queue, single active consumer | the `sac` topology |
 //! | `{c}.plain` | queue | the `plain` topology |
 //! | `{c}.dlq` | queue | dead letters (published with a confirm, then the head is acknowledged) |
@@ -83,6 +83,12 @@ impl Names {
     }
 }
 
+/// Points each queue takes on the consistent-hash ring. With one point per
+/// queue the ring splits keys very unevenly over few queues; more points
+/// even it out. It is part of the topology (recorded on the exchange): a
+/// change moves keys, so it is refused like a change of N.
+pub(crate) const RING_WEIGHT: u32 = 64;
+
 fn queue_args(qt: QueueType, sac: bool, expires: Option<u32>) -> FieldTable {
     let mut args = FieldTable::default();
     if let Some(ms) = expires {
@@ -132,6 +138,7 @@ pub(crate) async fn ensure(conn: &Connection, cfg: &RabbitConfig, n: &Names) -> 
         let x = n.hash_exchange();
         let mut args = FieldTable::default();
         args.insert("x-keyorder-queues".into(), AMQPValue::LongUInt(u32::from(count)));
+        args.insert("x-keyorder-weight".into(), AMQPValue::LongUInt(RING_WEIGHT));
         let fix = format!(
             "the queue count is fixed for a category (keys would move): drain and delete exchange `{x}` and queues \
              `{x}.*` before changing `queues`, or keep queues={count} as declared before; the plugin \
@@ -203,7 +210,7 @@ pub(crate) async fn ensure(conn: &Connection, cfg: &RabbitConfig, n: &Names) -> 
             ch.queue_bind(
                 n.hash_queue(i).as_str().into(),
                 n.hash_exchange().as_str().into(),
-                "1".into(),
+                RING_WEIGHT.to_string().as_str().into(),
                 QueueBindOptions::default(),
                 FieldTable::default(),
             )
