@@ -8,10 +8,12 @@ use async_trait::async_trait;
 use keyorder_core::key::{label, redact};
 use keyorder_core::{Admin, DeadLetter, Error, HaltedKey, HeadAction, HotKey, Result, ScopeInfo, SourceEvent};
 use lapin::options::{BasicGetOptions, QueueDeclareOptions};
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::FieldTable;
 
+use crate::settle::REASON_HEADER;
+use crate::source::header_text;
 use crate::topology::{amqp, Names};
-use crate::{confirm_channel, publish_confirmed, RabbitTransport};
+use crate::{confirm_channel, RabbitTransport};
 
 pub(crate) struct RabbitAdmin {
     pub(crate) t: RabbitTransport,
@@ -104,16 +106,11 @@ impl Admin for RabbitAdmin {
                 break;
             };
             let props = &m.delivery.properties;
-            let text = |name: &str| {
-                props.headers().as_ref().and_then(|h| match h.inner().get(name) {
-                    Some(AMQPValue::LongString(s)) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-                    _ => None,
-                })
-            };
+            let text = |name: &str| header_text(props, name);
             out.push(DeadLetter {
                 id: props.message_id().as_ref().map(|s| s.to_string()).unwrap_or_default(),
                 label: text(keyorder_core::KEY_HEADER).map_or_else(|| "keyless".into(), |k| label(&k)),
-                reason: text("x-keyorder-reason").unwrap_or_default(),
+                reason: text(REASON_HEADER).unwrap_or_default(),
             });
         }
         let _ = ch.close(200, "peeked".into()).await;
@@ -143,14 +140,8 @@ impl Admin for RabbitAdmin {
             HeadAction::DeadLetter => {
                 let n = Names::new(category)?;
                 let ch = confirm_channel(&*self.t.connection().await?).await?;
-                let mut props = held.properties.clone();
-                let mut headers = props.headers().clone().unwrap_or_default();
-                headers.insert(
-                    "x-keyorder-reason".into(),
-                    AMQPValue::LongString("moved to the dead-letter queue by an operator".into()),
-                );
-                props = props.with_headers(headers);
-                publish_confirmed(&ch, "", &n.dlq(), &held.payload, props).await?;
+                held.dead_letter(&ch, &n.dlq(), "moved to the dead-letter queue by an operator")
+                    .await?;
                 held.acker.ack(Default::default()).await.map_err(amqp)?;
                 true
             }

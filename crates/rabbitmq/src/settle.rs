@@ -26,6 +26,20 @@ pub(crate) struct Held {
     pub(crate) reset: AtomicBool,
 }
 
+impl Held {
+    /// Publishes a copy of the message to the dead-letter queue `dlq` with
+    /// `reason` in `x-keyorder-reason`, and waits for the broker's confirm.
+    pub(crate) async fn dead_letter(&self, ch: &Channel, dlq: &str, reason: &str) -> Result<()> {
+        let mut headers = self.properties.headers().clone().unwrap_or_default();
+        headers.insert(REASON_HEADER.into(), AMQPValue::LongString(LongString::from(reason)));
+        let props = self.properties.clone().with_headers(headers);
+        publish_confirmed(ch, "", dlq, &self.payload, props).await
+    }
+}
+
+/// The header a dead letter carries its reason in.
+pub(crate) const REASON_HEADER: &str = "x-keyorder-reason";
+
 pub(crate) struct RabbitSettle {
     pub(crate) t: RabbitTransport,
     pub(crate) dlq_channel: Channel,

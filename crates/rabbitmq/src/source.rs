@@ -112,7 +112,7 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-fn header_text(props: &BasicProperties, name: &str) -> Option<String> {
+pub(crate) fn header_text(props: &BasicProperties, name: &str) -> Option<String> {
     let h = props.headers().as_ref()?;
     match h.inner().get(name)? {
         AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
@@ -173,13 +173,24 @@ impl Source {
         self.spec.lease.ttl.as_secs().max(1)
     }
 
+    /// Stops consuming `queue` here: its consumer task ends, its lease is
+    /// lost (buffered work is discarded), held deliveries are dropped (they
+    /// are unacknowledged: the broker returns them).
+    fn drop_owned(&mut self, queue: &str) -> Option<Owned> {
+        let o = self.owned.remove(queue)?;
+        o.task.abort();
+        o.lease.lose();
+        self.scopes.remove(o.lease.scope());
+        self.held.remove(queue);
+        Some(o)
+    }
+
     fn lose_all(&mut self, why: &str) {
-        for (q, o) in self.owned.drain() {
-            o.task.abort();
-            o.lease.lose();
-            self.scopes.remove(o.lease.scope());
-            self.held.remove(&q);
-            tracing::warn!(scope = %o.lease.scope(), why, "rabbitmq: queue lost");
+        let queues: Vec<String> = self.owned.keys().cloned().collect();
+        for q in queues {
+            if let Some(o) = self.drop_owned(&q) {
+                tracing::warn!(scope = %o.lease.scope(), why, "rabbitmq: queue lost");
+            }
         }
     }
 
@@ -317,7 +328,6 @@ impl Source {
             self.link = None;
             self.connect().await?;
         }
-        let link = self.link.as_ref().expect("connected above");
         // Confirm what we hold: a round trip on each queue's channel.
         let mut lost = Vec::new();
         for (q, o) in &self.owned {
@@ -340,18 +350,14 @@ impl Source {
             }
         }
         for q in lost {
-            if let Some(o) = self.owned.remove(&q) {
-                o.task.abort();
-                o.lease.lose();
-                self.scopes.remove(o.lease.scope());
-                self.held.remove(&q);
+            if let Some(o) = self.drop_owned(&q) {
                 metrics::counter!("keyorder_rabbitmq_queues_lost_total").increment(1);
                 tracing::warn!(scope = %o.lease.scope(), "rabbitmq: queue channel closed; lost");
             }
         }
         let me = self.spec.instance.clone();
         let mine: HashSet<String> = if self.spreads() {
-            if let Some((ch, _)) = &link.presence {
+            if let Some((ch, _)) = self.link.as_ref().and_then(|l| l.presence.as_ref()) {
                 ch.basic_publish(
                     self.names.presence().as_str().into(),
                     "".into(),
@@ -540,19 +546,16 @@ impl TransportSource for Source {
     }
 
     async fn release(&mut self, scope: &str) -> Result<()> {
-        let Some(q) = self.scopes.remove(scope) else {
+        let Some(q) = self.scopes.get(scope).cloned() else {
             return Ok(());
         };
-        if let Some(o) = self.owned.remove(&q) {
+        if let Some(o) = self.drop_owned(&q) {
             // Closing the channel returns anything unacknowledged (nothing
             // in flight: the subscription drained the scope) to the queue and
             // activates the next consumer.
-            o.task.abort();
-            o.lease.lose();
             let _ = o.channel.close(200, "handed over".into()).await;
             metrics::counter!("keyorder_rabbitmq_queues_released_total").increment(1);
         }
-        self.held.remove(&q);
         Ok(())
     }
 

@@ -211,6 +211,27 @@ impl Source {
         }
     }
 
+    /// `(key, stream index)` of every stream `stream` selects in the owned
+    /// partitions that are not being handed over and that `part` selects.
+    fn streams_where(
+        &self,
+        part: impl Fn(&Part) -> bool,
+        stream: impl Fn(&str, &Stream) -> bool,
+    ) -> Vec<(String, usize)> {
+        let mut out = Vec::new();
+        for (k, p) in &self.parts {
+            if p.revoking || !part(p) {
+                continue;
+            }
+            for (i, s) in p.streams.iter().enumerate() {
+                if stream(k, s) {
+                    out.push((k.clone(), i));
+                }
+            }
+        }
+        out
+    }
+
     fn drop_part(&mut self, key: &str) -> Option<Part> {
         let p = self.parts.remove(key)?;
         self.scopes.remove(p.lease.scope());
@@ -326,18 +347,7 @@ impl Source {
             }
         }
         // Streams that appeared after their partition was acquired.
-        let late: Vec<(String, usize)> = self
-            .parts
-            .iter()
-            .filter(|(_, p)| !p.revoking)
-            .flat_map(|(k, p)| {
-                p.streams
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, s)| !s.joined && indexed[s.cat].contains(k))
-                    .map(move |(i, _)| (k.clone(), i))
-            })
-            .collect();
+        let late = self.streams_where(|_| true, |k, s| !s.joined && indexed[s.cat].contains(k));
         for (k, i) in late {
             self.join(&k, i).await?;
         }
@@ -523,18 +533,7 @@ impl Source {
         }
         self.last_reap = Instant::now();
         let single = self.cats.len() == 1;
-        let candidates: Vec<(String, usize)> = self
-            .parts
-            .iter()
-            .filter(|(_, p)| !p.revoking)
-            .flat_map(|(k, p)| {
-                p.streams
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, s)| s.joined && s.pending_after.is_none())
-                    .map(move |(i, _)| (k.clone(), i))
-            })
-            .collect();
+        let candidates = self.streams_where(|_| true, |_, s| s.joined && s.pending_after.is_none());
         for (k, i) in candidates {
             let Some(p) = self.parts.get(&k) else { continue };
             let s = &p.streams[i];
@@ -566,18 +565,10 @@ impl Source {
     /// One fenced read over the readable owned streams, then the keyless streams.
     async fn read(&mut self, max: usize, paused: &HashSet<Arc<str>>) -> Result<Vec<Inbound>> {
         let mut out = Vec::new();
-        let mut ready: Vec<(String, usize)> = self
-            .parts
-            .iter()
-            .filter(|(_, p)| !p.revoking && !paused.contains(p.lease.scope()) && !p.lease.is_lost())
-            .flat_map(|(k, p)| {
-                p.streams
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, s)| s.joined && (s.dirty || s.pending_after.is_some()))
-                    .map(move |(i, _)| (k.clone(), i))
-            })
-            .collect();
+        let mut ready = self.streams_where(
+            |p| !paused.contains(p.lease.scope()) && !p.lease.is_lost(),
+            |_, s| s.joined && (s.dirty || s.pending_after.is_some()),
+        );
         ready.sort_unstable();
         if !ready.is_empty() {
             let n = ready.len();
