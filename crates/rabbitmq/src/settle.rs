@@ -20,7 +20,7 @@ use crate::{publish_confirmed, Halted, RabbitTransport};
 /// What a halted head keeps so an operator can settle it later.
 pub(crate) struct Held {
     pub(crate) acker: Acker,
-    pub(crate) payload: Vec<u8>,
+    pub(crate) payload: keyorder_core::Bytes,
     pub(crate) properties: BasicProperties,
     /// Set by an operator's resume: the next attempt counts from 1 again.
     pub(crate) reset: AtomicBool,
@@ -99,14 +99,7 @@ impl Settle for RabbitSettle {
 
     async fn park(&self, reason: &str) -> Result<()> {
         // The dead letter is confirmed before the head is acknowledged.
-        let mut props = self.held.properties.clone();
-        let mut headers = props.headers().clone().unwrap_or_default();
-        headers.insert(
-            "x-keyorder-reason".into(),
-            AMQPValue::LongString(LongString::from(reason)),
-        );
-        props = props.with_headers(headers);
-        publish_confirmed(&self.dlq_channel, "", &self.dlq, &self.held.payload, props).await?;
+        self.held.dead_letter(&self.dlq_channel, &self.dlq, reason).await?;
         self.ack_now().await
     }
 

@@ -426,7 +426,9 @@ impl Source {
                 "rabbitmq: message published under another topology epoch (queue count)"
             );
         }
-        let mut msg = Message::new(d.data.clone());
+        // One buffer for the message and the copy kept for a dead letter.
+        let payload = keyorder_core::Bytes::from(d.data);
+        let mut msg = Message::new(payload.clone());
         if let Some(id) = props.message_id() {
             msg = msg.with_id(id.as_str());
         }
@@ -471,7 +473,7 @@ impl Source {
                 attempts: AtomicU32::new(0),
                 held: Arc::new(Held {
                     acker: d.acker.clone(),
-                    payload: d.data.clone(),
+                    payload,
                     properties: props,
                     reset: AtomicBool::new(false),
                 }),
