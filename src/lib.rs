@@ -13,6 +13,8 @@ pub fn schemes() -> &'static [&'static str] {
         "redis",
         #[cfg(feature = "rabbitmq")]
         "amqp",
+        #[cfg(feature = "kafka")]
+        "kafka",
     ]
 }
 
@@ -25,6 +27,9 @@ pub use keyorder_redis as redis;
 #[cfg(feature = "rabbitmq")]
 pub use keyorder_rabbitmq as rabbitmq;
 
+#[cfg(feature = "kafka")]
+pub use keyorder_kafka as kafka;
+
 /// Connects to the transport a URL names; the rest of the URL (host, query
 /// string) is the adapter's configuration, so a deployment swaps brokers by
 /// changing one URL and no code.
@@ -35,6 +40,7 @@ pub use keyorder_rabbitmq as rabbitmq;
 /// | `postgres://` | `keyorder_postgres::PgTransport` (feature `postgres`) | `schema`, `slots`, `pool`, `migrate` |
 /// | `redis://`, `rediss://` | `keyorder_redis::RedisTransport` (feature `redis`) | `layout`, `response_timeout_ms`, `reap_idle_ms`, `partition_warn` |
 /// | `amqp://`, `amqps://` | `keyorder_rabbitmq::RabbitTransport` (feature `rabbitmq`) | `topology`, `queues`, `queue_type`, `declare`, `prefetch` |
+/// | `kafka://` | `keyorder_kafka::KafkaTransport` (feature `kafka`) | `partitions`, `replication`, `assignor`, `fetch_wait_ms`, `max_unfinished`, `rdkafka.*` |
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> keyorder::Result<()> {
@@ -63,6 +69,10 @@ pub async fn connect(url: &str) -> Result<Client> {
         #[cfg(feature = "rabbitmq")]
         "amqp" | "amqps" => Ok(Client::new(std::sync::Arc::new(
             keyorder_rabbitmq::RabbitTransport::from_url(&parsed).await?,
+        ))),
+        #[cfg(feature = "kafka")]
+        "kafka" => Ok(Client::new(std::sync::Arc::new(
+            keyorder_kafka::KafkaTransport::from_url(&parsed).await?,
         ))),
         other => Err(Error::Url(format!(
             "no adapter for `{other}://` in this build (compiled in: {}); enable the adapter's feature of the \

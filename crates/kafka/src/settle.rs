@@ -1,0 +1,147 @@
+//! Settling one delivery: every attempt, halt and acknowledgement is carried
+//! by a commit (its offset and metadata) before the call returns, so a later
+//! owner neither runs a finished message again nor loses an attempt count.
+//! The fence is the partition's lease: once it is lost, every call fails
+//! with `Fenced` and commits nothing.
+
+use std::fmt;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use keyorder_core::{Error, Result, Settle};
+use rdkafka::message::{Header, Headers, OwnedHeaders};
+
+use crate::source::{HeldHead, Part, Shared};
+use crate::REASON_HEADER;
+
+pub(crate) struct KafkaSettle {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) part: Arc<Part>,
+    pub(crate) offset: i64,
+    pub(crate) key: Option<Vec<u8>>,
+    pub(crate) payload: keyorder_core::Bytes,
+    pub(crate) headers: Option<OwnedHeaders>,
+    pub(crate) message_id: String,
+    /// Attempts earlier owners made (from the commit metadata).
+    pub(crate) earlier: u32,
+}
+
+impl fmt::Debug for KafkaSettle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaSettle")
+            .field("scope", self.part.lease.scope())
+            .field("offset", &self.offset)
+            .field("earlier", &self.earlier)
+            .finish()
+    }
+}
+
+impl KafkaSettle {
+    fn fenced(&self) -> Error {
+        Error::Fenced {
+            scope: self.part.lease.scope().to_string(),
+            generation: self.part.lease.generation(),
+        }
+    }
+
+    fn live(&self) -> Result<()> {
+        if self.part.lease.is_lost() {
+            metrics::counter!("keyorder_kafka_fenced_total").increment(1);
+            return Err(self.fenced());
+        }
+        Ok(())
+    }
+
+    async fn durable(&self) -> Result<()> {
+        if self.shared.ordered {
+            self.shared.commit_through(&self.part).await
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// Copies a message to the dead-letter topic with `reason`, its origin and
+/// group in headers, and waits for the delivery report.
+pub(crate) async fn dead_letter(
+    shared: &Shared,
+    partition: i32,
+    offset: i64,
+    key: Option<&[u8]>,
+    payload: &[u8],
+    headers: Option<&OwnedHeaders>,
+    reason: &str,
+) -> Result<()> {
+    let mut h = OwnedHeaders::new();
+    if let Some(orig) = headers {
+        for hd in orig.iter() {
+            h = h.insert(Header {
+                key: hd.key,
+                value: hd.value,
+            });
+        }
+    }
+    let origin = format!("{}/{partition}@{offset}", shared.names.topic());
+    h = h
+        .insert(Header {
+            key: REASON_HEADER,
+            value: Some(reason),
+        })
+        .insert(Header {
+            key: "keyorder-origin",
+            value: Some(origin.as_str()),
+        })
+        .insert(Header {
+            key: "keyorder-group",
+            value: Some(shared.group.as_str()),
+        });
+    shared.t.produce(&shared.names.dlq(), key, payload, h).await?;
+    metrics::counter!("keyorder_kafka_dead_letters_total").increment(1);
+    Ok(())
+}
+
+#[async_trait]
+impl Settle for KafkaSettle {
+    async fn begin_attempt(&self) -> Result<u32> {
+        self.live()?;
+        let n = self.part.track().begin(self.offset).ok_or_else(|| self.fenced())?;
+        self.durable().await?;
+        Ok(n)
+    }
+
+    async fn ack(&self) -> Result<()> {
+        self.live()?;
+        self.part.track().done(self.offset);
+        self.durable().await
+    }
+
+    async fn park(&self, reason: &str) -> Result<()> {
+        self.live()?;
+        dead_letter(
+            &self.shared,
+            self.part.partition,
+            self.offset,
+            self.key.as_deref(),
+            &self.payload,
+            self.headers.as_ref(),
+            reason,
+        )
+        .await?;
+        tracing::info!(scope = %self.part.lease.scope(), offset = self.offset, id = %self.message_id, "kafka: parked");
+        self.ack().await
+    }
+
+    async fn halt(&self, reason: &str) -> Result<()> {
+        self.live()?;
+        self.part.track().halt(self.offset, reason);
+        if let Some(key) = self.key.as_deref().and_then(|k| std::str::from_utf8(k).ok()) {
+            self.part.hold_head(HeldHead {
+                offset: self.offset,
+                key: key.to_owned(),
+                payload: self.payload.clone(),
+                headers: self.headers.clone(),
+            });
+        }
+        self.durable().await
+    }
+}

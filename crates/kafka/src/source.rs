@@ -1,0 +1,995 @@
+//! The source: a consumer-group member polled on a thread of its own, the
+//! partitions it owns, the commits, and the self-fence.
+//!
+//! - **Poll thread.** librdkafka serves rebalances inside `poll`, so a
+//!   dedicated thread polls and forwards messages and rebalance events, in
+//!   order, to the async side.
+//! - **Assign.** The thread reads the committed offsets and their metadata
+//!   first, forwards them, then assigns from exactly those offsets.
+//! - **Revoke.** The thread forwards the revoke and waits: the subscription
+//!   takes no new work from those partitions, lets their in-flight handlers
+//!   return, the final commit is made, and only then does the thread let the
+//!   partitions go. A partition the broker already gave away (assignment
+//!   lost) is dropped at once, uncommitted.
+//! - **Commits** are made by one committer task, so they never go backwards:
+//!   each `ack`, attempt and halt waits for the commit that carries it.
+//! - **Self-fence.** A heartbeat task confirms every owned partition with a
+//!   round trip to the group coordinator. If no confirmation succeeded for
+//!   longer than the session timeout less a heartbeat (a `SIGSTOP`, a
+//!   network cut), the broker may have given the partitions away: they are
+//!   all marked lost and the member is replaced by a new one.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc as std_mpsc, Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use keyorder_core::{Inbound, Message, OrderingKey, Result, ScopeLease, SourceEvent, SourceSpec, TransportSource};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol};
+use rdkafka::message::{Headers, OwnedMessage};
+use rdkafka::types::RDKafkaRespErr;
+use rdkafka::{ClientContext, Message as _, Offset, TopicPartitionList};
+use tokio::sync::{mpsc, watch, Notify};
+use tokio::time::Instant;
+
+use crate::settle::KafkaSettle;
+use crate::state;
+use crate::track::{decode, Admit, Track};
+use crate::{base_config, kafka_err, KafkaTransport, Names, CORRELATION_HEADER, ID_HEADER};
+
+/// What the poll thread tells the async side, in order.
+pub(crate) enum Ev {
+    /// Partitions assigned: (partition, committed offset, commit metadata).
+    Assigned(Vec<(i32, i64, String)>),
+    /// Partitions revoked; `reply` is dropped or sent once they may go.
+    Revoke {
+        parts: Vec<i32>,
+        lost: bool,
+        reply: std_mpsc::SyncSender<()>,
+    },
+    Msg(OwnedMessage),
+    Error(String),
+}
+
+pub(crate) struct Ctx {
+    tx: mpsc::UnboundedSender<Ev>,
+    stopping: Arc<AtomicBool>,
+    topic: String,
+    names: Names,
+    group_id: String,
+    /// Reads state records (outside the group).
+    reader: BaseConsumer,
+}
+
+impl ClientContext for Ctx {}
+
+fn parts_of(tpl: &TopicPartitionList, topic: &str) -> Vec<i32> {
+    tpl.elements()
+        .iter()
+        .filter(|e| e.topic() == topic)
+        .map(|e| e.partition())
+        .collect()
+}
+
+impl ConsumerContext for Ctx {
+    fn rebalance(&self, c: &BaseConsumer<Self>, err: RDKafkaRespErr, tpl: &mut TopicPartitionList) {
+        let cooperative = matches!(c.rebalance_protocol(), RebalanceProtocol::Cooperative);
+        match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
+                // Read the saved progress first: the assignment starts
+                // exactly where the state it comes with was written.
+                let parts = parts_of(tpl, &self.topic);
+                let mut saved = None;
+                for _ in 0..6 {
+                    match state::load(
+                        c,
+                        &self.reader,
+                        &self.names,
+                        &self.group_id,
+                        &parts,
+                        Duration::from_secs(10),
+                    ) {
+                        Ok(list) => {
+                            saved = Some(list);
+                            break;
+                        }
+                        Err(e) => {
+                            let _ = self.tx.send(Ev::Error(format!("reading saved progress: {e}")));
+                            if self.stopping.load(Ordering::SeqCst) {
+                                break;
+                            }
+                        }
+                    }
+                }
+                let mut assign = TopicPartitionList::new();
+                let mut info = Vec::new();
+                if let Some(list) = saved {
+                    for s in list {
+                        let from = if s.known {
+                            Offset::Offset(s.committed)
+                        } else {
+                            Offset::Beginning
+                        };
+                        let _ = assign.add_partition_offset(&self.topic, s.partition, from);
+                        info.push((s.partition, s.committed, s.meta));
+                    }
+                } else {
+                    // The coordinator did not answer for a minute: take the
+                    // partitions without their state (at-least-once from the
+                    // committed offset) rather than wedge the group.
+                    for p in parts {
+                        let _ = assign.add_partition_offset(&self.topic, p, Offset::Stored);
+                        info.push((p, 0, String::new()));
+                    }
+                }
+                let _ = self.tx.send(Ev::Assigned(info));
+                let r = if cooperative {
+                    c.incremental_assign(&assign)
+                } else {
+                    c.assign(&assign)
+                };
+                if let Err(e) = r {
+                    let _ = self.tx.send(Ev::Error(format!("assign: {e}")));
+                }
+            }
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
+                let parts = parts_of(tpl, &self.topic);
+                if !parts.is_empty() && !self.stopping.load(Ordering::SeqCst) {
+                    let (reply, wait) = std_mpsc::sync_channel(1);
+                    let lost = c.assignment_lost();
+                    if self.tx.send(Ev::Revoke { parts, lost, reply }).is_ok() {
+                        // Until the partitions drained and committed, or the
+                        // source went away (the sender is dropped).
+                        let _ = wait.recv();
+                    }
+                }
+                let r = if cooperative {
+                    c.incremental_unassign(tpl)
+                } else {
+                    c.unassign()
+                };
+                if let Err(e) = r {
+                    let _ = self.tx.send(Ev::Error(format!("unassign: {e}")));
+                }
+            }
+            other => {
+                let _ = self.tx.send(Ev::Error(format!("rebalance error: {other:?}")));
+            }
+        }
+    }
+}
+
+pub(crate) type Member = BaseConsumer<Ctx>;
+
+/// One owned partition, shared with its deliveries' settles.
+pub(crate) struct Part {
+    pub(crate) partition: i32,
+    pub(crate) lease: Arc<ScopeLease>,
+    pub(crate) track: Mutex<Track>,
+    /// The track version the last successful commit carried.
+    committed_version: AtomicU64,
+    /// Being handed over: the committer still commits it.
+    releasing: AtomicBool,
+    /// Halted heads held here, by offset (for the operator's actions).
+    heads: Mutex<HashMap<i64, HeldHead>>,
+}
+
+/// A halted head as the owner keeps it.
+#[derive(Clone)]
+pub(crate) struct HeldHead {
+    pub(crate) offset: i64,
+    pub(crate) key: String,
+    pub(crate) payload: keyorder_core::Bytes,
+    pub(crate) headers: Option<rdkafka::message::OwnedHeaders>,
+}
+
+impl Part {
+    pub(crate) fn hold_head(&self, head: HeldHead) {
+        self.heads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(head.offset, head);
+    }
+
+    pub(crate) fn held_head(&self, key_label: &str) -> Option<HeldHead> {
+        self.heads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .find(|h| keyorder_core::key::label(&h.key) == key_label)
+            .cloned()
+    }
+
+    pub(crate) fn forget_head(&self, offset: i64) {
+        self.heads.lock().unwrap_or_else(|e| e.into_inner()).remove(&offset);
+    }
+
+    pub(crate) fn track(&self) -> std::sync::MutexGuard<'_, Track> {
+        self.track.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// What the source shares with its settles, committer and heartbeat.
+pub(crate) struct Shared {
+    pub(crate) t: KafkaTransport,
+    pub(crate) names: Names,
+    pub(crate) group: String,
+    pub(crate) ordered: bool,
+    pub(crate) partitions: i32,
+    member: Mutex<Option<Arc<Member>>>,
+    pub(crate) parts: Mutex<HashMap<i32, Arc<Part>>>,
+    /// Commit requests and completions (sequence numbers).
+    wanted: AtomicU64,
+    completed: watch::Sender<u64>,
+    wake: Notify,
+    /// The last broker-confirmed ownership (sent time).
+    last_confirm: Mutex<Instant>,
+    /// The self-fence found a gap: replace the member.
+    pub(crate) replace: AtomicBool,
+    /// Session timeout less one heartbeat: past it, ownership is presumed lost.
+    gap: Duration,
+    /// Operator actions for the owner (in-process admin).
+    pub(crate) events: Mutex<Vec<SourceEvent>>,
+    closed: AtomicBool,
+}
+
+impl fmt::Debug for Shared {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaShared")
+            .field("topic", &self.names.topic())
+            .finish()
+    }
+}
+
+impl Shared {
+    fn member(&self) -> Option<Arc<Member>> {
+        self.member.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub(crate) fn part(&self, partition: i32) -> Option<Arc<Part>> {
+        self.parts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&partition)
+            .cloned()
+    }
+
+    /// Marks every owned partition lost when ownership was not confirmed
+    /// for longer than the broker keeps a silent member. Returns whether it did.
+    pub(crate) fn check_gap(&self) -> bool {
+        let mut guard = self.last_confirm.lock().unwrap_or_else(|e| e.into_inner());
+        let last = *guard;
+        if last.elapsed() <= self.gap {
+            return false;
+        }
+        if self.parts.lock().unwrap_or_else(|e| e.into_inner()).is_empty() {
+            // Nothing owned, nothing to lose: the next assignment confirms.
+            *guard = Instant::now();
+            return false;
+        }
+        drop(guard);
+        let lost: Vec<Arc<Part>> = self
+            .parts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .map(|(_, p)| p)
+            .collect();
+        if !lost.is_empty() {
+            metrics::counter!("keyorder_kafka_partitions_lost_total").increment(lost.len() as u64);
+            tracing::warn!(
+                partitions = lost.len(),
+                silent_ms = last.elapsed().as_millis() as u64,
+                "kafka: ownership unconfirmed past the session timeout; partitions lost, rejoining"
+            );
+        }
+        for p in lost {
+            p.lease.lose();
+        }
+        self.replace.store(true, Ordering::SeqCst);
+        self.completed.send_modify(|_| {});
+        true
+    }
+
+    /// Asks for a commit carrying everything recorded so far and waits for
+    /// it; fails with `Fenced` once `part` was lost.
+    pub(crate) async fn commit_through(&self, part: &Part) -> Result<()> {
+        let seq = self.wanted.fetch_add(1, Ordering::SeqCst) + 1;
+        self.wake.notify_one();
+        let mut rx = self.completed.subscribe();
+        let lease = &part.lease;
+        let r = rx.wait_for(|done| *done >= seq || lease.is_lost()).await;
+        if r.is_err() || lease.is_lost() {
+            return Err(keyorder_core::Error::Fenced {
+                scope: lease.scope().to_string(),
+                generation: lease.generation(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The committer: one commit at a time, so commits never go backwards.
+    async fn committer(self: Arc<Self>) {
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            if self.closed.load(Ordering::SeqCst) {
+                return;
+            }
+            let target = self.wanted.load(Ordering::SeqCst);
+            if target <= *self.completed.borrow() {
+                tokio::select! {
+                    () = self.wake.notified() => {}
+                    _ = tick.tick() => {}
+                }
+            }
+            let target = self.wanted.load(Ordering::SeqCst);
+            if self.check_gap() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+            let Some(member) = self.member() else {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            };
+            let parts: Vec<Arc<Part>> = self
+                .parts
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .values()
+                .cloned()
+                .collect();
+            let mut dirty = Vec::new();
+            for p in &parts {
+                if p.lease.is_lost() {
+                    continue;
+                }
+                let (version, offset, meta) = {
+                    let t = p.track();
+                    let (offset, meta) = t.commit(self.partitions);
+                    (t.version, offset, meta)
+                };
+                if version != p.committed_version.load(Ordering::SeqCst) {
+                    dirty.push((p.clone(), version, offset, meta));
+                }
+            }
+            if dirty.is_empty() {
+                self.completed.send_if_modified(|d| {
+                    let moved = *d < target;
+                    *d = (*d).max(target);
+                    moved
+                });
+                continue;
+            }
+            // The state records first, then one commit moving both offsets.
+            let state_topic = self.names.state();
+            let group_id = self.names.group_id(&self.group);
+            let writes = dirty.iter().map(|(p, _, offset, meta)| {
+                let value = state::encode(*offset, meta);
+                let (t, topic, key) = (&self.t, &state_topic, &group_id);
+                async move {
+                    t.produce_to(topic, Some(p.partition), Some(key.as_bytes()), value.as_bytes(), None)
+                        .await
+                }
+            });
+            let written = futures::future::join_all(writes).await;
+            let mut tpl = TopicPartitionList::new();
+            let mut carried = Vec::new();
+            let mut failed = None;
+            for ((p, version, offset, _), w) in dirty.into_iter().zip(written) {
+                match w {
+                    Ok((_, at)) => {
+                        let _ = tpl.add_partition_offset(self.names.topic(), p.partition, Offset::Offset(offset));
+                        let _ = tpl.add_partition_offset(&state_topic, p.partition, Offset::Offset(at));
+                        carried.push((p, version));
+                    }
+                    Err(e) => failed = Some(e),
+                }
+            }
+            if let Some(e) = failed {
+                metrics::counter!("keyorder_kafka_commit_errors_total").increment(1);
+                tracing::warn!(error = %e, "kafka: writing partition state failed; retrying");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+            let r = tokio::task::spawn_blocking(move || member.commit(&tpl, CommitMode::Sync)).await;
+            match r {
+                Ok(Ok(())) => {
+                    for (p, v) in carried {
+                        p.committed_version.fetch_max(v, Ordering::SeqCst);
+                    }
+                    metrics::counter!("keyorder_kafka_commits_total").increment(1);
+                    self.completed.send_modify(|d| *d = (*d).max(target));
+                }
+                Ok(Err(e)) => {
+                    metrics::counter!("keyorder_kafka_commit_errors_total").increment(1);
+                    tracing::warn!(error = %e, "kafka: commit failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "kafka: commit task failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+    }
+
+    /// The heartbeat: confirms owned partitions with a round trip to the
+    /// group coordinator, or marks them lost after a gap.
+    async fn heartbeat(self: Arc<Self>, every: Duration) {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if self.closed.load(Ordering::SeqCst) {
+                return;
+            }
+            if self.check_gap() {
+                continue;
+            }
+            let Some(member) = self.member() else { continue };
+            let parts: Vec<Arc<Part>> = self
+                .parts
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .values()
+                .cloned()
+                .collect();
+            if parts.is_empty() {
+                continue;
+            }
+            let sent = Instant::now();
+            let mut tpl = TopicPartitionList::new();
+            tpl.add_partition(self.names.topic(), parts.first().map_or(0, |p| p.partition));
+            let ok = tokio::task::spawn_blocking(move || member.committed_offsets(tpl, Duration::from_secs(5)))
+                .await
+                .is_ok_and(|r| r.is_ok());
+            if ok && !self.check_gap() {
+                *self.last_confirm.lock().unwrap_or_else(|e| e.into_inner()) = sent;
+                for p in parts {
+                    p.lease.confirm(sent);
+                }
+            }
+        }
+    }
+}
+
+/// A revoke the poll thread waits on.
+struct Pending {
+    left: HashSet<i32>,
+    reply: std_mpsc::SyncSender<()>,
+}
+
+struct Local {
+    held: VecDeque<Inbound>,
+    paused: bool,
+}
+
+pub(crate) struct Source {
+    shared: Arc<Shared>,
+    spec: SourceSpec,
+    rx: mpsc::UnboundedReceiver<Ev>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    local: HashMap<i32, Local>,
+    scopes: HashMap<Arc<str>, i32>,
+    pending: Vec<Pending>,
+    events: Vec<SourceEvent>,
+    generation: u64,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl fmt::Debug for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaSource")
+            .field("topic", &self.shared.names.topic())
+            .field("owned", &self.local.len())
+            .finish()
+    }
+}
+
+impl Drop for Source {
+    fn drop(&mut self) {
+        self.shared.closed.store(true, Ordering::SeqCst);
+        self.stop.store(true, Ordering::SeqCst);
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Source {
+    pub(crate) async fn open(t: KafkaTransport, spec: SourceSpec, names: Names, partitions: i32) -> Result<Self> {
+        let ttl = spec.lease.ttl;
+        let (completed, _) = watch::channel(0);
+        let shared = Arc::new(Shared {
+            t: t.clone(),
+            names,
+            group: spec.group.clone(),
+            ordered: spec.ordered,
+            partitions,
+            member: Mutex::new(None),
+            parts: Mutex::default(),
+            wanted: AtomicU64::new(0),
+            completed,
+            wake: Notify::new(),
+            last_confirm: Mutex::new(Instant::now()),
+            replace: AtomicBool::new(false),
+            gap: ttl.saturating_sub(spec.lease.heartbeat),
+            events: Mutex::default(),
+            closed: AtomicBool::new(false),
+        });
+        check_partition_count(&t, &shared.names, &spec.group, partitions).await?;
+        let (_, rx) = mpsc::unbounded_channel();
+        let mut source = Source {
+            shared: shared.clone(),
+            spec,
+            rx,
+            stop: Arc::new(AtomicBool::new(false)),
+            thread: None,
+            local: HashMap::new(),
+            scopes: HashMap::new(),
+            pending: Vec::new(),
+            events: Vec::new(),
+            generation: 0,
+            tasks: Vec::new(),
+        };
+        source.start_member()?;
+        source.tasks.push(tokio::spawn(shared.clone().committer()));
+        source
+            .tasks
+            .push(tokio::spawn(shared.clone().heartbeat(source.spec.lease.heartbeat)));
+        t.registry
+            .sources
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Arc::downgrade(&shared));
+        Ok(source)
+    }
+
+    /// Creates a group member and its poll thread.
+    fn start_member(&mut self) -> Result<()> {
+        let cfg = &self.shared.t.cfg;
+        let mut c = base_config(cfg);
+        let session_ms = self.spec.lease.ttl.as_millis().max(1000);
+        let heartbeat_ms = self.spec.lease.heartbeat.as_millis().max(100);
+        c.set("group.id", self.shared.names.group_id(&self.spec.group))
+            .set("client.id", format!("keyorder-{}", self.spec.instance))
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", "earliest")
+            .set("session.timeout.ms", session_ms.to_string())
+            .set("heartbeat.interval.ms", heartbeat_ms.to_string())
+            .set("fetch.wait.max.ms", cfg.fetch_wait_ms.to_string())
+            .set("partition.assignment.strategy", cfg.assignor.name());
+        for (k, v) in &cfg.extra {
+            c.set(k, v);
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut rc = base_config(cfg);
+        rc.set("group.id", "keyorder-state-reader")
+            .set("enable.auto.commit", "false")
+            .set("fetch.wait.max.ms", cfg.fetch_wait_ms.to_string());
+        let ctx = Ctx {
+            tx: tx.clone(),
+            stopping: stop.clone(),
+            topic: self.shared.names.topic().to_owned(),
+            names: self.shared.names.clone(),
+            group_id: self.shared.names.group_id(&self.spec.group),
+            reader: rc.create().map_err(kafka_err)?,
+        };
+        let member: Member = c.create_with_context(ctx).map_err(kafka_err)?;
+        member.subscribe(&[self.shared.names.topic()]).map_err(kafka_err)?;
+        let member = Arc::new(member);
+        *self.shared.member.lock().unwrap_or_else(|e| e.into_inner()) = Some(member.clone());
+        *self.shared.last_confirm.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        let thread_stop = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("keyorder-kafka-poll".into())
+            .spawn(move || poll_loop(member, tx, thread_stop))
+            .map_err(|e| keyorder_core::Error::Broker(format!("kafka: cannot start the poll thread: {e}")))?;
+        self.stop = stop;
+        self.thread = Some(thread);
+        self.rx = rx;
+        Ok(())
+    }
+
+    /// Drops every partition here and replaces the member (after a gap).
+    fn replace_member(&mut self) -> Result<()> {
+        self.stop.store(true, Ordering::SeqCst);
+        *self.shared.member.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        let parts: Vec<i32> = self.local.keys().copied().collect();
+        for p in parts {
+            self.forget(p);
+        }
+        self.pending.clear();
+        self.thread = None;
+        self.shared.replace.store(false, Ordering::SeqCst);
+        tracing::info!(topic = %self.shared.names.topic(), "kafka: rejoining the group with a new member");
+        self.start_member()
+    }
+
+    /// Forgets a partition locally: its lease is lost, held work dropped.
+    fn forget(&mut self, partition: i32) {
+        if let Some(p) = self
+            .shared
+            .parts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&partition)
+        {
+            p.lease.lose();
+            self.scopes.remove(p.lease.scope());
+        }
+        self.local.remove(&partition);
+        self.scopes.retain(|_, v| *v != partition);
+        self.settle_pending(partition);
+    }
+
+    fn settle_pending(&mut self, partition: i32) {
+        for p in &mut self.pending {
+            p.left.remove(&partition);
+        }
+        self.pending.retain(|p| {
+            if p.left.is_empty() {
+                let _ = p.reply.try_send(());
+                false
+            } else {
+                true
+            }
+        });
+    }
+
+    fn scope_of(&self, partition: i32) -> Arc<str> {
+        Arc::from(format!("{}/{partition}", self.shared.names.topic()))
+    }
+
+    /// Applies what the poll thread sent, up to `limit` messages.
+    fn pump(&mut self, limit: usize) {
+        let mut n = 0;
+        while n < limit {
+            let Ok(ev) = self.rx.try_recv() else { break };
+            n += 1;
+            self.apply(ev);
+        }
+        self.pace();
+    }
+
+    fn apply(&mut self, ev: Ev) {
+        match ev {
+            Ev::Assigned(list) => {
+                // The broker just gave these to this member: that confirms it.
+                let sent = Instant::now();
+                *self.shared.last_confirm.lock().unwrap_or_else(|e| e.into_inner()) = sent;
+                for (partition, committed, meta) in list {
+                    let restored = decode(committed, &meta);
+                    self.generation = now_ms().max(self.generation + 1);
+                    let scope = self.scope_of(partition);
+                    let lease = ScopeLease::new(scope.clone(), self.generation, &self.spec.lease, sent);
+                    let part = Arc::new(Part {
+                        partition,
+                        lease,
+                        track: Mutex::new(Track::new(committed, restored)),
+                        committed_version: AtomicU64::new(0),
+                        releasing: AtomicBool::new(false),
+                        heads: Mutex::default(),
+                    });
+                    tracing::debug!(scope = %scope, generation = self.generation, from = committed, "kafka: assigned");
+                    metrics::counter!("keyorder_kafka_partitions_assigned_total").increment(1);
+                    if let Some(old) = self
+                        .shared
+                        .parts
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(partition, part)
+                    {
+                        old.lease.lose();
+                    }
+                    self.scopes.insert(scope, partition);
+                    self.local.insert(
+                        partition,
+                        Local {
+                            held: VecDeque::new(),
+                            paused: false,
+                        },
+                    );
+                }
+            }
+            Ev::Revoke { parts, lost, reply } => {
+                let mut left = HashSet::new();
+                for partition in parts {
+                    if lost {
+                        self.forget(partition);
+                        continue;
+                    }
+                    let Some(p) = self.shared.part(partition) else { continue };
+                    if !p.releasing.swap(true, Ordering::SeqCst) {
+                        self.events.push(SourceEvent::Revoke(p.lease.scope().clone()));
+                    }
+                    // Held, undelivered messages stay unfinished: the next owner gets them.
+                    if let Some(l) = self.local.get_mut(&partition) {
+                        l.held.clear();
+                    }
+                    left.insert(partition);
+                }
+                if lost {
+                    metrics::counter!("keyorder_kafka_assignments_lost_total").increment(1);
+                    tracing::warn!(topic = %self.shared.names.topic(), "kafka: assignment lost (session timed out)");
+                }
+                if left.is_empty() {
+                    let _ = reply.try_send(());
+                } else {
+                    self.pending.push(Pending { left, reply });
+                }
+            }
+            Ev::Msg(m) => self.admit(m),
+            Ev::Error(e) => {
+                metrics::counter!("keyorder_kafka_client_errors_total").increment(1);
+                tracing::warn!(error = %e, topic = %self.shared.names.topic(), "kafka: client error");
+            }
+        }
+    }
+
+    fn admit(&mut self, m: OwnedMessage) {
+        let partition = m.partition();
+        let Some(part) = self.shared.part(partition) else {
+            return;
+        };
+        if part.releasing.load(Ordering::SeqCst) || part.lease.is_lost() {
+            return;
+        }
+        let Some(local) = self.local.get_mut(&partition) else {
+            return;
+        };
+        let offset = m.offset();
+        let (attempts, halted) = match part.track().admit(offset) {
+            Admit::Skip => return,
+            Admit::Deliver { attempts, halted } => (attempts, halted),
+        };
+        let payload = keyorder_core::Bytes::copy_from_slice(m.payload().unwrap_or_default());
+        let mut msg = Message::new(payload.clone());
+        let mut id = None;
+        if let Some(h) = m.headers() {
+            for hd in h.iter() {
+                let Some(v) = hd.value.and_then(|v| std::str::from_utf8(v).ok()) else {
+                    continue;
+                };
+                match hd.key {
+                    ID_HEADER => id = Some(v.to_owned()),
+                    CORRELATION_HEADER => msg = msg.with_correlation_id(v),
+                    k if k.starts_with("keyorder-") && k != keyorder_core::TYPE_HEADER => {}
+                    k => msg = msg.with_header(k, v),
+                }
+            }
+        }
+        msg = msg.with_id(id.unwrap_or_else(|| format!("{}-{partition}-{offset}", self.shared.names.topic())));
+        let key_bytes = m.key().map(<[u8]>::to_vec);
+        // The record key is the routing key; it reaches key selection as
+        // the routing-key header.
+        if let Some(text) = key_bytes.as_deref().and_then(|k| std::str::from_utf8(k).ok()) {
+            msg = msg.with_header(keyorder_core::KEY_HEADER, text);
+            if let Ok(k) = OrderingKey::with_rules(text, &self.spec.key_rules) {
+                msg = msg.with_ordering_key(k);
+            }
+        }
+        if halted.is_some() {
+            tracing::info!(scope = %part.lease.scope(), offset, "kafka: a key halted here under an earlier owner");
+        }
+        let settle = KafkaSettle {
+            shared: self.shared.clone(),
+            part: part.clone(),
+            offset,
+            key: key_bytes,
+            payload,
+            headers: m.headers().cloned(),
+            message_id: msg.id().to_owned(),
+            earlier: attempts,
+        };
+        local.held.push_back(Inbound {
+            message: msg,
+            lease: part.lease.clone(),
+            settle: Box::new(settle),
+        });
+    }
+
+    /// Pauses a partition whose unfinished messages reached the limit and
+    /// resumes it (with a seek to where it stopped) once half drained.
+    fn pace(&mut self) {
+        let Some(member) = self.shared.member() else { return };
+        let max = self.shared.t.cfg.max_unfinished;
+        for (partition, local) in &mut self.local {
+            let Some(part) = self.shared.part(*partition) else {
+                continue;
+            };
+            let (unfinished, position) = {
+                let t = part.track();
+                (t.unfinished(), t.position())
+            };
+            let mut tpl = TopicPartitionList::new();
+            tpl.add_partition(self.shared.names.topic(), *partition);
+            if !local.paused && unfinished >= max {
+                if member.pause(&tpl).is_ok() {
+                    local.paused = true;
+                    metrics::counter!("keyorder_kafka_partition_pauses_total").increment(1);
+                    tracing::debug!(scope = %part.lease.scope(), unfinished, "kafka: partition paused (full)");
+                }
+            } else if local.paused && unfinished <= max / 2 && member.resume(&tpl).is_ok() {
+                local.paused = false;
+                // Without the seek the first message comes 0.5-0.9 s later.
+                let _ = member.seek(
+                    self.shared.names.topic(),
+                    *partition,
+                    Offset::Offset(position),
+                    Duration::ZERO,
+                );
+            }
+        }
+    }
+
+    fn take(&mut self, max: usize, paused: &HashSet<Arc<str>>, out: &mut Vec<Inbound>) {
+        for local in self.local.values_mut() {
+            if out.len() >= max {
+                break;
+            }
+            if let Some(first) = local.held.front() {
+                if paused.contains(first.lease.scope()) {
+                    continue;
+                }
+            }
+            while out.len() < max {
+                match local.held.pop_front() {
+                    Some(i) => out.push(i),
+                    None => break,
+                }
+            }
+        }
+    }
+}
+
+fn poll_loop(member: Arc<Member>, tx: mpsc::UnboundedSender<Ev>, stop: Arc<AtomicBool>) {
+    while !stop.load(Ordering::SeqCst) {
+        match member.poll(Duration::from_millis(100)) {
+            Some(Ok(m)) => {
+                if tx.send(Ev::Msg(m.detach())).is_err() {
+                    break;
+                }
+            }
+            Some(Err(e)) => {
+                let _ = tx.send(Ev::Error(e.to_string()));
+            }
+            None => {}
+        }
+    }
+    // Leaving: the rebalance callback sees `stop` and does not wait.
+    stop.store(true, Ordering::SeqCst);
+    member.unsubscribe();
+    // Serve the revoke the unsubscribe triggers, then close on drop.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while std::time::Instant::now() < deadline {
+        if member.assignment().map(|a| a.count() == 0).unwrap_or(true) {
+            break;
+        }
+        let _ = member.poll(Duration::from_millis(50));
+    }
+}
+
+/// Refuses a topic whose partition count differs from the one the group's
+/// commits were made under: keys would have moved between partitions.
+async fn check_partition_count(t: &KafkaTransport, names: &Names, group: &str, partitions: i32) -> Result<()> {
+    let mut c = base_config(&t.cfg);
+    c.set("group.id", names.group_id(group))
+        .set("enable.auto.commit", "false");
+    let probe: BaseConsumer = c.create().map_err(kafka_err)?;
+    let mut r = base_config(&t.cfg);
+    r.set("group.id", "keyorder-state-reader")
+        .set("enable.auto.commit", "false");
+    let reader: BaseConsumer = r.create().map_err(kafka_err)?;
+    let (n2, g2) = (names.clone(), names.group_id(group));
+    let saved = tokio::task::spawn_blocking(move || {
+        let parts: Vec<i32> = (0..partitions).collect();
+        state::load(&probe, &reader, &n2, &g2, &parts, Duration::from_secs(10))
+    })
+    .await
+    .map_err(kafka_err)?
+    .map_err(kafka_err)?;
+    for s in saved {
+        if let Some(n) = decode(s.committed, &s.meta).partitions {
+            if n != partitions {
+                return Err(keyorder_core::Error::Config(format!(
+                    "kafka: topic `{}` has {partitions} partitions but group `{group}` committed under {n}: keys \
+                     moved between partitions, so their order cannot be kept. Restore {n} partitions, or drain \
+                     the group and consume with a new one",
+                    names.topic()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[async_trait]
+impl TransportSource for Source {
+    async fn fetch(&mut self, max: usize, paused: &HashSet<Arc<str>>, wait: Duration) -> Result<Vec<Inbound>> {
+        let mut out = Vec::new();
+        self.pump(4 * max.max(64));
+        self.take(max, paused, &mut out);
+        if out.is_empty() {
+            if let Ok(Some(ev)) = tokio::time::timeout(wait, self.rx.recv()).await {
+                self.apply(ev);
+                self.pump(4 * max.max(64));
+                self.take(max, paused, &mut out);
+            }
+        }
+        Ok(out)
+    }
+
+    async fn maintain(&mut self) -> Result<Vec<SourceEvent>> {
+        if self.shared.replace.load(Ordering::SeqCst) {
+            self.replace_member()?;
+        }
+        // Partitions lost to the self-fence are gone from the shared map.
+        let gone: Vec<i32> = self
+            .local
+            .keys()
+            .copied()
+            .filter(|p| self.shared.part(*p).is_none())
+            .collect();
+        for p in gone {
+            self.forget(p);
+        }
+        let mut events = std::mem::take(&mut self.events);
+        events.extend(std::mem::take(
+            &mut *self.shared.events.lock().unwrap_or_else(|e| e.into_inner()),
+        ));
+        Ok(events)
+    }
+
+    async fn release(&mut self, scope: &str) -> Result<()> {
+        let Some(partition) = self.scopes.get(scope).copied() else {
+            return Ok(());
+        };
+        if let Some(part) = self.shared.part(partition) {
+            // The final commit, then let the partition go.
+            let deadline = Instant::now() + self.spec.lease.ttl;
+            loop {
+                match tokio::time::timeout_at(deadline, self.shared.commit_through(&part)).await {
+                    Ok(Ok(())) | Ok(Err(_)) => break,
+                    Err(_) => {
+                        tracing::warn!(scope = %scope, "kafka: final commit before hand-over timed out");
+                        break;
+                    }
+                }
+            }
+            metrics::counter!("keyorder_kafka_partitions_released_total").increment(1);
+        }
+        self.forget(partition);
+        Ok(())
+    }
+
+    async fn close(&mut self) -> Result<()> {
+        let scopes: Vec<Arc<str>> = self.scopes.keys().cloned().collect();
+        for s in scopes {
+            self.release(&s).await?;
+        }
+        self.shared.closed.store(true, Ordering::SeqCst);
+        self.stop.store(true, Ordering::SeqCst);
+        *self.shared.member.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.pending.clear();
+        if let Some(thread) = self.thread.take() {
+            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+        }
+        for t in &self.tasks {
+            t.abort();
+        }
+        Ok(())
+    }
+}

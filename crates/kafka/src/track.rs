@@ -1,0 +1,398 @@
+//! Per-partition bookkeeping: which delivered offsets are unfinished, the
+//! attempts begun on them, halted heads, and the commit they add up to.
+//!
+//! The committed offset is the lowest unfinished offset (never past an
+//! unfinished message). Messages above it that are already done are
+//! recorded in the commit's metadata, so a later owner skips them instead of
+//! running a key's finished message again after a later one (which would
+//! break the key's order). The metadata lists the unfinished offsets
+//! between the committed offset and the high-water mark (the offset after the
+//! last delivered message), each with its durable attempt count and halt
+//! flag; it stays small because only unfinished messages are listed, and
+//! those are bounded by the in-flight budget.
+//!
+//! Format (version 1): `ko1;n=<partitions>;hw=<hw>;u=<entries>` where each
+//! entry is `<delta>[a<attempts>][h]` in base 36, the delta counted from the
+//! committed offset for the first entry and from the previous entry after;
+//! `;r<offset>=<reason>` records a halt reason.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+/// The most bytes of a halt reason kept in commit metadata.
+const REASON_BYTES: usize = 120;
+
+/// One unfinished offset.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Entry {
+    /// Attempts begun (durable once committed).
+    pub(crate) attempts: u32,
+    /// The key halted here, with the reason.
+    pub(crate) halted: Option<String>,
+}
+
+/// What a commit's metadata says about a partition.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Restored {
+    /// The partition count the commit was made under.
+    pub(crate) partitions: Option<i32>,
+    /// The high-water mark: offsets below it not listed are done.
+    pub(crate) hw: i64,
+    /// Unfinished offsets at or above the committed offset.
+    pub(crate) unfinished: BTreeMap<i64, Entry>,
+}
+
+fn b36(mut n: u64, out: &mut String) {
+    const DIGITS: &[u8; 36] = b"0123456789abcdefghijklmnopqrstuvwxyz";
+    let mut buf = [0u8; 16];
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = DIGITS[(n % 36) as usize];
+        n /= 36;
+        if n == 0 {
+            break;
+        }
+    }
+    out.push_str(std::str::from_utf8(&buf[i..]).unwrap_or("0"));
+}
+
+fn clean_reason(reason: &str) -> String {
+    let mut out: String = reason
+        .chars()
+        .map(|c| if c == ';' || c == '=' || c.is_control() { ' ' } else { c })
+        .collect();
+    if out.len() > REASON_BYTES {
+        let mut cut = REASON_BYTES;
+        while !out.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        out.truncate(cut);
+    }
+    out
+}
+
+/// Encodes the metadata of a commit at `committed`.
+pub(crate) fn encode(partitions: i32, committed: i64, hw: i64, unfinished: &BTreeMap<i64, Entry>) -> String {
+    let mut s = format!("ko1;n={partitions};hw=");
+    b36(hw.max(0) as u64, &mut s);
+    s.push_str(";u=");
+    let mut prev = committed;
+    let mut reasons = String::new();
+    for (i, (off, e)) in unfinished.range(committed..).enumerate() {
+        if i > 0 {
+            s.push(',');
+        }
+        b36((off - prev) as u64, &mut s);
+        prev = *off;
+        if e.attempts > 0 {
+            s.push('a');
+            b36(u64::from(e.attempts), &mut s);
+        }
+        if let Some(r) = &e.halted {
+            s.push('h');
+            let _ = write!(reasons, ";r{off}={}", clean_reason(r));
+        }
+    }
+    s.push_str(&reasons);
+    s
+}
+
+/// Decodes metadata written by [`encode`] for a commit at `committed`;
+/// anything else (another client's metadata, none) restores nothing.
+pub(crate) fn decode(committed: i64, meta: &str) -> Restored {
+    let mut r = Restored {
+        hw: committed,
+        ..Restored::default()
+    };
+    let mut parts = meta.split(';');
+    if parts.next() != Some("ko1") {
+        return r;
+    }
+    let mut reasons = BTreeMap::new();
+    for part in parts {
+        if let Some(n) = part.strip_prefix("n=") {
+            r.partitions = n.parse().ok();
+        } else if let Some(hw) = part.strip_prefix("hw=") {
+            r.hw = i64::from_str_radix(hw, 36).unwrap_or(committed).max(committed);
+        } else if let Some(list) = part.strip_prefix("u=") {
+            let mut prev = committed;
+            for item in list.split(',').filter(|s| !s.is_empty()) {
+                let end = item.find(['a', 'h']).unwrap_or(item.len());
+                let Ok(delta) = i64::from_str_radix(&item[..end], 36) else {
+                    continue;
+                };
+                let off = prev + delta;
+                prev = off;
+                let rest = &item[end..];
+                let halted = rest.contains('h');
+                let attempts = rest
+                    .strip_prefix('a')
+                    .map(|a| a.split('h').next().unwrap_or(""))
+                    .and_then(|a| u32::from_str_radix(a, 36).ok())
+                    .unwrap_or(0);
+                r.unfinished.insert(
+                    off,
+                    Entry {
+                        attempts,
+                        halted: halted.then(String::new),
+                    },
+                );
+            }
+        } else if let Some(rest) = part.strip_prefix('r') {
+            if let Some((off, reason)) = rest.split_once('=') {
+                if let Ok(off) = off.parse::<i64>() {
+                    reasons.insert(off, reason.to_owned());
+                }
+            }
+        }
+    }
+    for (off, reason) in reasons {
+        if let Some(e) = r.unfinished.get_mut(&off) {
+            if e.halted.is_some() {
+                e.halted = Some(reason);
+            }
+        }
+    }
+    r
+}
+
+/// What to do with a delivered offset.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Admit {
+    /// Deliver it; attempts already made on it (by earlier owners).
+    Deliver {
+        /// Durable attempts so far.
+        attempts: u32,
+        /// The earlier owner halted the key here.
+        halted: Option<String>,
+    },
+    /// Done by an earlier owner, or already delivered here: drop it.
+    Skip,
+}
+
+/// The bookkeeping of one owned partition.
+#[derive(Debug, Clone)]
+pub(crate) struct Track {
+    /// The offset this owner started from (the committed offset it found).
+    start: i64,
+    /// The offset after the last delivered message.
+    hw: i64,
+    /// What the earlier owner left unfinished, and its high-water mark.
+    prior: BTreeMap<i64, Entry>,
+    prior_hw: i64,
+    /// Delivered, not yet done.
+    unfinished: BTreeMap<i64, Entry>,
+    /// Bumped on every change a commit must carry.
+    pub(crate) version: u64,
+}
+
+impl Track {
+    /// A partition taken over at `committed` with what its metadata says.
+    pub(crate) fn new(committed: i64, restored: Restored) -> Self {
+        Track {
+            start: committed,
+            hw: committed,
+            prior_hw: restored.hw.max(committed),
+            prior: restored.unfinished,
+            unfinished: BTreeMap::new(),
+            version: 0,
+        }
+    }
+
+    /// The offset after the last delivered message (where to resume fetching).
+    pub(crate) fn position(&self) -> i64 {
+        self.hw
+    }
+
+    /// Unfinished messages delivered here.
+    pub(crate) fn unfinished(&self) -> usize {
+        self.unfinished.len()
+    }
+
+    /// A message at `offset` arrived from the broker.
+    pub(crate) fn admit(&mut self, offset: i64) -> Admit {
+        if offset < self.hw || offset < self.start {
+            return Admit::Skip;
+        }
+        self.hw = offset + 1;
+        let from_prior = self.prior.remove(&offset);
+        if offset < self.prior_hw && from_prior.is_none() {
+            // Finished by an earlier owner.
+            self.version += 1;
+            return Admit::Skip;
+        }
+        let e = from_prior.unwrap_or_default();
+        let admit = Admit::Deliver {
+            attempts: e.attempts,
+            halted: e.halted.clone(),
+        };
+        self.unfinished.insert(offset, e);
+        self.version += 1;
+        admit
+    }
+
+    /// Begins an attempt on `offset`; returns the attempt number.
+    pub(crate) fn begin(&mut self, offset: i64) -> Option<u32> {
+        let e = self.unfinished.get_mut(&offset)?;
+        e.attempts += 1;
+        self.version += 1;
+        Some(e.attempts)
+    }
+
+    /// Resets the attempts of `offset` (an operator's resume) and clears its halt.
+    pub(crate) fn reset(&mut self, offset: i64) -> bool {
+        let Some(e) = self.unfinished.get_mut(&offset) else {
+            return false;
+        };
+        e.attempts = 0;
+        e.halted = None;
+        self.version += 1;
+        true
+    }
+
+    /// Records that the key halted at `offset`.
+    pub(crate) fn halt(&mut self, offset: i64, reason: &str) -> bool {
+        let Some(e) = self.unfinished.get_mut(&offset) else {
+            return false;
+        };
+        e.halted = Some(reason.to_owned());
+        self.version += 1;
+        true
+    }
+
+    /// Marks `offset` done (acknowledged, parked or skipped).
+    pub(crate) fn done(&mut self, offset: i64) -> bool {
+        let was = self.unfinished.remove(&offset).is_some();
+        if was {
+            self.version += 1;
+        }
+        was
+    }
+
+    /// The commit this adds up to: offset and metadata.
+    pub(crate) fn commit(&self, partitions: i32) -> (i64, String) {
+        // The earlier owner's unfinished offsets not yet delivered again stay listed.
+        let mut listed = self.unfinished.clone();
+        for (o, e) in self.prior.range(self.hw..) {
+            listed.insert(*o, e.clone());
+        }
+        let hw = self.hw.max(self.prior_hw);
+        let committed = listed.keys().next().copied().unwrap_or(hw);
+        (committed, encode(partitions, committed, hw, &listed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_commit_never_passes_an_unfinished_message_and_metadata_lists_only_unfinished_ones() {
+        let mut t = Track::new(100, Restored::default());
+        for o in [100, 101, 103, 104] {
+            assert!(matches!(t.admit(o), Admit::Deliver { attempts: 0, .. }));
+        }
+        assert_eq!(t.begin(101), Some(1));
+        assert!(t.done(100));
+        assert!(t.done(103));
+        let (c, meta) = t.commit(4);
+        assert_eq!(c, 101);
+        let r = decode(c, &meta);
+        assert_eq!(r.partitions, Some(4));
+        assert_eq!(r.hw, 105);
+        assert_eq!(r.unfinished.keys().copied().collect::<Vec<_>>(), vec![101, 104]);
+        assert_eq!(r.unfinished[&101].attempts, 1);
+        assert!(t.done(101));
+        assert!(t.done(104));
+        assert_eq!(t.commit(4).0, 105);
+    }
+
+    #[test]
+    fn a_new_owner_skips_finished_messages_and_keeps_attempts_and_halts() {
+        let mut t = Track::new(10, Restored::default());
+        for o in 10..20 {
+            t.admit(o);
+        }
+        for o in [10, 11, 13, 14, 15, 17, 18] {
+            t.done(o);
+        }
+        t.begin(12);
+        t.begin(12);
+        t.halt(12, "bad; input=\n x");
+        t.begin(16);
+        let (c, meta) = t.commit(8);
+        assert_eq!(c, 12);
+        let mut next = Track::new(c, decode(c, &meta));
+        assert_eq!(
+            next.admit(12),
+            Admit::Deliver {
+                attempts: 2,
+                halted: Some("bad  input   x".into())
+            }
+        );
+        assert_eq!(next.admit(13), Admit::Skip);
+        assert_eq!(next.admit(14), Admit::Skip);
+        assert_eq!(next.admit(15), Admit::Skip);
+        assert_eq!(
+            next.admit(16),
+            Admit::Deliver {
+                attempts: 1,
+                halted: None
+            }
+        );
+        // Before 19 comes again, the commit still lists it and keeps the mark.
+        let (c2, meta2) = next.commit(8);
+        assert_eq!(c2, 12);
+        let r2 = decode(c2, &meta2);
+        assert_eq!(r2.hw, 20);
+        assert_eq!(r2.unfinished.keys().copied().collect::<Vec<_>>(), vec![12, 16, 19]);
+        assert_eq!(next.admit(17), Admit::Skip);
+        assert_eq!(next.admit(18), Admit::Skip);
+        assert_eq!(
+            next.admit(19),
+            Admit::Deliver {
+                attempts: 0,
+                halted: None
+            }
+        );
+        assert_eq!(
+            next.admit(20),
+            Admit::Deliver {
+                attempts: 0,
+                halted: None
+            }
+        );
+        // A duplicate delivery (after a seek) is dropped.
+        assert_eq!(next.admit(16), Admit::Skip);
+        for o in [12, 16, 19, 20] {
+            next.done(o);
+        }
+        assert_eq!(next.commit(8).0, 21);
+    }
+
+    #[test]
+    fn foreign_or_empty_metadata_restores_nothing() {
+        assert_eq!(decode(5, "").hw, 5);
+        assert!(decode(5, "something else").unfinished.is_empty());
+        let mut t = Track::new(5, decode(5, ""));
+        assert_eq!(t.commit(3).0, 5);
+        assert!(matches!(t.admit(5), Admit::Deliver { .. }));
+    }
+
+    #[test]
+    fn metadata_stays_small_for_a_bounded_window() {
+        let mut t = Track::new(0, Restored::default());
+        for o in 0..100_000 {
+            t.admit(o);
+            if o % 200 != 7 {
+                t.done(o);
+            }
+        }
+        let (c, meta) = t.commit(16);
+        assert_eq!(c, 7);
+        assert_eq!(t.unfinished(), 500);
+        assert!(meta.len() < 2_000, "{} bytes", meta.len());
+        assert_eq!(decode(c, &meta).unfinished.len(), 500);
+    }
+}
