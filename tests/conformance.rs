@@ -435,7 +435,7 @@ fn harnesses() -> Vec<Arc<dyn Harness>> {
     {
         let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
         all.push(Arc::new(KafkaHarness {
-            url: format!("kafka://{brokers}?partitions=8&fetch_wait_ms=1"),
+            url: format!("kafka://{brokers}?partitions=8&fetch_wait_ms=10"),
         }));
     }
     all

@@ -33,7 +33,7 @@ impl Assignor {
 /// | `replication` | `1` | replication factor of a topic it creates (use 3 in production) |
 /// | `create` | `true` | create missing topics; `false` requires them to exist |
 /// | `assignor` | `cooperative-sticky` | `cooperative-sticky` or `range` (eager) |
-/// | `fetch_wait_ms` | `5` | librdkafka `fetch.wait.max.ms`: the broker may hold every fetch this long |
+/// | `fetch_wait_ms` | `10` | librdkafka `fetch.wait.max.ms`: the broker may hold every fetch this long |
 /// | `max_unfinished` | `512` | unfinished messages per partition before it is paused (bounds memory and commit metadata) |
 /// | `rdkafka.<name>` | | any librdkafka setting, passed through (e.g. `rdkafka.security.protocol=ssl`) |
 ///
@@ -73,7 +73,7 @@ impl Default for KafkaConfig {
             replication: 1,
             create: true,
             assignor: Assignor::CooperativeSticky,
-            fetch_wait_ms: 5,
+            fetch_wait_ms: 10,
             max_unfinished: 512,
             extra: BTreeMap::new(),
         }

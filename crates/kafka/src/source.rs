@@ -441,11 +441,14 @@ impl Shared {
                 continue;
             }
             let sent = Instant::now();
-            let mut tpl = TopicPartitionList::new();
-            tpl.add_partition(self.names.topic(), parts.first().map_or(0, |p| p.partition));
-            let ok = tokio::task::spawn_blocking(move || member.committed_offsets(tpl, Duration::from_secs(5)))
-                .await
-                .is_ok_and(|r| r.is_ok());
+            // A round trip to the partition's leader. Group membership itself
+            // is librdkafka's heartbeat: a lost membership arrives as a
+            // revoke; this proves the member can still reach the cluster.
+            let (topic, first) = (self.names.topic().to_owned(), parts[0].partition);
+            let ok =
+                tokio::task::spawn_blocking(move || member.fetch_watermarks(&topic, first, Duration::from_secs(5)))
+                    .await
+                    .is_ok_and(|r| r.is_ok());
             if ok && !self.check_gap() {
                 *self.last_confirm.lock().unwrap_or_else(|e| e.into_inner()) = sent;
                 for p in parts {
@@ -479,6 +482,7 @@ pub(crate) struct Source {
     events: Vec<SourceEvent>,
     generation: u64,
     tasks: Vec<tokio::task::JoinHandle<()>>,
+    last_report: Option<Instant>,
 }
 
 impl fmt::Debug for Source {
@@ -541,6 +545,7 @@ impl Source {
             events: Vec::new(),
             generation: 0,
             tasks: Vec::new(),
+            last_report: None,
         };
         source.start_member()?;
         source.tasks.push(tokio::spawn(shared.clone().committer()));
@@ -683,7 +688,7 @@ impl Source {
                         releasing: AtomicBool::new(false),
                         heads: Mutex::default(),
                     });
-                    tracing::debug!(scope = %scope, generation = self.generation, from = committed, "kafka: assigned");
+                    tracing::debug!(instance = %self.spec.instance, scope = %scope, generation = self.generation, from = committed, "kafka: assigned");
                     metrics::counter!("keyorder_kafka_partitions_assigned_total").increment(1);
                     if let Some(old) = self
                         .shared
@@ -705,6 +710,7 @@ impl Source {
                 }
             }
             Ev::Revoke { parts, lost, reply } => {
+                tracing::debug!(instance = %self.spec.instance, ?parts, lost, "kafka: revoke");
                 let mut left = HashSet::new();
                 for partition in parts {
                     if lost {
@@ -933,6 +939,17 @@ impl TransportSource for Source {
     }
 
     async fn maintain(&mut self) -> Result<Vec<SourceEvent>> {
+        if tracing::enabled!(tracing::Level::TRACE)
+            && self.last_report.is_none_or(|t| t.elapsed() > Duration::from_secs(5))
+        {
+            self.last_report = Some(Instant::now());
+            for (p, l) in &self.local {
+                if let Some(part) = self.shared.part(*p) {
+                    let t = part.track();
+                    tracing::trace!(instance = %self.spec.instance, partition = p, held = l.held.len(), paused = l.paused, unfinished = t.unfinished(), position = t.position(), state = ?part.lease.state(), "kafka: partition");
+                }
+            }
+        }
         if self.shared.replace.load(Ordering::SeqCst) {
             self.replace_member()?;
         }
@@ -970,6 +987,7 @@ impl TransportSource for Source {
                 }
             }
             metrics::counter!("keyorder_kafka_partitions_released_total").increment(1);
+            tracing::debug!(instance = %self.spec.instance, scope = %scope, "kafka: released");
         }
         self.forget(partition);
         Ok(())
