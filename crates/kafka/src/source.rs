@@ -42,7 +42,7 @@ use crate::{base_config, kafka_err, KafkaTransport, Names, CORRELATION_HEADER, I
 /// What the poll thread tells the async side, in order.
 pub(crate) enum Ev {
     /// Partitions assigned: (partition, committed offset, commit metadata).
-    Assigned(Vec<(i32, i64, String)>),
+    Assigned(Vec<(i32, i64, u64, String)>),
     /// Partitions revoked; `reply` is dropped or sent once they may go.
     Revoke {
         parts: Vec<i32>,
@@ -113,7 +113,7 @@ impl ConsumerContext for Ctx {
                             Offset::Beginning
                         };
                         let _ = assign.add_partition_offset(&self.topic, s.partition, from);
-                        info.push((s.partition, s.committed, s.meta));
+                        info.push((s.partition, s.committed, s.generation, s.meta));
                     }
                 } else {
                     // The coordinator did not answer for a minute: take the
@@ -121,7 +121,7 @@ impl ConsumerContext for Ctx {
                     // committed offset) rather than wedge the group.
                     for p in parts {
                         let _ = assign.add_partition_offset(&self.topic, p, Offset::Stored);
-                        info.push((p, 0, String::new()));
+                        info.push((p, 0, 0, String::new()));
                     }
                 }
                 let _ = self.tx.send(Ev::Assigned(info));
@@ -363,11 +363,12 @@ impl Shared {
                 });
                 continue;
             }
-            // The state records first, then one commit moving both offsets.
+            // The state records make the steps durable; the commit that
+            // follows only moves the pointers (a failed one loses nothing).
             let state_topic = self.names.state();
             let group_id = self.names.group_id(&self.group);
             let writes = dirty.iter().map(|(p, _, offset, meta)| {
-                let value = state::encode(*offset, meta);
+                let value = state::encode(p.lease.generation(), *offset, meta);
                 let (t, topic, key) = (&self.t, &state_topic, &group_id);
                 async move {
                     t.produce_to(topic, Some(p.partition), Some(key.as_bytes()), value.as_bytes(), None)
@@ -376,43 +377,30 @@ impl Shared {
             });
             let written = futures::future::join_all(writes).await;
             let mut tpl = TopicPartitionList::new();
-            let mut carried = Vec::new();
             let mut failed = None;
             for ((p, version, offset, _), w) in dirty.into_iter().zip(written) {
                 match w {
                     Ok((_, at)) => {
+                        p.committed_version.fetch_max(version, Ordering::SeqCst);
                         let _ = tpl.add_partition_offset(self.names.topic(), p.partition, Offset::Offset(offset));
                         let _ = tpl.add_partition_offset(&state_topic, p.partition, Offset::Offset(at));
-                        carried.push((p, version));
                     }
                     Err(e) => failed = Some(e),
                 }
             }
+            if tpl.count() > 0 {
+                if let Err(e) = member.commit(&tpl, CommitMode::Async) {
+                    tracing::debug!(error = %e, "kafka: offset commit not sent");
+                }
+            }
             if let Some(e) = failed {
-                metrics::counter!("keyorder_kafka_commit_errors_total").increment(1);
+                metrics::counter!("keyorder_kafka_state_write_errors_total").increment(1);
                 tracing::warn!(error = %e, "kafka: writing partition state failed; retrying");
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 continue;
             }
-            let r = tokio::task::spawn_blocking(move || member.commit(&tpl, CommitMode::Sync)).await;
-            match r {
-                Ok(Ok(())) => {
-                    for (p, v) in carried {
-                        p.committed_version.fetch_max(v, Ordering::SeqCst);
-                    }
-                    metrics::counter!("keyorder_kafka_commits_total").increment(1);
-                    self.completed.send_modify(|d| *d = (*d).max(target));
-                }
-                Ok(Err(e)) => {
-                    metrics::counter!("keyorder_kafka_commit_errors_total").increment(1);
-                    tracing::warn!(error = %e, "kafka: commit failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "kafka: commit task failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-            }
+            metrics::counter!("keyorder_kafka_state_writes_total").increment(1);
+            self.completed.send_modify(|d| *d = (*d).max(target));
         }
     }
 
@@ -480,7 +468,6 @@ pub(crate) struct Source {
     scopes: HashMap<Arc<str>, i32>,
     pending: Vec<Pending>,
     events: Vec<SourceEvent>,
-    generation: u64,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     last_report: Option<Instant>,
 }
@@ -502,12 +489,6 @@ impl Drop for Source {
             t.abort();
         }
     }
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 impl Source {
@@ -543,7 +524,6 @@ impl Source {
             scopes: HashMap::new(),
             pending: Vec::new(),
             events: Vec::new(),
-            generation: 0,
             tasks: Vec::new(),
             last_report: None,
         };
@@ -675,11 +655,13 @@ impl Source {
                 // The broker just gave these to this member: that confirms it.
                 let sent = Instant::now();
                 *self.shared.last_confirm.lock().unwrap_or_else(|e| e.into_inner()) = sent;
-                for (partition, committed, meta) in list {
+                for (partition, committed, saved_generation, meta) in list {
                     let restored = decode(committed, &meta);
-                    self.generation = now_ms().max(self.generation + 1);
+                    // One more than the generation of the newest saved state:
+                    // the fencing token, per partition.
+                    let generation = saved_generation + 1;
                     let scope = self.scope_of(partition);
-                    let lease = ScopeLease::new(scope.clone(), self.generation, &self.spec.lease, sent);
+                    let lease = ScopeLease::new(scope.clone(), generation, &self.spec.lease, sent);
                     let part = Arc::new(Part {
                         partition,
                         lease,
@@ -688,7 +670,7 @@ impl Source {
                         releasing: AtomicBool::new(false),
                         heads: Mutex::default(),
                     });
-                    tracing::debug!(instance = %self.spec.instance, scope = %scope, generation = self.generation, from = committed, "kafka: assigned");
+                    tracing::debug!(instance = %self.spec.instance, scope = %scope, generation, from = committed, "kafka: assigned");
                     metrics::counter!("keyorder_kafka_partitions_assigned_total").increment(1);
                     if let Some(old) = self
                         .shared

@@ -1,17 +1,26 @@
 //! Where a partition's progress is kept durably.
 //!
-//! Every durable step (an attempt begun, a halt, an acknowledgement) is one
+//! Every durable step (an attempt begun, a halt, an acknowledgement) is a
 //! *state record* in the category's state topic (`<topic>.keyorder-state`,
-//! compacted, same partition count; partition `p` holds the state of the
-//! topic's partition `p`, keyed by the consumer group), followed by one
-//! offset commit that moves two offsets at once: the topic partition's
-//! committed offset (never past an unfinished message), and the group's
-//! offset on the state partition, which points at the newest state record.
-//! A new owner reads the record the pointer names.
+//! compacted, same partition count): partition `p` of the state topic holds
+//! the state of the topic's partition `p`, keyed by the consumer group. A
+//! record carries the owner's generation for the partition, the committed
+//! offset (never past an unfinished message), and the unfinished offsets
+//! above it with their attempts and halts (see `track`). A step is durable
+//! once its record is acknowledged by the broker (`acks=all`).
+//!
+//! After each record the owner commits two offsets, without waiting: the
+//! topic partition's committed offset (for lag and other tools), and the
+//! group's offset on the state partition, pointing at its newest record. A
+//! new owner reads the state partition from that pointer to its end and
+//! takes the record with the highest generation (the latest of those): a
+//! failed commit loses nothing, and a stale owner's late record (a lower
+//! generation) is ignored. The new owner's generation is one more.
 //!
 //! Kafka's own commit metadata could carry the same text, but not every
-//! Kafka-protocol broker keeps it (the test broker, tansu 0.6, drops it), so
-//! the state lives in a topic every broker keeps.
+//! Kafka-protocol broker keeps it (the test broker, tansu 0.6, drops it), and
+//! a commit is refused while the group rebalances, which is exactly when a
+//! hand-over needs its state.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -22,32 +31,35 @@ use rdkafka::{Message as _, Offset, TopicPartitionList};
 
 use crate::Names;
 
-/// A partition's saved progress: the committed offset and the metadata
-/// (see `track`) that goes with it.
+/// A partition's saved progress.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Saved {
     pub(crate) partition: i32,
-    /// The committed offset (0 when the group never committed: from the start).
+    /// The committed offset (0 when nothing was saved: from the start).
     pub(crate) committed: i64,
-    /// Whether the group ever committed here.
+    /// Whether anything was saved.
     pub(crate) known: bool,
+    /// The generation of the owner that saved it (0: none).
+    pub(crate) generation: u64,
     pub(crate) meta: String,
 }
 
 /// The value of a state record.
-pub(crate) fn encode(committed: i64, meta: &str) -> String {
-    format!("{committed}|{meta}")
+pub(crate) fn encode(generation: u64, committed: i64, meta: &str) -> String {
+    format!("{generation}|{committed}|{meta}")
 }
 
-fn decode(value: &[u8]) -> Option<(i64, String)> {
+fn decode(value: &[u8]) -> Option<(u64, i64, String)> {
     let text = std::str::from_utf8(value).ok()?;
-    let (c, meta) = text.split_once('|')?;
-    Some((c.parse().ok()?, meta.to_owned()))
+    let mut it = text.splitn(3, '|');
+    let generation = it.next()?.parse().ok()?;
+    let committed = it.next()?.parse().ok()?;
+    Some((generation, committed, it.next()?.to_owned()))
 }
 
-/// Reads the saved progress of `parts` for `group_id`: the committed
-/// offsets, then the state records their pointers name (read with `reader`,
-/// a consumer outside the group).
+/// Reads the saved progress of `parts` for `group_id`: the group's pointers
+/// into the state partitions, then every record from there to the end
+/// (read with `reader`, a consumer outside the group).
 pub(crate) fn load<C: ConsumerContext>(
     member: &BaseConsumer<C>,
     reader: &BaseConsumer,
@@ -59,72 +71,80 @@ pub(crate) fn load<C: ConsumerContext>(
     let state_topic = names.state();
     let mut tpl = TopicPartitionList::new();
     for p in parts {
-        tpl.add_partition(names.topic(), *p);
         tpl.add_partition(&state_topic, *p);
     }
-    let committed = member.committed_offsets(tpl, timeout)?;
-    let mut saved: HashMap<i32, Saved> = HashMap::new();
-    let mut pointers = TopicPartitionList::new();
-    let mut wanted: HashMap<i32, i64> = HashMap::new();
-    for e in committed.elements() {
-        let off = match e.offset() {
-            Offset::Offset(o) if o >= 0 => Some(o),
-            _ => None,
-        };
-        if e.topic() == names.topic() {
-            let s = saved.entry(e.partition()).or_insert(Saved {
-                partition: e.partition(),
-                committed: 0,
-                known: false,
-                meta: String::new(),
-            });
-            if let Some(o) = off {
-                if !s.known {
-                    s.committed = o;
-                    s.known = true;
-                }
-            }
-        } else if let Some(o) = off {
-            pointers.add_partition_offset(&state_topic, e.partition(), Offset::Offset(o))?;
-            wanted.insert(e.partition(), o);
-        }
-    }
-    if !wanted.is_empty() {
-        reader.assign(&pointers)?;
-        let deadline = std::time::Instant::now() + timeout;
-        while !wanted.is_empty() {
-            if std::time::Instant::now() > deadline {
-                return Err(KafkaError::MessageConsumption(
-                    rdkafka::types::RDKafkaErrorCode::OperationTimedOut,
-                ));
-            }
-            let Some(r) = reader.poll(Duration::from_millis(100)) else {
-                continue;
-            };
-            let m = r?;
-            if wanted.get(&m.partition()) != Some(&m.offset()) {
-                continue;
-            }
-            wanted.remove(&m.partition());
-            if m.key() != Some(group_id.as_bytes()) {
-                continue;
-            }
-            if let Some((c, meta)) = m.payload().and_then(decode) {
-                let s = saved.entry(m.partition()).or_insert(Saved {
-                    partition: m.partition(),
-                    committed: c,
-                    known: true,
+    let pointers = member.committed_offsets(tpl, timeout)?;
+    let mut saved: HashMap<i32, Saved> = parts
+        .iter()
+        .map(|p| {
+            (
+                *p,
+                Saved {
+                    partition: *p,
+                    committed: 0,
+                    known: false,
+                    generation: 0,
                     meta: String::new(),
-                });
-                // The record is written before the commit that points at it:
-                // it is never behind the committed offset.
-                s.committed = c;
-                s.known = true;
-                s.meta = meta;
-            }
+                },
+            )
+        })
+        .collect();
+    let mut read = TopicPartitionList::new();
+    let mut ends: HashMap<i32, i64> = HashMap::new();
+    for e in pointers.elements() {
+        let (low, high) = reader.fetch_watermarks(&state_topic, e.partition(), timeout)?;
+        let from = match e.offset() {
+            Offset::Offset(o) if o >= 0 => o.max(low),
+            _ => low,
+        };
+        if from < high {
+            read.add_partition_offset(&state_topic, e.partition(), Offset::Offset(from))?;
+            ends.insert(e.partition(), high);
         }
-        reader.unassign()?;
     }
+    if ends.is_empty() {
+        let mut out: Vec<Saved> = saved.into_values().collect();
+        out.sort_by_key(|s| s.partition);
+        return Ok(out);
+    }
+    reader.assign(&read)?;
+    let deadline = std::time::Instant::now() + timeout;
+    let mut best: HashMap<i32, (u64, i64)> = HashMap::new();
+    while !ends.is_empty() {
+        if std::time::Instant::now() > deadline {
+            let _ = reader.unassign();
+            return Err(KafkaError::MessageConsumption(
+                rdkafka::types::RDKafkaErrorCode::OperationTimedOut,
+            ));
+        }
+        let Some(r) = reader.poll(Duration::from_millis(100)) else {
+            continue;
+        };
+        let m = r?;
+        let p = m.partition();
+        let Some(end) = ends.get(&p).copied() else { continue };
+        if m.offset() + 1 >= end {
+            ends.remove(&p);
+        }
+        if m.key() != Some(group_id.as_bytes()) {
+            continue;
+        }
+        let Some((generation, committed, meta)) = m.payload().and_then(decode) else {
+            continue;
+        };
+        let rank = (generation, m.offset());
+        if best.get(&p).is_some_and(|b| *b > rank) {
+            continue;
+        }
+        best.insert(p, rank);
+        if let Some(s) = saved.get_mut(&p) {
+            s.committed = committed;
+            s.known = true;
+            s.generation = generation;
+            s.meta = meta;
+        }
+    }
+    reader.unassign()?;
     let mut out: Vec<Saved> = saved.into_values().collect();
     out.sort_by_key(|s| s.partition);
     Ok(out)
@@ -136,7 +156,10 @@ mod tests {
 
     #[test]
     fn state_values_round_trip() {
-        assert_eq!(decode(encode(42, "ko1;n=8").as_bytes()), Some((42, "ko1;n=8".into())));
+        assert_eq!(
+            decode(encode(3, 42, "ko1;n=8|x").as_bytes()),
+            Some((3, 42, "ko1;n=8|x".into()))
+        );
         assert_eq!(decode(b"junk"), None);
         assert_eq!(decode(&[0xff, b'|']), None);
     }
