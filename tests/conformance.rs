@@ -468,14 +468,15 @@ fn connect_boxed(url: String) -> Pin<Box<dyn Future<Output = Result<Client>> + S
 }
 
 fn main() {
-    // Spawned as a worker process by a process scenario: run it and exit.
-    keyorder_testkit::worker::run_if_worker(connect_boxed);
+    // Logs (workers' too) on stderr when asked for.
     if let Ok(filter) = std::env::var("KEYORDER_LOG") {
         tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
             .with_writer(std::io::stderr)
             .init();
     }
+    // Spawned as a worker process by a process scenario: run it and exit.
+    keyorder_testkit::worker::run_if_worker(connect_boxed);
     let args = Arguments::from_args();
     let mut trials = Vec::new();
     let required = std::env::var("KEYORDER_REQUIRE_BROKERS").is_ok_and(|v| v == "1");

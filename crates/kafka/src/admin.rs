@@ -86,7 +86,11 @@ impl KafkaAdmin {
     async fn committed(&self, names: &Names, group: &str) -> Result<(i32, Vec<Committed>)> {
         let n = self.t.partition_count(names.topic()).await?;
         let c = self.consumer(&names.group_id(group))?;
-        let reader = self.consumer("keyorder-state-reader")?;
+        let mut rc = base_config(&self.t.cfg);
+        rc.set("group.id", "keyorder-state-reader")
+            .set("enable.auto.commit", "false")
+            .set("enable.partition.eof", "true");
+        let reader: BaseConsumer = rc.create().map_err(kafka_err)?;
         let (n2, g2) = (names.clone(), names.group_id(group));
         let saved = tokio::task::spawn_blocking(move || {
             let parts: Vec<i32> = (0..n).collect();
@@ -115,7 +119,11 @@ impl KafkaAdmin {
         limit: usize,
         each: impl FnMut(i32, i64, Option<&[u8]>, Option<&rdkafka::message::BorrowedHeaders>, &[u8]) + Send + 'static,
     ) -> Result<()> {
-        let c = self.consumer("keyorder-admin-scan")?;
+        let mut rc = base_config(&self.t.cfg);
+        rc.set("group.id", "keyorder-admin-scan")
+            .set("enable.auto.commit", "false")
+            .set("enable.partition.eof", "true");
+        let c: BaseConsumer = rc.create().map_err(kafka_err)?;
         let topic = topic.to_owned();
         tokio::task::spawn_blocking(move || -> Result<()> {
             let mut each = each;
@@ -142,7 +150,13 @@ impl KafkaAdmin {
                 let Some(r) = c.poll(Duration::from_millis(200)) else {
                     continue;
                 };
-                let m = r.map_err(kafka_err)?;
+                let m = match r {
+                    Err(rdkafka::error::KafkaError::PartitionEOF(p)) => {
+                        ends.remove(&p);
+                        continue;
+                    }
+                    other => other.map_err(kafka_err)?,
+                };
                 let p = m.partition();
                 let Some(end) = ends.get(&p).copied() else { continue };
                 if m.offset() >= end {

@@ -104,8 +104,14 @@ pub(crate) async fn dead_letter(
 impl Settle for KafkaSettle {
     async fn begin_attempt(&self) -> Result<u32> {
         self.live()?;
-        let n = self.part.track().begin(self.offset).ok_or_else(|| self.fenced())?;
-        self.durable().await?;
+        let (n, save) = {
+            let mut t = self.part.track();
+            let n = t.begin(self.offset).ok_or_else(|| self.fenced())?;
+            (n, t.begin_needs_save(self.offset, n))
+        };
+        if save {
+            self.durable().await?;
+        }
         Ok(n)
     }
 

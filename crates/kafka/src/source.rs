@@ -81,8 +81,10 @@ impl ConsumerContext for Ctx {
                 // Read the saved progress first: the assignment starts
                 // exactly where the state it comes with was written.
                 let parts = parts_of(tpl, &self.topic);
+                // Never start without it: a partition taken from its committed
+                // offset alone would run finished messages again.
                 let mut saved = None;
-                for _ in 0..6 {
+                while saved.is_none() && !self.stopping.load(Ordering::SeqCst) {
                     match state::load(
                         c,
                         &self.reader,
@@ -91,38 +93,24 @@ impl ConsumerContext for Ctx {
                         &parts,
                         Duration::from_secs(10),
                     ) {
-                        Ok(list) => {
-                            saved = Some(list);
-                            break;
-                        }
+                        Ok(list) => saved = Some(list),
                         Err(e) => {
-                            let _ = self.tx.send(Ev::Error(format!("reading saved progress: {e}")));
-                            if self.stopping.load(Ordering::SeqCst) {
-                                break;
-                            }
+                            let _ = self
+                                .tx
+                                .send(Ev::Error(format!("reading saved progress: {e}; retrying")));
                         }
                     }
                 }
                 let mut assign = TopicPartitionList::new();
                 let mut info = Vec::new();
-                if let Some(list) = saved {
-                    for s in list {
-                        let from = if s.known {
-                            Offset::Offset(s.committed)
-                        } else {
-                            Offset::Beginning
-                        };
-                        let _ = assign.add_partition_offset(&self.topic, s.partition, from);
-                        info.push((s.partition, s.committed, s.generation, s.meta));
-                    }
-                } else {
-                    // The coordinator did not answer for a minute: take the
-                    // partitions without their state (at-least-once from the
-                    // committed offset) rather than wedge the group.
-                    for p in parts {
-                        let _ = assign.add_partition_offset(&self.topic, p, Offset::Stored);
-                        info.push((p, 0, 0, String::new()));
-                    }
+                for s in saved.unwrap_or_default() {
+                    let from = if s.known {
+                        Offset::Offset(s.committed)
+                    } else {
+                        Offset::Beginning
+                    };
+                    let _ = assign.add_partition_offset(&self.topic, s.partition, from);
+                    info.push((s.partition, s.committed, s.generation, s.meta));
                 }
                 let _ = self.tx.send(Ev::Assigned(info));
                 let r = if cooperative {
@@ -168,8 +156,9 @@ pub(crate) struct Part {
     pub(crate) partition: i32,
     pub(crate) lease: Arc<ScopeLease>,
     pub(crate) track: Mutex<Track>,
-    /// The track version the last successful commit carried.
-    committed_version: AtomicU64,
+    /// The track version the newest state write carried (sent, durable).
+    sent_version: AtomicU64,
+    saved_version: AtomicU64,
     /// Being handed over: the committer still commits it.
     releasing: AtomicBool,
     /// Halted heads held here, by offset (for the operator's actions).
@@ -310,22 +299,41 @@ impl Shared {
         Ok(())
     }
 
-    /// The committer: one commit at a time, so commits never go backwards.
+    /// The committer: writes the state of every changed partition in
+    /// rounds, up to four in flight. Rounds complete in order (records of
+    /// one partition are appended in order by the idempotent producer), so
+    /// a completed request number means everything recorded before it is
+    /// durable. A failed round is covered by the next: a partition stays
+    /// changed until a round carrying it succeeded.
     async fn committer(self: Arc<Self>) {
+        use futures::stream::{FuturesOrdered, StreamExt};
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut rounds = FuturesOrdered::new();
+        let mut started = 0u64;
         loop {
             if self.closed.load(Ordering::SeqCst) {
                 return;
             }
-            let target = self.wanted.load(Ordering::SeqCst);
-            if target <= *self.completed.borrow() {
+            let wanted = self.wanted.load(Ordering::SeqCst);
+            let mut ticked = false;
+            if wanted <= started || rounds.len() >= 4 {
                 tokio::select! {
                     () = self.wake.notified() => {}
-                    _ = tick.tick() => {}
+                    _ = tick.tick() => ticked = true,
+                    Some(done) = rounds.next(), if !rounds.is_empty() => {
+                        self.finish(done);
+                        continue;
+                    }
+                }
+                if rounds.len() >= 4 {
+                    continue;
                 }
             }
             let target = self.wanted.load(Ordering::SeqCst);
+            if target <= started && !ticked {
+                continue;
+            }
             if self.check_gap() {
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
@@ -346,61 +354,94 @@ impl Shared {
                 if p.lease.is_lost() {
                     continue;
                 }
-                let (version, offset, meta) = {
+                let (version, committed, hw, meta) = {
                     let t = p.track();
-                    let (offset, meta) = t.commit(self.partitions);
-                    (t.version, offset, meta)
+                    let (committed, hw, meta) = t.commit(self.partitions);
+                    (t.version, committed, hw, meta)
                 };
-                if version != p.committed_version.load(Ordering::SeqCst) {
-                    dirty.push((p.clone(), version, offset, meta));
+                if version > p.sent_version.load(Ordering::SeqCst) {
+                    p.sent_version.fetch_max(version, Ordering::SeqCst);
+                    dirty.push(Write {
+                        part: p.clone(),
+                        version,
+                        committed,
+                        hw,
+                        meta,
+                    });
                 }
             }
-            if dirty.is_empty() {
-                self.completed.send_if_modified(|d| {
-                    let moved = *d < target;
-                    *d = (*d).max(target);
-                    moved
-                });
-                continue;
-            }
-            // The state records make the steps durable; the commit that
-            // follows only moves the pointers (a failed one loses nothing).
-            let state_topic = self.names.state();
-            let group_id = self.names.group_id(&self.group);
-            let writes = dirty.iter().map(|(p, _, offset, meta)| {
-                let value = state::encode(p.lease.generation(), *offset, meta);
-                let (t, topic, key) = (&self.t, &state_topic, &group_id);
-                async move {
-                    t.produce_to(topic, Some(p.partition), Some(key.as_bytes()), value.as_bytes(), None)
-                        .await
-                }
+            started = started.max(target);
+            let me = self.clone();
+            rounds.push_back(async move {
+                let ok = me.write(&member, &dirty).await;
+                (target, ok, dirty)
             });
-            let written = futures::future::join_all(writes).await;
-            let mut tpl = TopicPartitionList::new();
-            let mut failed = None;
-            for ((p, version, offset, _), w) in dirty.into_iter().zip(written) {
-                match w {
-                    Ok((_, at)) => {
-                        p.committed_version.fetch_max(version, Ordering::SeqCst);
-                        let _ = tpl.add_partition_offset(self.names.topic(), p.partition, Offset::Offset(offset));
-                        let _ = tpl.add_partition_offset(&state_topic, p.partition, Offset::Offset(at));
-                    }
-                    Err(e) => failed = Some(e),
+        }
+    }
+
+    /// Writes one round's state records, then sends the pointer commit.
+    async fn write(&self, member: &Member, dirty: &[Write]) -> bool {
+        if dirty.is_empty() {
+            return true;
+        }
+        let state_topic = self.names.state();
+        let group_id = self.names.group_id(&self.group);
+        let writes = dirty.iter().map(|w| {
+            let value = state::encode(w.part.lease.generation(), w.committed, &w.meta);
+            let (t, topic, key) = (&self.t, &state_topic, &group_id);
+            async move {
+                t.produce_to(
+                    topic,
+                    Some(w.part.partition),
+                    Some(key.as_bytes()),
+                    value.as_bytes(),
+                    None,
+                )
+                .await
+            }
+        });
+        let written = futures::future::join_all(writes).await;
+        let mut tpl = TopicPartitionList::new();
+        let mut ok = true;
+        for (w, r) in dirty.iter().zip(written) {
+            match r {
+                Ok((_, at)) => {
+                    let _ = tpl.add_partition_offset(self.names.topic(), w.part.partition, Offset::Offset(w.committed));
+                    let _ = tpl.add_partition_offset(&state_topic, w.part.partition, Offset::Offset(at));
+                }
+                Err(e) => {
+                    ok = false;
+                    metrics::counter!("keyorder_kafka_state_write_errors_total").increment(1);
+                    tracing::warn!(error = %e, "kafka: writing partition state failed; retrying");
                 }
             }
-            if tpl.count() > 0 {
-                if let Err(e) = member.commit(&tpl, CommitMode::Async) {
-                    tracing::debug!(error = %e, "kafka: offset commit not sent");
-                }
+        }
+        if tpl.count() > 0 {
+            if let Err(e) = member.commit(&tpl, CommitMode::Async) {
+                tracing::debug!(error = %e, "kafka: offset commit not sent");
             }
-            if let Some(e) = failed {
-                metrics::counter!("keyorder_kafka_state_write_errors_total").increment(1);
-                tracing::warn!(error = %e, "kafka: writing partition state failed; retrying");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                continue;
+        }
+        ok
+    }
+
+    /// A round completed (in order).
+    fn finish(&self, (target, ok, dirty): (u64, bool, Vec<Write>)) {
+        if ok {
+            for w in &dirty {
+                w.part.saved_version.fetch_max(w.version, Ordering::SeqCst);
+                w.part.track().saved(w.hw);
             }
             metrics::counter!("keyorder_kafka_state_writes_total").increment(1);
             self.completed.send_modify(|d| *d = (*d).max(target));
+        } else {
+            // Write these again in the next round.
+            for w in &dirty {
+                w.part
+                    .sent_version
+                    .store(w.part.saved_version.load(Ordering::SeqCst), Ordering::SeqCst);
+            }
+            self.wanted.fetch_add(1, Ordering::SeqCst);
+            self.wake.notify_one();
         }
     }
 
@@ -445,6 +486,15 @@ impl Shared {
             }
         }
     }
+}
+
+/// One partition's state in a write round.
+struct Write {
+    part: Arc<Part>,
+    version: u64,
+    committed: i64,
+    hw: i64,
+    meta: String,
 }
 
 /// A revoke the poll thread waits on.
@@ -563,6 +613,7 @@ impl Source {
         let mut rc = base_config(cfg);
         rc.set("group.id", "keyorder-state-reader")
             .set("enable.auto.commit", "false")
+            .set("enable.partition.eof", "true")
             .set("fetch.wait.max.ms", cfg.fetch_wait_ms.to_string());
         let ctx = Ctx {
             tx: tx.clone(),
@@ -666,7 +717,8 @@ impl Source {
                         partition,
                         lease,
                         track: Mutex::new(Track::new(committed, restored)),
-                        committed_version: AtomicU64::new(0),
+                        sent_version: AtomicU64::new(0),
+                        saved_version: AtomicU64::new(0),
                         releasing: AtomicBool::new(false),
                         heads: Mutex::default(),
                     });

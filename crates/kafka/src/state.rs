@@ -59,7 +59,8 @@ fn decode(value: &[u8]) -> Option<(u64, i64, String)> {
 
 /// Reads the saved progress of `parts` for `group_id`: the group's pointers
 /// into the state partitions, then every record from there to the end
-/// (read with `reader`, a consumer outside the group).
+/// (read with `reader`, a consumer outside the group, created with
+/// `enable.partition.eof=true`).
 pub(crate) fn load<C: ConsumerContext>(
     member: &BaseConsumer<C>,
     reader: &BaseConsumer,
@@ -89,20 +90,24 @@ pub(crate) fn load<C: ConsumerContext>(
             )
         })
         .collect();
+    // The high watermark only says where the pointer may start: the test
+    // broker (tansu 0.6) moves it by one per batch, not per record, so a
+    // partition's end is its end-of-partition event followed by a quiet
+    // poll, or (it sends none for a partition that never held a record) five
+    // quiet polls in a row.
     let mut read = TopicPartitionList::new();
-    let mut ends: HashMap<i32, i64> = HashMap::new();
+    let mut open: HashMap<i32, (bool, u32)> = HashMap::new();
     for e in pointers.elements() {
         let (low, high) = reader.fetch_watermarks(&state_topic, e.partition(), timeout)?;
         let from = match e.offset() {
             Offset::Offset(o) if o >= 0 => o.max(low),
             _ => low,
         };
-        if from < high {
-            read.add_partition_offset(&state_topic, e.partition(), Offset::Offset(from))?;
-            ends.insert(e.partition(), high);
-        }
+        tracing::debug!(partition = e.partition(), pointer = ?e.offset(), low, high, "kafka: reading saved state");
+        read.add_partition_offset(&state_topic, e.partition(), Offset::Offset(from))?;
+        open.insert(e.partition(), (false, 0));
     }
-    if ends.is_empty() {
+    if open.is_empty() {
         let mut out: Vec<Saved> = saved.into_values().collect();
         out.sort_by_key(|s| s.partition);
         return Ok(out);
@@ -110,7 +115,7 @@ pub(crate) fn load<C: ConsumerContext>(
     reader.assign(&read)?;
     let deadline = std::time::Instant::now() + timeout;
     let mut best: HashMap<i32, (u64, i64)> = HashMap::new();
-    while !ends.is_empty() {
+    while !open.is_empty() {
         if std::time::Instant::now() > deadline {
             let _ = reader.unassign();
             return Err(KafkaError::MessageConsumption(
@@ -118,13 +123,24 @@ pub(crate) fn load<C: ConsumerContext>(
             ));
         }
         let Some(r) = reader.poll(Duration::from_millis(100)) else {
+            for (_, quiet) in open.values_mut() {
+                *quiet += 1;
+            }
+            open.retain(|_, (at_end, quiet)| !(*at_end || *quiet >= 5));
             continue;
         };
-        let m = r?;
+        let m = match r {
+            Err(KafkaError::PartitionEOF(p)) => {
+                if let Some((at_end, _)) = open.get_mut(&p) {
+                    *at_end = true;
+                }
+                continue;
+            }
+            other => other?,
+        };
         let p = m.partition();
-        let Some(end) = ends.get(&p).copied() else { continue };
-        if m.offset() + 1 >= end {
-            ends.remove(&p);
+        if let Some(state) = open.get_mut(&p) {
+            *state = (false, 0);
         }
         if m.key() != Some(group_id.as_bytes()) {
             continue;
@@ -137,6 +153,13 @@ pub(crate) fn load<C: ConsumerContext>(
             continue;
         }
         best.insert(p, rank);
+        tracing::trace!(
+            partition = p,
+            offset = m.offset(),
+            generation,
+            committed,
+            "kafka: saved state record"
+        );
         if let Some(s) = saved.get_mut(&p) {
             s.committed = committed;
             s.known = true;

@@ -185,19 +185,43 @@ pub(crate) struct Track {
     unfinished: BTreeMap<i64, Entry>,
     /// Bumped on every change a commit must carry.
     pub(crate) version: u64,
+    /// The high-water mark of the newest durable state.
+    durable_hw: i64,
 }
 
 impl Track {
     /// A partition taken over at `committed` with what its metadata says.
+    ///
+    /// A message the earlier owner had fetched but not finished counts at
+    /// least one attempt: it may have started (and crashed its process)
+    /// after the last state was saved.
     pub(crate) fn new(committed: i64, restored: Restored) -> Self {
+        let prior_hw = restored.hw.max(committed);
+        let mut prior = restored.unfinished;
+        for e in prior.values_mut() {
+            e.attempts = e.attempts.max(1);
+        }
         Track {
             start: committed,
             hw: committed,
-            prior_hw: restored.hw.max(committed),
-            prior: restored.unfinished,
+            prior_hw,
+            prior,
             unfinished: BTreeMap::new(),
             version: 0,
+            durable_hw: committed,
         }
+    }
+
+    /// Records that the state up to high-water mark `hw` is durable.
+    pub(crate) fn saved(&mut self, hw: i64) {
+        self.durable_hw = self.durable_hw.max(hw);
+    }
+
+    /// Whether beginning attempt `attempt` on `offset` needs a durable
+    /// write first: a first attempt does not once the offset is below a
+    /// durable high-water mark (a later owner counts it as attempted).
+    pub(crate) fn begin_needs_save(&self, offset: i64, attempt: u32) -> bool {
+        attempt > 1 || offset >= self.durable_hw
     }
 
     /// The offset after the last delivered message (where to resume fetching).
@@ -270,8 +294,8 @@ impl Track {
         was
     }
 
-    /// The commit this adds up to: offset and metadata.
-    pub(crate) fn commit(&self, partitions: i32) -> (i64, String) {
+    /// The commit this adds up to: offset, high-water mark and metadata.
+    pub(crate) fn commit(&self, partitions: i32) -> (i64, i64, String) {
         // The earlier owner's unfinished offsets not yet delivered again stay listed.
         let mut listed = self.unfinished.clone();
         for (o, e) in self.prior.range(self.hw..) {
@@ -279,7 +303,7 @@ impl Track {
         }
         let hw = self.hw.max(self.prior_hw);
         let committed = listed.keys().next().copied().unwrap_or(hw);
-        (committed, encode(partitions, committed, hw, &listed))
+        (committed, hw, encode(partitions, committed, hw, &listed))
     }
 }
 
@@ -296,7 +320,7 @@ mod tests {
         assert_eq!(t.begin(101), Some(1));
         assert!(t.done(100));
         assert!(t.done(103));
-        let (c, meta) = t.commit(4);
+        let (c, _, meta) = t.commit(4);
         assert_eq!(c, 101);
         let r = decode(c, &meta);
         assert_eq!(r.partitions, Some(4));
@@ -321,7 +345,7 @@ mod tests {
         t.begin(12);
         t.halt(12, "bad; input=\n x");
         t.begin(16);
-        let (c, meta) = t.commit(8);
+        let (c, _, meta) = t.commit(8);
         assert_eq!(c, 12);
         let mut next = Track::new(c, decode(c, &meta));
         assert_eq!(
@@ -342,17 +366,18 @@ mod tests {
             }
         );
         // Before 19 comes again, the commit still lists it and keeps the mark.
-        let (c2, meta2) = next.commit(8);
+        let (c2, _, meta2) = next.commit(8);
         assert_eq!(c2, 12);
         let r2 = decode(c2, &meta2);
         assert_eq!(r2.hw, 20);
         assert_eq!(r2.unfinished.keys().copied().collect::<Vec<_>>(), vec![12, 16, 19]);
         assert_eq!(next.admit(17), Admit::Skip);
         assert_eq!(next.admit(18), Admit::Skip);
+        // Fetched by the earlier owner, unfinished: it may have started.
         assert_eq!(
             next.admit(19),
             Admit::Deliver {
-                attempts: 0,
+                attempts: 1,
                 halted: None
             }
         );
@@ -369,6 +394,20 @@ mod tests {
             next.done(o);
         }
         assert_eq!(next.commit(8).0, 21);
+    }
+
+    #[test]
+    fn a_first_attempt_needs_no_save_below_the_durable_high_water_mark() {
+        let mut t = Track::new(0, Restored::default());
+        t.admit(0);
+        t.admit(1);
+        assert!(t.begin_needs_save(0, 1));
+        let (_, hw, _) = t.commit(1);
+        t.saved(hw);
+        assert!(!t.begin_needs_save(1, 1));
+        assert!(t.begin_needs_save(1, 2));
+        t.admit(2);
+        assert!(t.begin_needs_save(2, 1));
     }
 
     #[test]
@@ -389,7 +428,7 @@ mod tests {
                 t.done(o);
             }
         }
-        let (c, meta) = t.commit(16);
+        let (c, _, meta) = t.commit(16);
         assert_eq!(c, 7);
         assert_eq!(t.unfinished(), 500);
         assert!(meta.len() < 2_000, "{} bytes", meta.len());
