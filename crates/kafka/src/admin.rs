@@ -90,7 +90,7 @@ impl KafkaAdmin {
         rc.set("group.id", "keyorder-state-reader")
             .set("enable.auto.commit", "false")
             .set("enable.partition.eof", "true");
-        let reader: BaseConsumer = rc.create().map_err(kafka_err)?;
+        let reader: state::Reader = rc.create_with_context(state::EofReader).map_err(kafka_err)?;
         let (n2, g2) = (names.clone(), names.group_id(group));
         let saved = tokio::task::spawn_blocking(move || {
             let parts: Vec<i32> = (0..n).collect();
@@ -123,7 +123,7 @@ impl KafkaAdmin {
         rc.set("group.id", "keyorder-admin-scan")
             .set("enable.auto.commit", "false")
             .set("enable.partition.eof", "true");
-        let c: BaseConsumer = rc.create().map_err(kafka_err)?;
+        let c: state::Reader = rc.create_with_context(state::EofReader).map_err(kafka_err)?;
         let topic = topic.to_owned();
         tokio::task::spawn_blocking(move || -> Result<()> {
             let mut each = each;

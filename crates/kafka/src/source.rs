@@ -60,7 +60,7 @@ pub(crate) struct Ctx {
     names: Names,
     group_id: String,
     /// Reads state records (outside the group).
-    reader: BaseConsumer,
+    reader: state::Reader,
 }
 
 impl ClientContext for Ctx {}
@@ -371,6 +371,12 @@ impl Shared {
                 }
             }
             started = started.max(target);
+            tracing::trace!(
+                target,
+                partitions = dirty.len(),
+                in_flight = rounds.len(),
+                "kafka: state round"
+            );
             let me = self.clone();
             rounds.push_back(async move {
                 let ok = me.write(&member, &dirty).await;
@@ -478,6 +484,9 @@ impl Shared {
                 tokio::task::spawn_blocking(move || member.fetch_watermarks(&topic, first, Duration::from_secs(5)))
                     .await
                     .is_ok_and(|r| r.is_ok());
+            if !ok {
+                tracing::debug!(topic = %self.names.topic(), "kafka: heartbeat round trip failed");
+            }
             if ok && !self.check_gap() {
                 *self.last_confirm.lock().unwrap_or_else(|e| e.into_inner()) = sent;
                 for p in parts {
@@ -513,7 +522,8 @@ pub(crate) struct Source {
     spec: SourceSpec,
     rx: mpsc::UnboundedReceiver<Ev>,
     stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    /// Resolves when the poll thread has left the group and closed.
+    thread: Option<tokio::sync::oneshot::Receiver<()>>,
     local: HashMap<i32, Local>,
     scopes: HashMap<Arc<str>, i32>,
     pending: Vec<Pending>,
@@ -621,7 +631,7 @@ impl Source {
             topic: self.shared.names.topic().to_owned(),
             names: self.shared.names.clone(),
             group_id: self.shared.names.group_id(&self.spec.group),
-            reader: rc.create().map_err(kafka_err)?,
+            reader: rc.create_with_context(state::EofReader).map_err(kafka_err)?,
         };
         let member: Member = c.create_with_context(ctx).map_err(kafka_err)?;
         member.subscribe(&[self.shared.names.topic()]).map_err(kafka_err)?;
@@ -629,12 +639,16 @@ impl Source {
         *self.shared.member.lock().unwrap_or_else(|e| e.into_inner()) = Some(member.clone());
         *self.shared.last_confirm.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
         let thread_stop = stop.clone();
-        let thread = std::thread::Builder::new()
+        let (left_tx, left) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
             .name("keyorder-kafka-poll".into())
-            .spawn(move || poll_loop(member, tx, thread_stop))
+            .spawn(move || {
+                poll_loop(member, tx, thread_stop);
+                let _ = left_tx.send(());
+            })
             .map_err(|e| keyorder_core::Error::Broker(format!("kafka: cannot start the poll thread: {e}")))?;
         self.stop = stop;
-        self.thread = Some(thread);
+        self.thread = Some(left);
         self.rx = rx;
         Ok(())
     }
@@ -932,7 +946,7 @@ async fn check_partition_count(t: &KafkaTransport, names: &Names, group: &str, p
     let mut r = base_config(&t.cfg);
     r.set("group.id", "keyorder-state-reader")
         .set("enable.auto.commit", "false");
-    let reader: BaseConsumer = r.create().map_err(kafka_err)?;
+    let reader: state::Reader = r.create_with_context(state::EofReader).map_err(kafka_err)?;
     let (n2, g2) = (names.clone(), names.group_id(group));
     let saved = tokio::task::spawn_blocking(move || {
         let parts: Vec<i32> = (0..partitions).collect();
@@ -1037,7 +1051,12 @@ impl TransportSource for Source {
         *self.shared.member.lock().unwrap_or_else(|e| e.into_inner()) = None;
         self.pending.clear();
         if let Some(thread) = self.thread.take() {
-            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+            // Leaving the group normally takes well under a second; a broker
+            // that does not answer must not hold the shutdown (the session
+            // timeout removes the member then).
+            if tokio::time::timeout(self.spec.lease.ttl, thread).await.is_err() {
+                tracing::warn!(topic = %self.shared.names.topic(), "kafka: leaving the group timed out; the session timeout will end the membership");
+            }
         }
         for t in &self.tasks {
             t.abort();

@@ -31,6 +31,24 @@ use rdkafka::{Message as _, Offset, TopicPartitionList};
 
 use crate::Names;
 
+/// The context of consumers that read to the end of partitions: an
+/// end-of-partition event is how they find the end, not an error to log.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct EofReader;
+
+impl rdkafka::ClientContext for EofReader {
+    fn error(&self, error: KafkaError, reason: &str) {
+        if !matches!(error, KafkaError::PartitionEOF(_)) {
+            tracing::warn!(error = %error, reason, "kafka: client error");
+        }
+    }
+}
+
+impl ConsumerContext for EofReader {}
+
+/// A consumer outside any group that reads to the end of partitions.
+pub(crate) type Reader = BaseConsumer<EofReader>;
+
 /// A partition's saved progress.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Saved {
@@ -63,7 +81,7 @@ fn decode(value: &[u8]) -> Option<(u64, i64, String)> {
 /// `enable.partition.eof=true`).
 pub(crate) fn load<C: ConsumerContext>(
     member: &BaseConsumer<C>,
-    reader: &BaseConsumer,
+    reader: &Reader,
     names: &Names,
     group_id: &str,
     parts: &[i32],
@@ -92,11 +110,12 @@ pub(crate) fn load<C: ConsumerContext>(
         .collect();
     // The high watermark only says where the pointer may start: the test
     // broker (tansu 0.6) moves it by one per batch, not per record, so a
-    // partition's end is its end-of-partition event followed by a quiet
-    // poll, or (it sends none for a partition that never held a record) five
-    // quiet polls in a row.
+    // partition is read until 200 ms after its first end-of-partition event
+    // (later batches still arrive meanwhile), or, for a partition that never
+    // held a record (no such event), until half a second of quiet. Records
+    // other groups keep appending never hold the read open.
     let mut read = TopicPartitionList::new();
-    let mut open: HashMap<i32, (bool, u32)> = HashMap::new();
+    let mut open: HashMap<i32, (Option<std::time::Instant>, u32)> = HashMap::new();
     for e in pointers.elements() {
         let (low, high) = reader.fetch_watermarks(&state_topic, e.partition(), timeout)?;
         let from = match e.offset() {
@@ -105,7 +124,7 @@ pub(crate) fn load<C: ConsumerContext>(
         };
         tracing::debug!(partition = e.partition(), pointer = ?e.offset(), low, high, "kafka: reading saved state");
         read.add_partition_offset(&state_topic, e.partition(), Offset::Offset(from))?;
-        open.insert(e.partition(), (false, 0));
+        open.insert(e.partition(), (None, 0));
     }
     if open.is_empty() {
         let mut out: Vec<Saved> = saved.into_values().collect();
@@ -122,25 +141,31 @@ pub(crate) fn load<C: ConsumerContext>(
                 rdkafka::types::RDKafkaErrorCode::OperationTimedOut,
             ));
         }
-        let Some(r) = reader.poll(Duration::from_millis(100)) else {
+        open.retain(|_, (eof, quiet)| match eof {
+            Some(at) => at.elapsed() < Duration::from_millis(200),
+            None => *quiet < 10,
+        });
+        if open.is_empty() {
+            break;
+        }
+        let Some(r) = reader.poll(Duration::from_millis(50)) else {
             for (_, quiet) in open.values_mut() {
                 *quiet += 1;
             }
-            open.retain(|_, (at_end, quiet)| !(*at_end || *quiet >= 5));
             continue;
         };
         let m = match r {
             Err(KafkaError::PartitionEOF(p)) => {
-                if let Some((at_end, _)) = open.get_mut(&p) {
-                    *at_end = true;
+                if let Some((eof, _)) = open.get_mut(&p) {
+                    eof.get_or_insert_with(std::time::Instant::now);
                 }
                 continue;
             }
             other => other?,
         };
         let p = m.partition();
-        if let Some(state) = open.get_mut(&p) {
-            *state = (false, 0);
+        if let Some((_, quiet)) = open.get_mut(&p) {
+            *quiet = 0;
         }
         if m.key() != Some(group_id.as_bytes()) {
             continue;
