@@ -88,13 +88,13 @@ impl KafkaAdmin {
         let c = self.consumer(&names.group_id(group))?;
         let mut rc = base_config(&self.t.cfg);
         rc.set("group.id", "keyorder-state-reader")
-            .set("enable.auto.commit", "false")
-            .set("enable.partition.eof", "true");
-        let reader: state::Reader = rc.create_with_context(state::EofReader).map_err(kafka_err)?;
+            .set("enable.auto.commit", "false");
+        let reader: state::Reader = rc.create().map_err(kafka_err)?;
+        let producer = self.t.producer.clone();
         let (n2, g2) = (names.clone(), names.group_id(group));
         let saved = tokio::task::spawn_blocking(move || {
             let parts: Vec<i32> = (0..n).collect();
-            state::load(&c, &reader, &n2, &g2, &parts, Duration::from_secs(10))
+            state::load(&c, &reader, &producer, &n2, &g2, &parts, Duration::from_secs(10))
         })
         .await
         .map_err(kafka_err)?
@@ -115,24 +115,25 @@ impl KafkaAdmin {
     async fn scan(
         &self,
         topic: &str,
-        from: Vec<(i32, i64)>,
+        from: Vec<(i32, i64, i64)>,
         limit: usize,
         each: impl FnMut(i32, i64, Option<&[u8]>, Option<&rdkafka::message::BorrowedHeaders>, &[u8]) + Send + 'static,
     ) -> Result<()> {
         let mut rc = base_config(&self.t.cfg);
         rc.set("group.id", "keyorder-admin-scan")
-            .set("enable.auto.commit", "false")
-            .set("enable.partition.eof", "true");
-        let c: state::Reader = rc.create_with_context(state::EofReader).map_err(kafka_err)?;
+            .set("enable.auto.commit", "false");
+        let c: state::Reader = rc.create().map_err(kafka_err)?;
         let topic = topic.to_owned();
         tokio::task::spawn_blocking(move || -> Result<()> {
             let mut each = each;
             let mut tpl = TopicPartitionList::new();
             let mut ends = HashMap::new();
-            for (p, o) in from {
+            for (p, o, min_end) in from {
                 let (low, high) = c
                     .fetch_watermarks(&topic, p, Duration::from_secs(10))
                     .map_err(kafka_err)?;
+                // At least `min_end`: a broker's high watermark may lag (tansu 0.6).
+                let high = high.max(min_end);
                 let start = o.max(low);
                 if start < high {
                     tpl.add_partition_offset(&topic, p, Offset::Offset(start))
@@ -150,13 +151,7 @@ impl KafkaAdmin {
                 let Some(r) = c.poll(Duration::from_millis(200)) else {
                     continue;
                 };
-                let m = match r {
-                    Err(rdkafka::error::KafkaError::PartitionEOF(p)) => {
-                        ends.remove(&p);
-                        continue;
-                    }
-                    other => other.map_err(kafka_err)?,
-                };
+                let m = r.map_err(kafka_err)?;
                 let p = m.partition();
                 let Some(end) = ends.get(&p).copied() else { continue };
                 if m.offset() >= end {
@@ -265,15 +260,14 @@ impl Admin for KafkaAdmin {
         let found = Arc::new(std::sync::Mutex::new(Vec::new()));
         let sink = found.clone();
         let topic = names.topic().to_owned();
-        let from = heads.iter().map(|(p, o, _, _)| (*p, *o)).collect::<Vec<_>>();
-        let mut firsts: HashMap<i32, i64> = HashMap::new();
-        for (p, o) in from {
-            let e = firsts.entry(p).or_insert(o);
-            *e = (*e).min(o);
+        let mut firsts: HashMap<i32, (i64, i64)> = HashMap::new();
+        for (p, o, _, _) in &heads {
+            let e = firsts.entry(*p).or_insert((*o, *o + 1));
+            *e = (e.0.min(*o), e.1.max(*o + 1));
         }
         self.scan(
             names.topic(),
-            firsts.into_iter().collect(),
+            firsts.into_iter().map(|(p, (from, end))| (p, from, end)).collect(),
             SCAN_LIMIT,
             move |p, o, key, headers, _| {
                 let Some((attempts, reason)) = wanted.get(&(p, o)) else {
@@ -309,7 +303,7 @@ impl Admin for KafkaAdmin {
         let sink = counts.clone();
         self.scan(
             names.topic(),
-            committed.iter().map(|c| (c.partition, c.offset.max(0))).collect(),
+            committed.iter().map(|c| (c.partition, c.offset.max(0), 0)).collect(),
             SCAN_LIMIT,
             move |_, _, key, _, _| {
                 if let Some(k) = key {
@@ -343,7 +337,7 @@ impl Admin for KafkaAdmin {
         let g = group.to_owned();
         self.scan(
             &dlq,
-            (0..n).map(|p| (p, 0)).collect(),
+            (0..n).map(|p| (p, 0, 0)).collect(),
             SCAN_LIMIT,
             move |_, _, key, headers, _| {
                 let get = |name: &str| {

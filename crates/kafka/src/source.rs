@@ -61,6 +61,7 @@ pub(crate) struct Ctx {
     group_id: String,
     /// Reads state records (outside the group).
     reader: state::Reader,
+    producer: rdkafka::producer::FutureProducer,
 }
 
 impl ClientContext for Ctx {}
@@ -88,6 +89,7 @@ impl ConsumerContext for Ctx {
                     match state::load(
                         c,
                         &self.reader,
+                        &self.producer,
                         &self.names,
                         &self.group_id,
                         &parts,
@@ -623,7 +625,6 @@ impl Source {
         let mut rc = base_config(cfg);
         rc.set("group.id", "keyorder-state-reader")
             .set("enable.auto.commit", "false")
-            .set("enable.partition.eof", "true")
             .set("fetch.wait.max.ms", cfg.fetch_wait_ms.to_string());
         let ctx = Ctx {
             tx: tx.clone(),
@@ -631,7 +632,8 @@ impl Source {
             topic: self.shared.names.topic().to_owned(),
             names: self.shared.names.clone(),
             group_id: self.shared.names.group_id(&self.spec.group),
-            reader: rc.create_with_context(state::EofReader).map_err(kafka_err)?,
+            reader: rc.create().map_err(kafka_err)?,
+            producer: self.shared.t.producer.clone(),
         };
         let member: Member = c.create_with_context(ctx).map_err(kafka_err)?;
         member.subscribe(&[self.shared.names.topic()]).map_err(kafka_err)?;
@@ -946,11 +948,12 @@ async fn check_partition_count(t: &KafkaTransport, names: &Names, group: &str, p
     let mut r = base_config(&t.cfg);
     r.set("group.id", "keyorder-state-reader")
         .set("enable.auto.commit", "false");
-    let reader: state::Reader = r.create_with_context(state::EofReader).map_err(kafka_err)?;
+    let reader: state::Reader = r.create().map_err(kafka_err)?;
+    let producer = t.producer.clone();
     let (n2, g2) = (names.clone(), names.group_id(group));
     let saved = tokio::task::spawn_blocking(move || {
         let parts: Vec<i32> = (0..partitions).collect();
-        state::load(&probe, &reader, &n2, &g2, &parts, Duration::from_secs(10))
+        state::load(&probe, &reader, &producer, &n2, &g2, &parts, Duration::from_secs(10))
     })
     .await
     .map_err(kafka_err)?

@@ -27,27 +27,16 @@ use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::{KafkaError, KafkaResult};
+use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Message as _, Offset, TopicPartitionList};
 
 use crate::Names;
 
-/// The context of consumers that read to the end of partitions: an
-/// end-of-partition event is how they find the end, not an error to log.
-#[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct EofReader;
+/// The key of the marker records a state read appends to find the end.
+const MARKER_KEY: &[u8] = b"keyorder-marker";
 
-impl rdkafka::ClientContext for EofReader {
-    fn error(&self, error: KafkaError, reason: &str) {
-        if !matches!(error, KafkaError::PartitionEOF(_)) {
-            tracing::warn!(error = %error, reason, "kafka: client error");
-        }
-    }
-}
-
-impl ConsumerContext for EofReader {}
-
-/// A consumer outside any group that reads to the end of partitions.
-pub(crate) type Reader = BaseConsumer<EofReader>;
+/// A consumer outside any group that reads state records.
+pub(crate) type Reader = BaseConsumer;
 
 /// A partition's saved progress.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -77,11 +66,12 @@ fn decode(value: &[u8]) -> Option<(u64, i64, String)> {
 
 /// Reads the saved progress of `parts` for `group_id`: the group's pointers
 /// into the state partitions, then every record from there to the end
-/// (read with `reader`, a consumer outside the group, created with
-/// `enable.partition.eof=true`).
+/// (read with `reader`, a consumer outside the group), up to a marker
+/// record it appends with `producer`.
 pub(crate) fn load<C: ConsumerContext>(
     member: &BaseConsumer<C>,
     reader: &Reader,
+    producer: &FutureProducer,
     names: &Names,
     group_id: &str,
     parts: &[i32],
@@ -108,25 +98,31 @@ pub(crate) fn load<C: ConsumerContext>(
             )
         })
         .collect();
-    // The high watermark only says where the pointer may start: the test
-    // broker (tansu 0.6) moves it by one per batch, not per record, so a
-    // partition is read until 200 ms after its first end-of-partition event
-    // (later batches still arrive meanwhile), or, for a partition that never
-    // held a record (no such event), until half a second of quiet. Records
-    // other groups keep appending never hold the read open.
+    // Where a partition ends is where a marker this read appends lands: the
+    // high watermark cannot say (the test broker, tansu 0.6, moves it by one
+    // per batch, not per record), and owners of other groups keep appending.
     let mut read = TopicPartitionList::new();
-    let mut open: HashMap<i32, (Option<std::time::Instant>, u32)> = HashMap::new();
+    let mut ends: HashMap<i32, i64> = HashMap::new();
     for e in pointers.elements() {
-        let (low, high) = reader.fetch_watermarks(&state_topic, e.partition(), timeout)?;
+        let p = e.partition();
+        let nonce = format!("{group_id}/{p}");
+        let marker = FutureRecord::<[u8], [u8]>::to(&state_topic)
+            .partition(p)
+            .key(MARKER_KEY)
+            .payload(nonce.as_bytes());
+        let end = futures::executor::block_on(producer.send(marker, timeout))
+            .map_err(|(e, _)| e)?
+            .offset;
+        let (low, _) = reader.fetch_watermarks(&state_topic, p, timeout)?;
         let from = match e.offset() {
             Offset::Offset(o) if o >= 0 => o.max(low),
             _ => low,
         };
-        tracing::debug!(partition = e.partition(), pointer = ?e.offset(), low, high, "kafka: reading saved state");
-        read.add_partition_offset(&state_topic, e.partition(), Offset::Offset(from))?;
-        open.insert(e.partition(), (None, 0));
+        tracing::debug!(partition = p, pointer = ?e.offset(), low, end, "kafka: reading saved state");
+        read.add_partition_offset(&state_topic, p, Offset::Offset(from.min(end)))?;
+        ends.insert(p, end);
     }
-    if open.is_empty() {
+    if ends.is_empty() {
         let mut out: Vec<Saved> = saved.into_values().collect();
         out.sort_by_key(|s| s.partition);
         return Ok(out);
@@ -134,38 +130,24 @@ pub(crate) fn load<C: ConsumerContext>(
     reader.assign(&read)?;
     let deadline = std::time::Instant::now() + timeout;
     let mut best: HashMap<i32, (u64, i64)> = HashMap::new();
-    while !open.is_empty() {
+    while !ends.is_empty() {
         if std::time::Instant::now() > deadline {
             let _ = reader.unassign();
             return Err(KafkaError::MessageConsumption(
                 rdkafka::types::RDKafkaErrorCode::OperationTimedOut,
             ));
         }
-        open.retain(|_, (eof, quiet)| match eof {
-            Some(at) => at.elapsed() < Duration::from_millis(200),
-            None => *quiet < 10,
-        });
-        if open.is_empty() {
-            break;
-        }
         let Some(r) = reader.poll(Duration::from_millis(50)) else {
-            for (_, quiet) in open.values_mut() {
-                *quiet += 1;
-            }
             continue;
         };
         let m = match r {
-            Err(KafkaError::PartitionEOF(p)) => {
-                if let Some((eof, _)) = open.get_mut(&p) {
-                    eof.get_or_insert_with(std::time::Instant::now);
-                }
-                continue;
-            }
+            Err(KafkaError::PartitionEOF(_)) => continue,
             other => other?,
         };
         let p = m.partition();
-        if let Some((_, quiet)) = open.get_mut(&p) {
-            *quiet = 0;
+        let Some(end) = ends.get(&p).copied() else { continue };
+        if m.offset() >= end {
+            ends.remove(&p);
         }
         if m.key() != Some(group_id.as_bytes()) {
             continue;
