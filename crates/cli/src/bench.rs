@@ -29,6 +29,14 @@ pub(crate) struct BenchArgs {
     /// Handler time in ms (0: no-op).
     #[arg(long, default_value_t = 0)]
     handler_ms: u64,
+    /// Random handler time, uniform in 0..=N ms per message (overrides
+    /// `--handler-ms`; the Parallel Consumer comparison uses 5).
+    #[arg(long)]
+    handler_max_ms: Option<u64>,
+    /// Also run partition order (one message at a time per instance: with
+    /// one partition and one instance, what a plain Kafka consumer does).
+    #[arg(long)]
+    partition_order: bool,
     /// Handlers running at once per instance (prefetch is 16x this). The
     /// default keeps total concurrency below the default key count, so the
     /// comparison measures ordering, not a key shortage.
@@ -54,8 +62,12 @@ struct Side {
     secs: f64,
 }
 
-async fn side(a: &BenchArgs, ordered: bool) -> anyhow::Result<Side> {
-    let label = if ordered { "ordered" } else { "baseline" };
+async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Result<Side> {
+    let label = match (ordered, concurrency == 1) {
+        (true, true) => "partition",
+        (true, false) => "ordered",
+        _ => "baseline",
+    };
     let url = if ordered {
         a.url.clone()
     } else {
@@ -68,15 +80,21 @@ async fn side(a: &BenchArgs, ordered: bool) -> anyhow::Result<Side> {
     // message consumed to the last.
     eprintln!("{label}: publishing {} messages over {} keys", a.messages, a.keys);
     let h = a.handler_ms;
-    let published = run::produce(&clients, &category, &keys, a.messages, move || h, 4, None).await?;
+    let max = a.handler_max_ms;
+    let sleep = move || match max {
+        Some(m) => rand::random_range(0..=m),
+        None => h,
+    };
+    let published = run::produce(&clients, &category, &keys, a.messages, sleep, 4, None).await?;
     let rec = run::Recorder::new();
     let mut instances = Vec::new();
     for (i, client) in clients.iter().enumerate() {
-        let b = run::builder(client, &category, ordered, a.concurrency);
+        let b = run::builder(client, &category, ordered, concurrency);
         instances.push(run::start(b, format!("{label}-{i}"), rec.clone()).await?);
     }
     let target = published.len() as u64;
-    let deadline = Duration::from_secs(120 + target * (a.handler_ms + 1) / 100);
+    let per_msg = a.handler_max_ms.unwrap_or(a.handler_ms) + 1;
+    let deadline = Duration::from_secs(120 + target * per_msg / concurrency.min(100).max(1) as u64);
     let res = run::wait_for("the backlog to be consumed", deadline, || {
         rec.applied.load(Ordering::Relaxed) >= target
     })
@@ -140,20 +158,39 @@ pub(crate) async fn run(a: BenchArgs) -> anyhow::Result<()> {
         .await?
         .transport_name()
         .to_owned();
-    let ordered = side(&a, true).await?;
-    let baseline = side(&a, false).await?;
+    let ordered = side(&a, true, a.concurrency).await?;
+    let baseline = side(&a, false, a.concurrency).await?;
+    let partition = if a.partition_order {
+        Some(side(&a, true, 1).await?)
+    } else {
+        None
+    };
     let ratio = ordered.msgs_per_s / baseline.msgs_per_s.max(1e-9);
+    let handler = match a.handler_max_ms {
+        Some(m) => format!("0-{m}ms random"),
+        None => format!("{}ms", a.handler_ms),
+    };
     println!(
-        "{transport}: keys={} messages={} instances={} handler={}ms concurrency={}",
-        a.keys, a.messages, a.instances, a.handler_ms, a.concurrency
+        "{transport}: keys={} messages={} instances={} handler={handler} concurrency={}",
+        a.keys, a.messages, a.instances, a.concurrency
     );
-    for (name, s) in [("ordered", &ordered), ("baseline", &baseline)] {
+    let mut sides = vec![("ordered", &ordered), ("baseline", &baseline)];
+    if let Some(p) = &partition {
+        sides.push(("partition", p));
+    }
+    for (name, s) in sides {
         println!(
             "  {name:<8} {:>10.0} msg/s ({:.2} s)  latency p50 {:.2} ms  p99 {:.2} ms  order violations {}  lost {}",
             s.msgs_per_s, s.secs, s.p50_ms, s.p99_ms, s.violations, s.lost
         );
     }
     println!("  ratio (ordered/baseline) {ratio:.2}");
+    if let Some(p) = &partition {
+        println!(
+            "  seconds: partition order {:.2}  key order {:.2}  unordered {:.2}",
+            p.secs, ordered.secs, baseline.secs
+        );
+    }
     if a.json {
         println!(
             "{}",
@@ -163,6 +200,8 @@ pub(crate) async fn run(a: BenchArgs) -> anyhow::Result<()> {
                 "messages": a.messages,
                 "instances": a.instances,
                 "handler_ms": a.handler_ms,
+                "handler_max_ms": a.handler_max_ms,
+                "partition_order_s": partition.as_ref().map(|p| p.secs),
                 "concurrency": a.concurrency,
                 "ordered": {"msgs_per_s": ordered.msgs_per_s, "p50_ms": ordered.p50_ms, "p99_ms": ordered.p99_ms},
                 "baseline": {"msgs_per_s": baseline.msgs_per_s, "p50_ms": baseline.p50_ms, "p99_ms": baseline.p99_ms,
@@ -173,7 +212,8 @@ pub(crate) async fn run(a: BenchArgs) -> anyhow::Result<()> {
             })
         );
     }
-    if ordered.violations > 0 || ordered.lost > 0 || baseline.lost > 0 {
+    let partition_bad = partition.as_ref().is_some_and(|p| p.violations > 0 || p.lost > 0);
+    if ordered.violations > 0 || ordered.lost > 0 || baseline.lost > 0 || partition_bad {
         anyhow::bail!("ordering or loss defects found");
     }
     Ok(())

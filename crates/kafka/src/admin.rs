@@ -433,12 +433,12 @@ mod tests {
     fn reads_a_consumer_protocol_assignment() {
         let mut b = vec![0, 1];
         b.extend(2i32.to_be_bytes());
-        for (t, ps) in [("other", vec![0]), ("orders", vec![3, 5])] {
+        for (t, ps) in [("other", vec![0i32]), ("orders", vec![3, 5])] {
             b.extend((t.len() as i16).to_be_bytes());
             b.extend(t.as_bytes());
             b.extend((ps.len() as i32).to_be_bytes());
             for p in ps {
-                b.extend((p as i32).to_be_bytes());
+                b.extend(p.to_be_bytes());
             }
         }
         b.extend((-1i32).to_be_bytes());

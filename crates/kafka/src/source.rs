@@ -914,11 +914,8 @@ impl Source {
 fn poll_loop(member: Arc<Member>, tx: mpsc::UnboundedSender<Ev>, stop: Arc<AtomicBool>) {
     while !stop.load(Ordering::SeqCst) {
         match member.poll(Duration::from_millis(100)) {
-            Some(Ok(m)) => {
-                if tx.send(Ev::Msg(m.detach())).is_err() {
-                    break;
-                }
-            }
+            Some(Ok(m)) if tx.send(Ev::Msg(m.detach())).is_err() => break,
+            Some(Ok(_)) => {}
             Some(Err(e)) => {
                 let _ = tx.send(Ev::Error(e.to_string()));
             }
@@ -1028,14 +1025,11 @@ impl TransportSource for Source {
         if let Some(part) = self.shared.part(partition) {
             // The final commit, then let the partition go.
             let deadline = Instant::now() + self.spec.lease.ttl;
-            loop {
-                match tokio::time::timeout_at(deadline, self.shared.commit_through(&part)).await {
-                    Ok(Ok(())) | Ok(Err(_)) => break,
-                    Err(_) => {
-                        tracing::warn!(scope = %scope, "kafka: final commit before hand-over timed out");
-                        break;
-                    }
-                }
+            if tokio::time::timeout_at(deadline, self.shared.commit_through(&part))
+                .await
+                .is_err()
+            {
+                tracing::warn!(scope = %scope, "kafka: final state write before hand-over timed out");
             }
             metrics::counter!("keyorder_kafka_partitions_released_total").increment(1);
             tracing::debug!(instance = %self.spec.instance, scope = %scope, "kafka: released");
