@@ -94,7 +94,7 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
     }
     let target = published.len() as u64;
     let per_msg = a.handler_max_ms.unwrap_or(a.handler_ms) + 1;
-    let deadline = Duration::from_secs(120 + target * per_msg / concurrency.min(100).max(1) as u64);
+    let deadline = Duration::from_secs(120 + target * per_msg / concurrency.clamp(1, 100) as u64);
     let res = run::wait_for("the backlog to be consumed", deadline, || {
         rec.applied.load(Ordering::Relaxed) >= target
     })
