@@ -477,7 +477,14 @@ fn main() {
     }
     // Spawned as a worker process by a process scenario: run it and exit.
     keyorder_testkit::worker::run_if_worker(connect_boxed);
-    let args = Arguments::from_args();
+    let mut args = Arguments::from_args();
+    // One trial at a time unless asked otherwise: the fault scenarios (a
+    // stalled or killed worker, a rebalance) time leases and session
+    // timeouts in seconds, and two trials sharing the 2-core machine and its
+    // brokers made those timings flaky.
+    if args.test_threads.is_none() {
+        args.test_threads = Some(1);
+    }
     let mut trials = Vec::new();
     let required = std::env::var("KEYORDER_REQUIRE_BROKERS").is_ok_and(|v| v == "1");
     for harness in harnesses() {
