@@ -239,6 +239,16 @@ impl Shared {
         self.member.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// The partitions owned now.
+    fn owned(&self) -> Vec<Arc<Part>> {
+        self.parts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect()
+    }
+
     pub(crate) fn part(&self, partition: i32) -> Option<Arc<Part>> {
         self.parts
             .lock()
@@ -344,13 +354,7 @@ impl Shared {
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             };
-            let parts: Vec<Arc<Part>> = self
-                .parts
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .values()
-                .cloned()
-                .collect();
+            let parts = self.owned();
             let mut dirty = Vec::new();
             for p in &parts {
                 if p.lease.is_lost() {
@@ -467,13 +471,7 @@ impl Shared {
                 continue;
             }
             let Some(member) = self.member() else { continue };
-            let parts: Vec<Arc<Part>> = self
-                .parts
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .values()
-                .cloned()
-                .collect();
+            let parts = self.owned();
             if parts.is_empty() {
                 continue;
             }
