@@ -68,6 +68,48 @@ impl Harness for PgHarness {
     }
 }
 
+/// PostgreSQL through PgBouncer in transaction mode (`POSTGRES_PGBOUNCER_URL`,
+/// started by `scripts/services` on 127.0.0.1:6432), with `LISTEN` and
+/// migrations on the direct server (`POSTGRES_URL`).
+#[cfg(feature = "postgres")]
+struct PgBouncerHarness {
+    url: String,
+}
+
+/// The scenarios run through the pooler: delivery, ordering across
+/// instances, a crash, and the commit-safe read.
+#[cfg(feature = "postgres")]
+const POOLED: [Scenario; 4] = [Scenario::C1, Scenario::C2, Scenario::C6, Scenario::C15];
+
+#[cfg(feature = "postgres")]
+#[keyorder::async_trait]
+impl Harness for PgBouncerHarness {
+    fn name(&self) -> &str {
+        "postgres-pgbouncer"
+    }
+    fn capabilities(&self) -> Capabilities {
+        keyorder::postgres::CAPABILITIES
+    }
+    async fn client(&self) -> Result<Client> {
+        keyorder::connect(&self.url).await
+    }
+    fn not_applicable(&self, scenario: Scenario) -> Option<String> {
+        (!POOLED.contains(&scenario)).then(|| {
+            "runs on `postgres`; through the pooler: c1, c2, c6 and c15 (same statements, pooled path)".to_owned()
+        })
+    }
+    fn lease(&self) -> keyorder::LeaseConfig {
+        keyorder::LeaseConfig {
+            ttl: std::time::Duration::from_secs(3),
+            heartbeat: std::time::Duration::from_millis(500),
+            margin: std::time::Duration::from_secs(1),
+        }
+    }
+    fn worker_url(&self) -> Option<String> {
+        Some(self.url.clone())
+    }
+}
+
 /// PostgreSQL on a cluster of its own (`POSTGRES_RESTART_URL`, started by
 /// `scripts/services` on 127.0.0.1:5433) that C14 restarts; every other
 /// scenario runs on `postgres`.
@@ -409,6 +451,14 @@ fn harnesses() -> Vec<Arc<dyn Harness>> {
         let base = std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
         all.push(Arc::new(PgHarness {
             url: format!("{base}?schema=keyorder_conformance&migrate=true&pool=4"),
+        }));
+        let pooler = std::env::var("POSTGRES_PGBOUNCER_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:6432/test".into());
+        let direct: String = url::form_urlencoded::byte_serialize(base.as_bytes()).collect();
+        all.push(Arc::new(PgBouncerHarness {
+            url: format!(
+                "{pooler}?schema=keyorder_conformance&migrate=true&pool=4&pooler=transaction&direct={direct}"
+            ),
         }));
         let restart = std::env::var("POSTGRES_RESTART_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5433/postgres".into());

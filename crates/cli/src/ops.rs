@@ -81,8 +81,9 @@ pub(crate) async fn head(a: HeadArgs) -> anyhow::Result<()> {
                 println!("no halted keys");
             }
             for h in halted {
+                let held = h.held.map_or_else(String::new, |n| format!(" held={n}"));
                 println!(
-                    "{} {} scope={} head={} attempts={} reason={}",
+                    "{} {} scope={} head={} attempts={}{held} reason={}",
                     h.label, h.preview, h.scope, h.head_id, h.attempts, h.reason
                 );
             }

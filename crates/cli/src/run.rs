@@ -29,8 +29,9 @@ pub(crate) fn with_setup(url: &str) -> String {
 
 /// The URL of the plain, unordered baseline on the same broker: Redis reads
 /// one stream with a competing-consumer group (`layout=single`), RabbitMQ one
-/// queue with competing consumers (`topology=plain`); every other
-/// transport's unordered subscription is already its plain path.
+/// queue with competing consumers (`topology=plain`), PostgreSQL one table
+/// with `FOR UPDATE SKIP LOCKED` competing consumers (`layout=plain`); every
+/// other transport's unordered subscription is already its plain path.
 pub(crate) fn baseline_url(url: &str) -> String {
     if url.starts_with("amqp://") || url.starts_with("amqps://") {
         let mut u = match url::Url::parse(url) {
@@ -45,6 +46,11 @@ pub(crate) fn baseline_url(url: &str) -> String {
         u.set_query(None);
         u.query_pairs_mut().extend_pairs(keep).append_pair("topology", "plain");
         return u.to_string();
+    }
+    let pg = url.starts_with("postgres://") || url.starts_with("postgresql://");
+    if pg && !url.contains("layout=") {
+        let sep = if url.contains('?') { '&' } else { '?' };
+        return format!("{url}{sep}layout=plain");
     }
     let redis = url.starts_with("redis://") || url.starts_with("rediss://");
     if redis && !url.contains("layout=") {
@@ -312,4 +318,31 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::baseline_url;
+
+    #[test]
+    fn the_baseline_of_postgres_is_the_plain_layout() {
+        assert_eq!(
+            baseline_url("postgres://postgres@127.0.0.1:5432/test"),
+            "postgres://postgres@127.0.0.1:5432/test?layout=plain"
+        );
+        assert_eq!(
+            baseline_url("postgresql://h/db?migrate=true"),
+            "postgresql://h/db?migrate=true&layout=plain"
+        );
+        // An explicit layout is the caller's choice.
+        assert_eq!(
+            baseline_url("postgres://h/db?layout=slots"),
+            "postgres://h/db?layout=slots"
+        );
+        assert_eq!(
+            baseline_url("redis://127.0.0.1:6379"),
+            "redis://127.0.0.1:6379/?layout=single"
+        );
+        assert_eq!(baseline_url("memory://"), "memory://");
+    }
 }

@@ -275,6 +275,16 @@ impl Dispatcher {
             Some(key) => {
                 let depth = inner.cfg.per_key_depth;
                 let q = st.keys.entry(key.clone()).or_default();
+                // A halted key's later message goes back to a transport that
+                // holds it (read again once the halt is resolved): it takes
+                // no room here, so the halt never widens.
+                if q.halted && job.settle.unread() {
+                    st.total -= 1;
+                    st.forget_scope(job.scope());
+                    drop(st);
+                    bump(&inner.stats.handed_back, "keyorder_handed_back_total");
+                    return Submit::Accepted;
+                }
                 if q.held() >= depth {
                     st.total -= 1;
                     st.forget_scope(job.scope());
@@ -635,10 +645,20 @@ impl State {
             Outcome::Halted if !job.is_lost() => {
                 let q = self.keys.entry(key.clone()).or_default();
                 let Some(drop_head) = q.release.take() else {
+                    // What waits behind the head goes back to a transport
+                    // that holds a halted key's messages (see `submit`).
+                    let waiting = std::mem::take(&mut q.queue);
+                    let (back, kept): (VecDeque<Job>, VecDeque<Job>) =
+                        waiting.into_iter().partition(|j| j.settle.unread());
+                    q.queue = kept;
                     q.queue.push_front(job);
                     q.halted = true;
                     q.busy = false;
                     q.scheduled = false;
+                    for j in &back {
+                        self.forget(j);
+                        bump(&stats.handed_back, "keyorder_handed_back_total");
+                    }
                     return false;
                 };
                 // Resolved while the halt was being recorded: released at

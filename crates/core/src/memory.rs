@@ -819,6 +819,7 @@ impl Admin for MemoryAdmin {
                     head_id: h.id.clone(),
                     attempts: g.attempts.get(&(h.part, h.offset)).copied().unwrap_or(0),
                     reason: h.reason.clone(),
+                    held: None,
                 })
                 .collect())
         })

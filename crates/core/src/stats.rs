@@ -59,6 +59,9 @@ stats! {
     global_backoffs,
     /// Scopes handed over to another instance.
     scopes_released,
+    /// Messages of a halted key handed back to a transport that holds them
+    /// until the halt is resolved (PostgreSQL), instead of waiting in memory.
+    handed_back,
 }
 
 pub(crate) fn bump(counter: &AtomicU64, metric: &'static str) {

@@ -134,6 +134,19 @@ pub trait Settle: Send + Sync + fmt::Debug {
     /// - The halted head shows in [`Admin::halted`] until an operator
     ///   resolves it ([`Admin::resolve`]).
     async fn halt(&self, reason: &str) -> Result<()>;
+    /// Hands a delivery that never started back to the transport, because
+    /// its key is halted; returns `false` when the transport cannot take it
+    /// (the default), and the dispatcher keeps it.
+    ///
+    /// # Behavior
+    /// - A transport that returns `true` delivers the message again, in its
+    ///   key's order, once the key's halt is resolved; until then it holds
+    ///   it (not delivered, not counted as an attempt), so a halted key
+    ///   takes no memory or per-key depth in the consumer.
+    /// - Called only after [`Settle::halt`] of the key's head returned `Ok`.
+    fn unread(&self) -> bool {
+        false
+    }
 }
 
 /// Something the transport tells the subscription loop.
@@ -197,6 +210,9 @@ pub struct HaltedKey {
     pub attempts: u32,
     /// Why it halted.
     pub reason: String,
+    /// Messages of the key held behind the head, where the transport counts
+    /// them (`None`: held in the consumer's memory, not counted here).
+    pub held: Option<u64>,
 }
 
 /// A key holding a large share of the backlog.

@@ -288,6 +288,7 @@ impl Admin for KafkaAdmin {
                     head_id: id,
                     attempts: *attempts,
                     reason: reason.clone(),
+                    held: None,
                 });
             },
         )

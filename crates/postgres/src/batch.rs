@@ -7,9 +7,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use keyorder_core::{Error, Result};
-use sqlx::postgres::PgPool;
 use sqlx::{AssertSqlSafe, Row};
 use tokio::sync::{mpsc, oneshot};
+
+use crate::exec::Exec;
 
 /// What is asked of the database for one delivery.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -42,7 +43,7 @@ pub(crate) struct Batcher {
 }
 
 impl Batcher {
-    pub(crate) fn spawn(pool: PgPool, attempt_sql: Arc<str>, ack_sql: Arc<str>) -> Batcher {
+    pub(crate) fn spawn(db: Exec, attempt_sql: Arc<str>, ack_sql: Arc<str>) -> Batcher {
         let (tx, mut rx) = mpsc::unbounded_channel::<Req>();
         tokio::spawn(async move {
             while let Some(first) = rx.recv().await {
@@ -68,15 +69,14 @@ impl Batcher {
                     let slots: Vec<i32> = reqs.iter().map(|r| r.slot).collect();
                     let gens: Vec<i64> = reqs.iter().map(|r| r.generation).collect();
                     let ids: Vec<i64> = reqs.iter().map(|r| r.event_id).collect();
-                    let rows = sqlx::query(AssertSqlSafe(sql))
+                    let query = sqlx::query(AssertSqlSafe(sql))
                         .bind(&queue)
                         .bind(&grp)
                         .bind(&me)
                         .bind(&slots)
                         .bind(&gens)
-                        .bind(&ids)
-                        .fetch_all(&pool)
-                        .await;
+                        .bind(&ids);
+                    let rows = db.all(query).await;
                     match rows {
                         Ok(rows) => {
                             let done: HashMap<i64, i32> =

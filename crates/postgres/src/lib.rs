@@ -2,10 +2,12 @@
 #![forbid(unsafe_code)]
 
 mod batch;
+mod exec;
+mod plain;
 pub mod shared;
 mod sql;
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -15,10 +17,11 @@ use keyorder_core::{
     Admin, Capabilities, DeadLetter, Error, HaltedKey, HeadAction, HotKey, Inbound, Message, OrderingKey, Result,
     ScopeInfo, ScopeLease, Settle, SourceEvent, SourceSpec, Transport, TransportPublisher, TransportSource,
 };
-use sqlx::postgres::{PgListener, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgListener, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Row};
 use tokio::time::Instant;
 
+use crate::exec::Exec;
 use crate::sql::Sql;
 
 pub use sqlx;
@@ -58,6 +61,18 @@ fn in_range(name: &str, value: &str, range: std::ops::RangeInclusive<u32>) -> Re
         .ok_or_else(|| Error::Url(format!("{name}={value}: expected {}..={}", range.start(), range.end())))
 }
 
+/// How a queue is laid out (`?layout=`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Layout {
+    /// Hash slots with fenced single owners: per-key order (the default).
+    #[default]
+    Slots,
+    /// One table read by plain `FOR UPDATE SKIP LOCKED` competing consumers:
+    /// no per-key order, no halt (the benchmark baseline; ordered
+    /// subscriptions are refused).
+    Plain,
+}
+
 /// Configuration of the PostgreSQL transport.
 #[derive(Debug, Clone)]
 pub struct PgConfig {
@@ -74,11 +89,24 @@ pub struct PgConfig {
     /// Events deleted per owned slot and heartbeat once every group of the
     /// queue passed them (`?retention_batch=`, 0 keeps everything).
     pub retention_batch: u32,
+    /// `url` is a transaction-mode connection pooler such as PgBouncer
+    /// (`?pooler=transaction`; default `none`): every statement runs in its
+    /// own transaction as an unnamed statement, and nothing keeps session
+    /// state on the pooled connections.
+    pub pooled: bool,
+    /// A direct connection to the server (`?direct=<url-encoded URL>`), for
+    /// what a transaction pooler cannot carry: `LISTEN` and
+    /// [`PgTransport::migrate`]. Required with `pooler=transaction`;
+    /// defaults to `url` otherwise.
+    pub direct: Option<String>,
+    /// The queue layout (`?layout=slots|plain`, default `slots`).
+    pub layout: Layout,
 }
 
 impl PgConfig {
-    /// Parses `postgres://user@host:port/db?schema=keyorder&slots=16&pool=8&migrate=true`;
-    /// the other query parameters go to the driver.
+    /// Parses `postgres://user@host:port/db?schema=keyorder&slots=16&pool=8&migrate=true`
+    /// (and `pooler=transaction&direct=...` behind PgBouncer); the other
+    /// query parameters go to the driver.
     pub fn from_url(url: &url::Url) -> Result<Self> {
         let mut cfg = PgConfig {
             url: String::new(),
@@ -87,6 +115,9 @@ impl PgConfig {
             max_connections: 8,
             migrate: false,
             retention_batch: 1000,
+            pooled: false,
+            direct: None,
+            layout: Layout::Slots,
         };
         let mut rest = url.clone();
         rest.set_query(None);
@@ -101,6 +132,31 @@ impl PgConfig {
                         .parse()
                         .map_err(|_| Error::Url(format!("retention_batch={v}: expected a count")))?
                 }
+                "pooler" => {
+                    cfg.pooled = match &*v {
+                        "transaction" => true,
+                        "none" => false,
+                        _ => return Err(Error::Url(format!("pooler={v}: expected transaction or none"))),
+                    }
+                }
+                "direct" => {
+                    let direct = url::Url::parse(&v).map_err(|e| {
+                        Error::Url(format!(
+                            "direct=: expected a url-encoded postgres:// URL of the server ({e})"
+                        ))
+                    })?;
+                    if !matches!(direct.scheme(), "postgres" | "postgresql") {
+                        return Err(Error::Url("direct=: expected a postgres:// URL".into()));
+                    }
+                    cfg.direct = Some(v.into_owned());
+                }
+                "layout" => {
+                    cfg.layout = match &*v {
+                        "slots" => Layout::Slots,
+                        "plain" => Layout::Plain,
+                        _ => return Err(Error::Url(format!("layout={v}: expected slots or plain"))),
+                    }
+                }
                 "migrate" => {
                     cfg.migrate = v
                         .parse()
@@ -113,6 +169,13 @@ impl PgConfig {
             rest.query_pairs_mut().extend_pairs(driver);
         }
         shared::check_schema(&cfg.schema)?;
+        if cfg.pooled && cfg.direct.is_none() {
+            return Err(Error::Url(
+                "pooler=transaction needs a direct connection for LISTEN and migrations: add \
+                 direct=<url-encoded postgres:// URL of the server itself>"
+                    .into(),
+            ));
+        }
         cfg.url = rest.to_string();
         Ok(cfg)
     }
@@ -121,7 +184,7 @@ impl PgConfig {
 /// The PostgreSQL transport. Clones share one pool.
 #[derive(Clone)]
 pub struct PgTransport {
-    pool: PgPool,
+    db: Exec,
     cfg: Arc<PgConfig>,
     sql: Arc<Sql>,
     batcher: batch::Batcher,
@@ -145,10 +208,14 @@ impl PgTransport {
             .connect(&cfg.url)
             .await
             .map_err(db)?;
-        let sql = Arc::new(Sql::new(&cfg.schema));
-        let batcher = batch::Batcher::spawn(pool.clone(), sql.attempt_batch.clone(), sql.ack_batch.clone());
-        let t = PgTransport {
+        let db = Exec {
             pool,
+            pooled: cfg.pooled,
+        };
+        let sql = Arc::new(Sql::new(&cfg.schema));
+        let batcher = batch::Batcher::spawn(db.clone(), sql.attempt_batch.clone(), sql.ack_batch.clone());
+        let t = PgTransport {
+            db,
             sql,
             cfg: Arc::new(cfg),
             batcher,
@@ -164,18 +231,53 @@ impl PgTransport {
         Self::connect(PgConfig::from_url(url)?).await
     }
 
-    /// Creates the schema and tables if they do not exist (idempotent; safe
-    /// to run from several processes at once).
+    /// The direct server URL: `direct=` if given, else the pool's URL.
+    fn direct_url(&self) -> &str {
+        self.cfg.direct.as_deref().unwrap_or(&self.cfg.url)
+    }
+
+    /// Applies the embedded migrations (`crates/postgres/migrations`) to the
+    /// configured schema, creating it if needed, with sqlx's migrator: the
+    /// applied versions are recorded in `<schema>._sqlx_migrations`, a
+    /// changed migration is refused, and concurrent callers (several
+    /// processes starting at once) take turns on the migrator's lock.
+    ///
+    /// Runs on a connection of its own to the direct URL (`direct=`), because
+    /// the migrator's lock is a session-level advisory lock, which a
+    /// transaction-mode pooler cannot keep.
     pub async fn migrate(&self) -> Result<()> {
-        let mut tx = self.pool.begin().await.map_err(db)?;
-        sqlx::query("select pg_advisory_xact_lock(7306172002)")
-            .execute(&mut *tx)
-            .await
-            .map_err(db)?;
-        for stmt in &self.sql.migrate {
-            q(stmt).execute(&mut *tx).await.map_err(db)?;
-        }
-        tx.commit().await.map_err(db)
+        use sqlx::migrate::{Migration, MigrationType, Migrator};
+        use sqlx::{Connection, SqlSafeStr};
+        let migrations = self
+            .sql
+            .migrations
+            .iter()
+            .map(|(version, description, text)| {
+                Migration::new(
+                    *version,
+                    (*description).into(),
+                    MigrationType::Simple,
+                    AssertSqlSafe(text.clone()).into_sql_str(),
+                    false,
+                )
+            })
+            .collect();
+        let mut migrator = Migrator::with_migrations(migrations);
+        migrator.create_schema(self.cfg.schema.clone());
+        migrator.dangerous_set_table_name(format!("{}._sqlx_migrations", self.cfg.schema));
+        let mut conn = sqlx::PgConnection::connect(self.direct_url()).await.map_err(db)?;
+        // `run_direct` is what `Migrator::run` calls; taking the connection
+        // directly keeps this future `Send` for every lifetime (`run`'s
+        // `Acquire` bound is not general enough for a spawned task).
+        let run = migrator.run_direct(None, &mut conn, false).await;
+        let _ = conn.close().await;
+        run.map_err(|e| {
+            Error::Config(format!(
+                "postgres: migrating schema `{}` failed: {e} (a changed or unknown migration means this schema \
+                 was migrated by another keyorder version)",
+                self.cfg.schema
+            ))
+        })
     }
 
     fn missing_schema(&self, e: sqlx::Error) -> Error {
@@ -194,17 +296,16 @@ impl PgTransport {
     /// The queue's slot count, created with this transport's count if new;
     /// a different persisted count is refused (keys would move).
     async fn slots_of(&self, queue: &str) -> Result<u32> {
-        q(&self.sql.ensure_queue)
-            .bind(queue)
-            .bind(self.cfg.slots as i32)
-            .execute(&self.pool)
+        self.db
+            .exec(q(&self.sql.ensure_queue).bind(queue).bind(self.cfg.slots as i32))
             .await
             .map_err(|e| self.missing_schema(e))?;
-        let n: i32 = sqlx::query_scalar(AssertSqlSafe(self.sql.queue_slots.clone()))
-            .bind(queue)
-            .fetch_one(&self.pool)
+        let n: i32 = self
+            .db
+            .one(q(&self.sql.queue_slots).bind(queue))
             .await
-            .map_err(db)?;
+            .map_err(db)?
+            .get(0);
         if n as u32 != self.cfg.slots {
             return Err(Error::Config(format!(
                 "queue `{queue}` has {n} slots but this transport is configured with {}: a different slot count \
@@ -213,6 +314,28 @@ impl PgTransport {
             )));
         }
         Ok(n as u32)
+    }
+
+    /// The slot count consumer group `grp` of `queue` started with, recorded
+    /// at its first start; a different count is refused.
+    async fn group_slots(&self, queue: &str, grp: &str, slots: u32) -> Result<()> {
+        self.db
+            .exec(q(&self.sql.ensure_group).bind(queue).bind(grp).bind(slots as i32))
+            .await
+            .map_err(|e| self.missing_schema(e))?;
+        let n: i32 = self
+            .db
+            .one(q(&self.sql.group_slots).bind(queue).bind(grp))
+            .await
+            .map_err(db)?
+            .get(0);
+        if n as u32 != slots {
+            return Err(Error::Config(format!(
+                "consumer group `{grp}` of queue `{queue}` started with {n} slots, the queue now has {slots}: \
+                 its slot leases and cursors are per slot; start a new group, or restore ?slots={n}"
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -241,6 +364,9 @@ impl Transport for PgTransport {
     }
 
     async fn publisher(&self, category: &str) -> Result<Arc<dyn TransportPublisher>> {
+        if self.cfg.layout == Layout::Plain {
+            return plain::publisher(self, category).await;
+        }
         let slots = self.slots_of(category).await?;
         Ok(Arc::new(PgPublisher {
             t: self.clone(),
@@ -250,15 +376,22 @@ impl Transport for PgTransport {
     }
 
     async fn open(&self, spec: &SourceSpec) -> Result<Box<dyn TransportSource>> {
+        if self.cfg.layout == Layout::Plain {
+            return plain::open(self, spec).await;
+        }
         let slots = self.slots_of(&spec.category).await?;
-        q(&self.sql.ensure_slots)
-            .bind(&spec.category)
-            .bind(&spec.group)
-            .bind(slots as i32)
-            .execute(&self.pool)
+        self.group_slots(&spec.category, &spec.group, slots).await?;
+        self.db
+            .exec(
+                q(&self.sql.ensure_slots)
+                    .bind(&spec.category)
+                    .bind(&spec.group)
+                    .bind(slots as i32),
+            )
             .await
             .map_err(db)?;
-        let mut listener = PgListener::connect(&self.cfg.url).await.map_err(db)?;
+        // LISTEN keeps session state: its own direct connection.
+        let mut listener = PgListener::connect(self.direct_url()).await.map_err(db)?;
         listener.listen(&self.sql.channel).await.map_err(db)?;
         let mut source = PgSource {
             t: self.clone(),
@@ -297,36 +430,61 @@ impl TransportPublisher for PgPublisher {
     async fn publish(&self, message: Message) -> Result<()> {
         let slot = slot_of(message.key(), message.id(), self.slots);
         let headers = serde_json::to_string(message.headers()).map_err(|e| Error::Broker(e.to_string()))?;
-        q(&self.t.sql.publish)
-            .bind(&self.queue)
-            .bind(slot as i32)
-            .bind(message.key().map(OrderingKey::as_str))
-            .bind(message.id())
-            .bind(message.correlation_id())
-            .bind(headers)
-            .bind(message.payload().as_ref())
-            .bind(&self.t.sql.channel)
-            .execute(&self.t.pool)
+        self.t
+            .db
+            .exec(
+                q(&self.t.sql.publish)
+                    .bind(&self.queue)
+                    .bind(slot as i32)
+                    .bind(message.key().map(OrderingKey::as_str))
+                    .bind(message.id())
+                    .bind(message.correlation_id())
+                    .bind(headers)
+                    .bind(message.payload().as_ref())
+                    .bind(&self.t.sql.channel),
+            )
             .await
             .map_err(db)?;
         Ok(())
     }
 }
 
-/// Delivered events of one owned slot, in read order, and which are settled:
-/// the cursor advances only over a settled prefix.
+/// A read position: `(transaction id, event id)`.
+type Pos = (u64, i64);
+
+/// The delivered, not yet settled events of one owned slot, by read position
+/// (bounded by what the dispatcher holds, whatever the slot's throughput).
 #[derive(Debug, Default)]
 struct Track {
-    delivered: VecDeque<(u64, i64)>,
-    done: HashSet<i64>,
+    unsettled: BTreeSet<Pos>,
+}
+
+impl Track {
+    /// How far the cursor may move: just below the first unsettled event,
+    /// and never past what was read (`read`). Every event at or below the
+    /// read position was either delivered or is a halted key's held event,
+    /// which sits above its unsettled head.
+    fn cursor_target(&self, read: Pos) -> Pos {
+        match self.unsettled.first() {
+            Some(&(txid, id)) => read.min((txid, id - 1)),
+            None => read,
+        }
+    }
 }
 
 struct Owned {
     generation: i64,
     lease: Arc<ScopeLease>,
-    read: (u64, i64),
+    /// The next read starts after this position.
+    read: Pos,
+    /// The slot's durable cursor as this owner last wrote it.
+    cursor: Pos,
     track: Arc<Mutex<Track>>,
     revoking: bool,
+}
+
+fn lock(track: &Mutex<Track>) -> std::sync::MutexGuard<'_, Track> {
+    track.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 struct PgSource {
@@ -369,29 +527,27 @@ impl PgSource {
     /// Heartbeat, lease renewal, rebalance, cursor advance, operator actions.
     async fn maintain_now(&mut self) -> Result<()> {
         let sql = self.t.sql.clone();
-        let pool = self.t.pool.clone();
-        let pool = &pool;
+        let ex = self.t.db.clone();
+        let ex = &ex;
         let spec = self.spec.clone();
         let (queue, grp, me) = (&spec.category, &spec.group, &spec.instance);
         let ttl = self.spec.lease.ttl;
         let sent = Instant::now();
         tracing::debug!(member = %me, owned = self.owned.len(), "maintain");
-        q(&sql.heartbeat)
-            .bind(queue)
-            .bind(grp)
-            .bind(me)
-            .execute(pool)
+        ex.exec(q(&sql.heartbeat).bind(queue).bind(grp).bind(me))
             .await
             .map_err(db)?;
         // Renew what we hold; a slot not renewed is lost.
         let held: Vec<i32> = self.owned.keys().map(|s| *s as i32).collect();
-        let renewed: HashMap<u32, i64> = q(&sql.renew)
-            .bind(queue)
-            .bind(grp)
-            .bind(me)
-            .bind(Self::ms(ttl))
-            .bind(&held)
-            .fetch_all(pool)
+        let renewed: HashMap<u32, i64> = ex
+            .all(
+                q(&sql.renew)
+                    .bind(queue)
+                    .bind(grp)
+                    .bind(me)
+                    .bind(Self::ms(ttl))
+                    .bind(&held),
+            )
             .await
             .map_err(db)?
             .iter()
@@ -414,11 +570,8 @@ impl PgSource {
         self.advance_cursors().await?;
         self.retain().await?;
         // Fair share over live members, by the database's clock.
-        let live: Vec<String> = q(&sql.live_members)
-            .bind(queue)
-            .bind(grp)
-            .bind(Self::ms(ttl))
-            .fetch_all(pool)
+        let live: Vec<String> = ex
+            .all(q(&sql.live_members).bind(queue).bind(grp).bind(Self::ms(ttl)))
             .await
             .map_err(db)?
             .iter()
@@ -444,23 +597,27 @@ impl PgSource {
         // Operator actions on halted heads of our slots.
         let slots: Vec<i32> = self.owned.keys().map(|s| *s as i32).collect();
         if !slots.is_empty() {
-            for r in q(&sql.resolved)
-                .bind(queue)
-                .bind(grp)
-                .bind(&slots)
-                .bind(me)
-                .fetch_all(pool)
+            for r in ex
+                .all(q(&sql.resolved).bind(queue).bind(grp).bind(&slots).bind(me))
                 .await
                 .map_err(db)?
             {
                 let key: String = r.get(0);
                 let action: String = r.get(1);
                 let drop_head = action != "resume";
-                if drop_head {
-                    // Settled at the database by the operator: the cursor may pass it.
-                    let (slot, event_id): (i32, i64) = (r.get(2), r.get(3));
-                    if let Some(o) = self.owned.get(&(slot as u32)) {
-                        o.track.lock().unwrap_or_else(|e| e.into_inner()).done.insert(event_id);
+                let (slot, event_id): (i32, i64) = (r.get(2), r.get(3));
+                let head: Pos = (
+                    r.get::<Option<String>, _>(4).and_then(|t| t.parse().ok()).unwrap_or(0),
+                    event_id,
+                );
+                if let Some(o) = self.owned.get_mut(&(slot as u32)) {
+                    // The key's held events lie after its head: read them
+                    // again from there (what is settled or in flight is
+                    // skipped). The cursor never passed the head.
+                    o.read = o.read.min(head);
+                    if drop_head {
+                        // Settled at the database by the operator: the cursor may pass it.
+                        lock(&o.track).unsettled.remove(&head);
                     }
                 }
                 self.events.push(SourceEvent::Resolved { key, drop_head });
@@ -471,13 +628,17 @@ impl PgSource {
     }
 
     async fn acquire(&mut self, slot: u32, sent: Instant) -> Result<bool> {
-        let row = q(&self.t.sql.acquire)
-            .bind(&self.spec.category)
-            .bind(&self.spec.group)
-            .bind(slot as i32)
-            .bind(&self.spec.instance)
-            .bind(Self::ms(self.spec.lease.ttl))
-            .fetch_optional(&self.t.pool)
+        let row = self
+            .t
+            .db
+            .opt(
+                q(&self.t.sql.acquire)
+                    .bind(&self.spec.category)
+                    .bind(&self.spec.group)
+                    .bind(slot as i32)
+                    .bind(&self.spec.instance)
+                    .bind(Self::ms(self.spec.lease.ttl)),
+            )
             .await
             .map_err(db)?;
         if let Some(r) = row {
@@ -497,6 +658,7 @@ impl PgSource {
                     generation,
                     lease,
                     read: (txid.parse().unwrap_or(0), id),
+                    cursor: (txid.parse().unwrap_or(0), id),
                     track: Arc::default(),
                     revoking: false,
                 },
@@ -514,11 +676,15 @@ impl PgSource {
             return Ok(());
         }
         for slot in self.owned.keys() {
-            let done = q(&self.t.sql.retention)
-                .bind(&self.spec.category)
-                .bind(*slot as i32)
-                .bind(i64::from(batch))
-                .execute(&self.t.pool)
+            let done = self
+                .t
+                .db
+                .exec(
+                    q(&self.t.sql.retention)
+                        .bind(&self.spec.category)
+                        .bind(*slot as i32)
+                        .bind(i64::from(batch)),
+                )
                 .await
                 .map_err(db)?;
             if done.rows_affected() > 0 {
@@ -531,36 +697,26 @@ impl PgSource {
     /// Moves each owned slot's cursor over its settled prefix (fenced).
     async fn advance_cursors(&mut self) -> Result<()> {
         let mut lost = Vec::new();
-        for (slot, o) in &self.owned {
-            let (last, ids) = {
-                let mut t = o.track.lock().unwrap_or_else(|e| e.into_inner());
-                let mut last = None;
-                let mut ids = Vec::new();
-                while let Some(&(txid, id)) = t.delivered.front() {
-                    if !t.done.remove(&id) {
-                        break;
-                    }
-                    t.delivered.pop_front();
-                    last = Some((txid, id));
-                    ids.push(id);
-                }
-                (last, ids)
-            };
-            let Some((txid, id)) = last else { continue };
-            let owned: i64 = sqlx::query_scalar(AssertSqlSafe(self.t.sql.advance.clone()))
+        for (slot, o) in &mut self.owned {
+            let target = lock(&o.track).cursor_target(o.read);
+            if target <= o.cursor {
+                continue;
+            }
+            let query = q(&self.t.sql.advance)
                 .bind(&self.spec.category)
                 .bind(&self.spec.group)
                 .bind(*slot as i32)
                 .bind(&self.spec.instance)
                 .bind(o.generation)
-                .bind(txid.to_string())
-                .bind(id)
-                .bind(&ids)
-                .fetch_one(&self.t.pool)
-                .await
-                .map_err(db)?;
+                .bind(target.0.to_string())
+                .bind(target.1)
+                .bind(o.cursor.0.to_string())
+                .bind(o.cursor.1);
+            let owned: i64 = self.t.db.one(query).await.map_err(db)?.get(0);
             if owned == 0 {
                 lost.push(*slot);
+            } else {
+                o.cursor = target;
             }
         }
         for slot in lost {
@@ -588,16 +744,20 @@ impl PgSource {
                 continue;
             }
             let share = (max - out.len()).div_ceil(n - i).max(1);
-            let rows = q(&self.t.sql.read)
-                .bind(&self.spec.category)
-                .bind(&self.spec.group)
-                .bind(slot as i32)
-                .bind(&self.spec.instance)
-                .bind(o.generation)
-                .bind(o.read.0.to_string())
-                .bind(o.read.1)
-                .bind(share as i64)
-                .fetch_all(&self.t.pool)
+            let rows = self
+                .t
+                .db
+                .all(
+                    q(&self.t.sql.read)
+                        .bind(&self.spec.category)
+                        .bind(&self.spec.group)
+                        .bind(slot as i32)
+                        .bind(&self.spec.instance)
+                        .bind(o.generation)
+                        .bind(o.read.0.to_string())
+                        .bind(o.read.1)
+                        .bind(share as i64),
+                )
                 .await;
             let rows = match rows {
                 Ok(rows) => rows,
@@ -613,6 +773,12 @@ impl PgSource {
             for r in rows {
                 let id: i64 = r.get(0);
                 let txid: u64 = r.get::<String, _>(1).parse().unwrap_or(0);
+                o.read = o.read.max((txid, id));
+                // After a rewind (a resolved halt), what is still in flight
+                // comes round again: it is delivered once.
+                if !lock(&o.track).unsettled.insert((txid, id)) {
+                    continue;
+                }
                 let key: Option<String> = r.get(2);
                 let message_id: String = r.get(3);
                 let correlation: Option<String> = r.get(4);
@@ -631,12 +797,6 @@ impl PgSource {
                 if let Some(k) = &key {
                     msg = msg.with_ordering_key(k.clone());
                 }
-                o.read = (txid, id);
-                o.track
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .delivered
-                    .push_back((txid, id));
                 out.push(Inbound {
                     message: msg,
                     lease: o.lease.clone(),
@@ -647,7 +807,7 @@ impl PgSource {
                         me: self.spec.instance.clone(),
                         slot,
                         generation: o.generation,
-                        event_id: id,
+                        pos: (txid, id),
                         message_id,
                         key,
                         track: o.track.clone(),
@@ -700,13 +860,16 @@ impl TransportSource for PgSource {
         if let Some(o) = self.owned.get(&slot) {
             // Release at the database first: on failure the slot stays owned
             // here and the release is retried.
-            q(&self.t.sql.release)
-                .bind(&self.spec.category)
-                .bind(&self.spec.group)
-                .bind(slot as i32)
-                .bind(&self.spec.instance)
-                .bind(o.generation)
-                .execute(&self.t.pool)
+            self.t
+                .db
+                .exec(
+                    q(&self.t.sql.release)
+                        .bind(&self.spec.category)
+                        .bind(&self.spec.group)
+                        .bind(slot as i32)
+                        .bind(&self.spec.instance)
+                        .bind(o.generation),
+                )
                 .await
                 .map_err(db)?;
             o.lease.lose();
@@ -720,11 +883,14 @@ impl TransportSource for PgSource {
         for slot in slots {
             self.release(&scope_name(&self.spec.category, slot)).await?;
         }
-        q(&self.t.sql.leave)
-            .bind(&self.spec.category)
-            .bind(&self.spec.group)
-            .bind(&self.spec.instance)
-            .execute(&self.t.pool)
+        self.t
+            .db
+            .exec(
+                q(&self.t.sql.leave)
+                    .bind(&self.spec.category)
+                    .bind(&self.spec.group)
+                    .bind(&self.spec.instance),
+            )
             .await
             .map_err(db)?;
         Ok(())
@@ -738,7 +904,8 @@ struct PgSettle {
     me: String,
     slot: u32,
     generation: i64,
-    event_id: i64,
+    /// The event's read position (its id is `pos.1`).
+    pos: Pos,
     message_id: String,
     key: Option<OrderingKey>,
     track: Arc<Mutex<Track>>,
@@ -748,7 +915,7 @@ impl fmt::Debug for PgSettle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PgSettle")
             .field("slot", &self.slot)
-            .field("event_id", &self.event_id)
+            .field("event_id", &self.pos.1)
             .finish()
     }
 }
@@ -771,7 +938,7 @@ impl PgSettle {
             .bind(self.slot as i32)
             .bind(&self.me)
             .bind(self.generation)
-            .bind(self.event_id)
+            .bind(self.pos.1)
     }
 
     /// An attempt increment or acknowledgement, batched with other deliveries'.
@@ -785,7 +952,7 @@ impl PgSettle {
                 me: self.me.clone(),
                 slot: self.slot as i32,
                 generation: self.generation,
-                event_id: self.event_id,
+                event_id: self.pos.1,
                 reply,
             })
             .await
@@ -796,7 +963,7 @@ impl PgSettle {
         &self,
         query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
     ) -> Result<()> {
-        let owned: i64 = query.fetch_one(&self.t.pool).await.map_err(db)?.get(0);
+        let owned: i64 = self.t.db.one(query).await.map_err(db)?.get(0);
         if owned == 0 {
             Err(self.fenced())
         } else {
@@ -805,11 +972,7 @@ impl PgSettle {
     }
 
     fn settled(&self) {
-        self.track
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .done
-            .insert(self.event_id);
+        lock(&self.track).unsettled.remove(&self.pos);
     }
 }
 
@@ -848,8 +1011,17 @@ impl Settle for PgSettle {
             .bind_own(q(&self.t.sql.halt))
             .bind(&self.message_id)
             .bind(self.key.as_ref().map_or("", OrderingKey::as_str))
-            .bind(reason);
+            .bind(reason)
+            .bind(self.pos.0.to_string());
         self.fenced_exec(query).await
+    }
+
+    fn unread(&self) -> bool {
+        // Held at the database: the read skips a halted key's later events,
+        // and resolving the halt rewinds the slot's read to the head. The
+        // cursor stays below the head meanwhile, so nothing is passed.
+        lock(&self.track).unsettled.remove(&self.pos);
+        true
     }
 }
 
@@ -868,10 +1040,9 @@ use keyorder_core::key::label;
 impl PgAdmin {
     /// One (category, group) statement's rows; a missing schema names the fix.
     async fn rows(&self, sql: &Arc<str>, category: &str, group: &str) -> Result<Vec<sqlx::postgres::PgRow>> {
-        q(sql)
-            .bind(category)
-            .bind(group)
-            .fetch_all(&self.t.pool)
+        self.t
+            .db
+            .all(q(sql).bind(category).bind(group))
             .await
             .map_err(|e| self.t.missing_schema(e))
     }
@@ -906,17 +1077,17 @@ impl Admin for PgAdmin {
                     head_id: r.get(2),
                     reason: r.get(3),
                     attempts: r.get::<i32, _>(4) as u32,
+                    held: Some(r.get::<i64, _>(5) as u64),
                 }
             })
             .collect())
     }
 
     async fn hot_keys(&self, category: &str, group: &str, limit: usize) -> Result<Vec<HotKey>> {
-        let rows = q(&self.t.sql.hot_keys)
-            .bind(category)
-            .bind(group)
-            .bind(limit as i64)
-            .fetch_all(&self.t.pool)
+        let rows = self
+            .t
+            .db
+            .all(q(&self.t.sql.hot_keys).bind(category).bind(group).bind(limit as i64))
             .await
             .map_err(|e| self.t.missing_schema(e))?;
         Ok(rows
@@ -954,7 +1125,10 @@ impl Admin for PgAdmin {
                 keyorder_core::key::redact(key)
             )));
         };
-        let mut tx = self.t.pool.begin().await.map_err(db)?;
+        // One transaction (a transaction-mode pooler keeps it on one server
+        // connection), unnamed statements behind a pooler.
+        let pooled = self.t.cfg.pooled;
+        let mut tx = self.t.db.pool.begin().await.map_err(db)?;
         let (stmt, mark) = match action {
             HeadAction::Skip => (&self.t.sql.op_ack, "skip"),
             HeadAction::DeadLetter => (&self.t.sql.op_dead, "dlq"),
@@ -964,6 +1138,7 @@ impl Admin for PgAdmin {
             .bind(category)
             .bind(group)
             .bind(&found)
+            .persistent(!pooled)
             .execute(&mut *tx)
             .await
             .map_err(db)?;
@@ -972,6 +1147,7 @@ impl Admin for PgAdmin {
                 .bind(category)
                 .bind(group)
                 .bind(&found)
+                .persistent(!pooled)
                 .execute(&mut *tx)
                 .await
                 .map_err(db)?;
@@ -981,6 +1157,7 @@ impl Admin for PgAdmin {
             .bind(group)
             .bind(&found)
             .bind(mark)
+            .persistent(!pooled)
             .execute(&mut *tx)
             .await
             .map_err(db)?;

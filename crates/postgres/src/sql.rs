@@ -4,14 +4,28 @@ use std::sync::Arc;
 
 use crate::shared::{after_position, commit_safe, read_order, LeaseSql, TXID_COLUMN};
 
+/// The embedded migrations (`crates/postgres/migrations`), in order: `{s}`
+/// stands for the schema.
+const MIGRATIONS: [(i64, &str, &str); 2] = [
+    (1, "init", include_str!("../migrations/0001_init.sql")),
+    (
+        2,
+        "groups and held keys",
+        include_str!("../migrations/0002_groups_and_held.sql"),
+    ),
+];
+
 /// The statements of one schema (`AssertSqlSafe`: the schema name is
 /// validated as an identifier before it is formatted in).
 #[derive(Debug)]
 pub(crate) struct Sql {
     pub(crate) channel: String,
-    pub(crate) migrate: Vec<Arc<str>>,
+    /// `(version, description, SQL)` of each embedded migration, for this schema.
+    pub(crate) migrations: Vec<(i64, &'static str, String)>,
     pub(crate) ensure_queue: Arc<str>,
     pub(crate) queue_slots: Arc<str>,
+    pub(crate) ensure_group: Arc<str>,
+    pub(crate) group_slots: Arc<str>,
     pub(crate) ensure_slots: Arc<str>,
     pub(crate) publish: Arc<str>,
     pub(crate) heartbeat: Arc<str>,
@@ -51,50 +65,24 @@ impl Sql {
                     .replace("{s}", schema),
             )
         };
-        let migrate = [
-            "create schema if not exists {s}",
-            "create table if not exists {s}.queues (queue text primary key, slots int not null)",
-            "create table if not exists {s}.events (
-                id bigserial primary key,
-                queue text not null,
-                slot int not null,
-                key text,
-                message_id text not null,
-                correlation_id text,
-                headers jsonb not null default '{}',
-                payload bytea not null,
-                {txid},
-                enqueued_at timestamptz not null default clock_timestamp())",
-            "create index if not exists events_read on {s}.events (queue, slot, txid, id)",
-            "{create_slots}",
-            "{create_members}",
-            "create table if not exists {s}.attempts (
-                queue text not null, grp text not null, event_id bigint not null, attempts int not null,
-                primary key (queue, grp, event_id))",
-            "create table if not exists {s}.acked (
-                queue text not null, grp text not null, slot int not null, event_id bigint not null,
-                primary key (queue, grp, event_id))",
-            "create table if not exists {s}.halted (
-                queue text not null, grp text not null, key text not null, slot int not null,
-                event_id bigint not null, message_id text not null, reason text not null, action text,
-                primary key (queue, grp, key))",
-            "create table if not exists {s}.dead (
-                id bigserial primary key, queue text not null, grp text not null, event_id bigint not null,
-                message_id text not null, key text, reason text not null,
-                parked_at timestamptz not null default clock_timestamp())",
-        ]
-        .iter()
-        .map(|t| match *t {
-            "{create_slots}" => Arc::from(lease.create_slots.as_str()),
-            "{create_members}" => Arc::from(lease.create_members.as_str()),
-            t => f(t),
-        })
-        .collect();
+        let migrations = MIGRATIONS
+            .iter()
+            .map(|(version, description, text)| {
+                let text = text
+                    .replace("{create_slots}", &lease.create_slots)
+                    .replace("{create_members}", &lease.create_members)
+                    .replace("{txid}", TXID_COLUMN)
+                    .replace("{s}", schema);
+                (*version, *description, text)
+            })
+            .collect();
         Sql {
             channel: format!("keyorder_{schema}"),
-            migrate,
+            migrations,
             ensure_queue: f("insert into {s}.queues (queue, slots) values ($1, $2) on conflict (queue) do nothing"),
             queue_slots: f("select slots from {s}.queues where queue = $1"),
+            ensure_group: f("insert into {s}.groups (queue, grp, slots) values ($1, $2, $3) on conflict do nothing"),
+            group_slots: f("select slots from {s}.groups where queue = $1 and grp = $2"),
             ensure_slots: f(
                 "insert into {s}.slots (queue, grp, slot) select $1, $2, g from generate_series(0, $3 - 1) g \
                  on conflict do nothing",
@@ -114,9 +102,10 @@ impl Sql {
                 "with {own}, up as (update {s}.slots set cursor_txid = $6::text::xid8, cursor_id = $7 \
                  where queue = $1 and grp = $2 and slot = $3 and exists (select 1 from own) returning 1), \
                  del as (delete from {s}.acked a where a.queue = $1 and a.grp = $2 and a.slot = $3 \
-                 and exists (select 1 from own) and (a.event_id = any($8) or a.event_id in \
+                 and exists (select 1 from own) and a.event_id in \
                  (select e.id from {s}.events e where e.queue = $1 and e.slot = $3 \
-                  and (e.txid, e.id) <= ($6::text::xid8, $7)))) select count(*) from own",
+                  and (e.txid, e.id) > ($8::text::xid8, $9) and (e.txid, e.id) <= ($6::text::xid8, $7))) \
+                 select count(*) from own",
             ),
             read: f(
                 "select e.id, e.txid::text, e.key, e.message_id, e.correlation_id, e.headers::text, e.payload \
@@ -126,6 +115,8 @@ impl Sql {
                  and {after} \
                  and {commit_safe} \
                  and not exists (select 1 from {s}.acked a where a.queue = $1 and a.grp = $2 and a.event_id = e.id) \
+                 and not exists (select 1 from {s}.halted h where h.queue = $1 and h.grp = $2 and h.key = e.key \
+                 and (e.txid, e.id) > (h.txid, h.event_id)) \
                  {read_order} limit $8",
             ),
             park: f(
@@ -136,18 +127,20 @@ impl Sql {
                  del as (delete from {s}.attempts where queue = $1 and grp = $2 and event_id = $6 \
                  and exists (select 1 from own)) select count(*) from own",
             ),
+            // The head's read position goes with it: the key's later events
+            // are held at the database (the read skips them) until resolved.
             halt: f(
-                "with {own}, h as (insert into {s}.halted (queue, grp, key, slot, event_id, message_id, reason) \
-                 select $1, $2, $8, $3, $6, $7, $9 from own \
+                "with {own}, h as (insert into {s}.halted (queue, grp, key, slot, event_id, message_id, reason, txid) \
+                 select $1, $2, $8, $3, $6, $7, $9, $10::text::xid8 from own \
                  on conflict (queue, grp, key) do update set slot = excluded.slot, event_id = excluded.event_id, \
-                 message_id = excluded.message_id, reason = excluded.reason, action = null) \
+                 message_id = excluded.message_id, reason = excluded.reason, action = null, txid = excluded.txid) \
                  select count(*) from own",
             ),
             resolved: f(
                 "delete from {s}.halted h where h.queue = $1 and h.grp = $2 and h.slot = any($3) \
                  and h.action is not null and exists (select 1 from {s}.slots s where s.queue = h.queue \
                  and s.grp = h.grp and s.slot = h.slot and s.owner = $4 and s.lease_expiry > clock_timestamp()) \
-                 returning h.key, h.action, h.slot, h.event_id",
+                 returning h.key, h.action, h.slot, h.event_id, h.txid::text",
             ),
             scopes: f(
                 "select s.slot, case when s.lease_expiry > clock_timestamp() then s.owner end, s.generation, \
@@ -158,9 +151,14 @@ impl Sql {
                  (select count(*) from {s}.halted h where h.queue = s.queue and h.grp = s.grp and h.slot = s.slot) \
                  from {s}.slots s where s.queue = $1 and s.grp = $2 order by s.slot",
             ),
-            halted: f("select h.key, h.slot, h.message_id, h.reason, coalesce(a.attempts, 0) \
+            halted: f(
+                "select h.key, h.slot, h.message_id, h.reason, coalesce(a.attempts, 0), \
+                 (select count(*) from {s}.events e where e.queue = h.queue and e.key = h.key \
+                  and (e.txid, e.id) > (h.txid, h.event_id) and not exists (select 1 from {s}.acked k \
+                  where k.queue = h.queue and k.grp = h.grp and k.event_id = e.id)) \
                  from {s}.halted h left join {s}.attempts a on a.queue = h.queue and a.grp = h.grp \
-                 and a.event_id = h.event_id where h.queue = $1 and h.grp = $2 and h.action is null order by h.key"),
+                 and a.event_id = h.event_id where h.queue = $1 and h.grp = $2 and h.action is null order by h.key",
+            ),
             hot_keys: f(
                 "select e.key, count(*) from {s}.events e join {s}.slots s on s.queue = e.queue \
                  and s.grp = $2 and s.slot = e.slot where e.queue = $1 and e.key is not null \

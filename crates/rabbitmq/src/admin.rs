@@ -77,6 +77,7 @@ impl Admin for RabbitAdmin {
                 head_id: h.head_id.clone(),
                 attempts: h.attempts,
                 reason: h.reason.clone(),
+                held: None,
             })
             .collect();
         out.sort_by(|a, b| a.label.cmp(&b.label));

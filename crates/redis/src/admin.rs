@@ -120,6 +120,7 @@ impl Admin for RedisAdmin {
                 head_id: v["head"].as_str().unwrap_or_default().to_owned(),
                 attempts: v["attempts"].as_u64().unwrap_or(0) as u32,
                 reason: v["reason"].as_str().unwrap_or_default().to_owned(),
+                held: None,
             })
             .collect();
         out.sort_by(|a, b| a.label.cmp(&b.label));

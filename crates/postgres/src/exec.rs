@@ -1,0 +1,65 @@
+//! Running one statement, straight on the pool or behind a transaction-mode
+//! connection pooler (PgBouncer `pool_mode = transaction`).
+//!
+//! sqlx runs a statement with parameters in two round trips: `Parse` +
+//! `Describe` + `Sync`, then `Bind` + `Execute` + `Sync`. A transaction-mode
+//! pooler may hand the second half to another server connection once the
+//! first `Sync` leaves the session idle, and named prepared statements do not
+//! follow a client from one server connection to another. So behind a pooler
+//! every statement runs inside a transaction of its own (the pooler keeps one
+//! server connection for a transaction) as an unnamed statement. That costs
+//! two more round trips per statement (`BEGIN`, `COMMIT`); nothing else on
+//! the pooled path keeps session state (no advisory locks, no `SET`).
+
+use sqlx::postgres::{PgPool, PgQueryResult, PgRow};
+
+/// One statement with its parameters bound.
+pub(crate) type PgQuery<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
+
+/// The pool and how to run a statement on it.
+#[derive(Debug, Clone)]
+pub(crate) struct Exec {
+    pub(crate) pool: PgPool,
+    /// Behind a transaction-mode pooler (`?pooler=transaction`).
+    pub(crate) pooled: bool,
+}
+
+impl Exec {
+    /// Every row the statement returns.
+    pub(crate) async fn all(&self, query: PgQuery<'_>) -> Result<Vec<PgRow>, sqlx::Error> {
+        if self.pooled {
+            let mut tx = self.pool.begin().await?;
+            let rows = query.persistent(false).fetch_all(&mut *tx).await?;
+            tx.commit().await?;
+            Ok(rows)
+        } else {
+            query.fetch_all(&self.pool).await
+        }
+    }
+
+    /// The statement's first row, if any.
+    pub(crate) async fn opt(&self, query: PgQuery<'_>) -> Result<Option<PgRow>, sqlx::Error> {
+        if self.pooled {
+            Ok(self.all(query).await?.into_iter().next())
+        } else {
+            query.fetch_optional(&self.pool).await
+        }
+    }
+
+    /// The statement's one row (`RowNotFound` if it returned none).
+    pub(crate) async fn one(&self, query: PgQuery<'_>) -> Result<PgRow, sqlx::Error> {
+        self.opt(query).await?.ok_or(sqlx::Error::RowNotFound)
+    }
+
+    /// Runs a statement for its effect.
+    pub(crate) async fn exec(&self, query: PgQuery<'_>) -> Result<PgQueryResult, sqlx::Error> {
+        if self.pooled {
+            let mut tx = self.pool.begin().await?;
+            let done = query.persistent(false).execute(&mut *tx).await?;
+            tx.commit().await?;
+            Ok(done)
+        } else {
+            query.execute(&self.pool).await
+        }
+    }
+}
