@@ -25,45 +25,15 @@ use keyorder_core::{
     TransportSource,
 };
 use sqlx::postgres::PgListener;
-use sqlx::{AssertSqlSafe, Connection, Row};
+use sqlx::{AssertSqlSafe, Row};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use crate::exec::Exec;
 use crate::{db, q, PgTransport};
 
-/// The advisory lock `migrate()` takes: the plain table is created under the
-/// same lock, so it never races the schema's own migration.
-const MIGRATE_LOCK: i64 = 7306172002;
-
 /// The most acknowledgements one statement carries.
 const MAX_BATCH: usize = 256;
-
-/// The DDL of the plain layout (idempotent; run after the schema's own
-/// migration, which creates the schema and `dead`).
-pub(crate) fn migration_sql(schema: &str) -> Vec<String> {
-    [
-        "create table if not exists {s}.plain_events (
-            id bigserial primary key,
-            queue text not null,
-            slot int not null default 0,
-            key text,
-            message_id text not null,
-            correlation_id text,
-            headers jsonb not null default '{}',
-            payload bytea not null,
-            txid xid8 not null default pg_current_xact_id(),
-            enqueued_at timestamptz not null default clock_timestamp(),
-            locked_by text,
-            locked_until timestamptz,
-            attempts int not null default 0)",
-        // The claim walks a queue's rows in id order, skipping locked ones.
-        "create index if not exists plain_events_claim on {s}.plain_events (queue, id)",
-    ]
-    .iter()
-    .map(|t| t.replace("{s}", schema))
-    .collect()
-}
 
 /// The statements of the plain layout for one schema (`AssertSqlSafe`: the
 /// schema name was validated as an identifier before it is formatted in).
@@ -126,47 +96,6 @@ impl PlainSql {
     }
 }
 
-impl PgTransport {
-    /// Creates the plain layout's table if it does not exist (idempotent;
-    /// safe from several processes at once). Needs the schema's own
-    /// migration ([`PgTransport::migrate`]) first.
-    #[doc(hidden)]
-    ///
-    /// Runs on a connection of its own to the direct URL (`direct=`), like
-    /// `migrate()`.
-    pub async fn migrate_plain(&self) -> Result<()> {
-        let mut conn = sqlx::PgConnection::connect(self.direct_url()).await.map_err(db)?;
-        let run = self.migrate_plain_on(&mut conn).await;
-        let _ = conn.close().await;
-        run
-    }
-
-    async fn migrate_plain_on(&self, conn: &mut sqlx::PgConnection) -> Result<()> {
-        let mut tx = conn.begin().await.map_err(db)?;
-        sqlx::query("select pg_advisory_xact_lock($1)")
-            .bind(MIGRATE_LOCK)
-            .execute(&mut *tx)
-            .await
-            .map_err(db)?;
-        for stmt in migration_sql(&self.cfg.schema) {
-            sqlx::query(AssertSqlSafe(stmt))
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| self.missing_schema(e))?;
-        }
-        tx.commit().await.map_err(db)
-    }
-
-    /// With `?migrate=true`, the plain layout creates its own table (until
-    /// `migrate()` includes [`migration_sql`], after which this is a no-op).
-    async fn plain_setup(&self) -> Result<()> {
-        if self.cfg.migrate {
-            self.migrate_plain().await?;
-        }
-        Ok(())
-    }
-}
-
 /// The fix named when an ordered subscription meets the plain layout.
 pub(crate) fn ordered_refused() -> Error {
     Error::Config(
@@ -179,7 +108,6 @@ pub(crate) fn ordered_refused() -> Error {
 
 /// A publisher of the plain layout.
 pub(crate) async fn publisher(t: &PgTransport, queue: &str) -> Result<Arc<dyn TransportPublisher>> {
-    t.plain_setup().await?;
     Ok(Arc::new(PlainPublisher {
         t: t.clone(),
         queue: queue.to_owned(),
@@ -192,7 +120,6 @@ pub(crate) async fn open(t: &PgTransport, spec: &SourceSpec) -> Result<Box<dyn T
     if spec.ordered {
         return Err(ordered_refused());
     }
-    t.plain_setup().await?;
     Ok(Box::new(PlainSource::open(t.clone(), spec.clone()).await?))
 }
 

@@ -6,13 +6,14 @@ use crate::shared::{after_position, commit_safe, read_order, LeaseSql, TXID_COLU
 
 /// The embedded migrations (`crates/postgres/migrations`), in order: `{s}`
 /// stands for the schema.
-const MIGRATIONS: [(i64, &str, &str); 2] = [
+const MIGRATIONS: [(i64, &str, &str); 3] = [
     (1, "init", include_str!("../migrations/0001_init.sql")),
     (
         2,
         "groups and held keys",
         include_str!("../migrations/0002_groups_and_held.sql"),
     ),
+    (3, "plain baseline", include_str!("../migrations/0003_plain.sql")),
 ];
 
 /// The statements of one schema (`AssertSqlSafe`: the schema name is

@@ -120,7 +120,10 @@ async fn a_halted_key_is_held_at_the_database_and_its_slot_keeps_going() {
                 .unwrap();
         }
     }
-    until("the good keys to finish again", async || good_done(&seen, 4 * BAD_LATER)).await;
+    until("the good keys to finish again", async || {
+        good_done(&seen, 4 * BAD_LATER)
+    })
+    .await;
     // Held: every later `bad` event, none started, none attempted; the
     // slot never paused for it.
     let started_bad: Vec<String> = seen
@@ -142,7 +145,10 @@ async fn a_halted_key_is_held_at_the_database_and_its_slot_keeps_going() {
     .await
     .unwrap();
     assert_eq!(attempts, 0, "held events are not counted as attempts");
-    assert!(stats.snapshot().handed_back > 0, "the bad key's waiting messages went back to the database");
+    assert!(
+        stats.snapshot().handed_back > 0,
+        "the bad key's waiting messages went back to the database"
+    );
     // The operator skips the head: the held events run, in order.
     admin.resolve(&queue, "g", "bad", HeadAction::Skip).await.unwrap();
     until("the held events to run", async || {
@@ -158,7 +164,10 @@ async fn a_halted_key_is_held_at_the_database_and_its_slot_keeps_going() {
         .collect();
     let want: Vec<String> = (0..2 * BAD_LATER).map(|n| n.to_string()).collect();
     assert_eq!(bad, want, "released in order, each once");
-    until("nothing halted", async || admin.halted(&queue, "g").await.unwrap().is_empty()).await;
+    until("nothing halted", async || {
+        admin.halted(&queue, "g").await.unwrap().is_empty()
+    })
+    .await;
     let _ = stop.send(());
     run.await.unwrap().unwrap();
     // Each good event ran once (a rewind re-reads, it does not redeliver).
