@@ -456,9 +456,7 @@ fn harnesses() -> Vec<Arc<dyn Harness>> {
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:6432/test".into());
         let direct: String = url::form_urlencoded::byte_serialize(base.as_bytes()).collect();
         all.push(Arc::new(PgBouncerHarness {
-            url: format!(
-                "{pooler}?schema=keyorder_conformance&migrate=true&pool=4&pooler=transaction&direct={direct}"
-            ),
+            url: format!("{pooler}?schema=keyorder_conformance&migrate=true&pool=4&pooler=transaction&direct={direct}"),
         }));
         let restart = std::env::var("POSTGRES_RESTART_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5433/postgres".into());

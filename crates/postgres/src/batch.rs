@@ -30,6 +30,8 @@ pub(crate) struct Req {
     pub(crate) slot: i32,
     pub(crate) generation: i64,
     pub(crate) event_id: i64,
+    /// The event's transaction id (acknowledgements record it).
+    pub(crate) txid: u64,
     pub(crate) reply: oneshot::Sender<Result<Option<i32>>>,
 }
 
@@ -69,6 +71,7 @@ impl Batcher {
                     let slots: Vec<i32> = reqs.iter().map(|r| r.slot).collect();
                     let gens: Vec<i64> = reqs.iter().map(|r| r.generation).collect();
                     let ids: Vec<i64> = reqs.iter().map(|r| r.event_id).collect();
+                    let txids: Vec<String> = reqs.iter().map(|r| r.txid.to_string()).collect();
                     let query = sqlx::query(AssertSqlSafe(sql))
                         .bind(&queue)
                         .bind(&grp)
@@ -76,6 +79,10 @@ impl Batcher {
                         .bind(&slots)
                         .bind(&gens)
                         .bind(&ids);
+                    let query = match kind {
+                        Kind::Attempt => query,
+                        Kind::Ack => query.bind(&txids),
+                    };
                     let rows = db.all(query).await;
                     match rows {
                         Ok(rows) => {

@@ -709,9 +709,7 @@ impl PgSource {
                 .bind(&self.spec.instance)
                 .bind(o.generation)
                 .bind(target.0.to_string())
-                .bind(target.1)
-                .bind(o.cursor.0.to_string())
-                .bind(o.cursor.1);
+                .bind(target.1);
             let owned: i64 = self.t.db.one(query).await.map_err(db)?.get(0);
             if owned == 0 {
                 lost.push(*slot);
@@ -953,6 +951,7 @@ impl PgSettle {
                 slot: self.slot as i32,
                 generation: self.generation,
                 event_id: self.pos.1,
+                txid: self.pos.0,
                 reply,
             })
             .await

@@ -6,7 +6,7 @@ use crate::shared::{after_position, commit_safe, read_order, LeaseSql, TXID_COLU
 
 /// The embedded migrations (`crates/postgres/migrations`), in order: `{s}`
 /// stands for the schema.
-const MIGRATIONS: [(i64, &str, &str); 3] = [
+const MIGRATIONS: [(i64, &str, &str); 4] = [
     (1, "init", include_str!("../migrations/0001_init.sql")),
     (
         2,
@@ -14,6 +14,11 @@ const MIGRATIONS: [(i64, &str, &str); 3] = [
         include_str!("../migrations/0002_groups_and_held.sql"),
     ),
     (3, "plain baseline", include_str!("../migrations/0003_plain.sql")),
+    (
+        4,
+        "acknowledgement positions",
+        include_str!("../migrations/0004_acked_position.sql"),
+    ),
 ];
 
 /// The statements of one schema (`AssertSqlSafe`: the schema name is
@@ -103,9 +108,7 @@ impl Sql {
                 "with {own}, up as (update {s}.slots set cursor_txid = $6::text::xid8, cursor_id = $7 \
                  where queue = $1 and grp = $2 and slot = $3 and exists (select 1 from own) returning 1), \
                  del as (delete from {s}.acked a where a.queue = $1 and a.grp = $2 and a.slot = $3 \
-                 and exists (select 1 from own) and a.event_id in \
-                 (select e.id from {s}.events e where e.queue = $1 and e.slot = $3 \
-                  and (e.txid, e.id) > ($8::text::xid8, $9) and (e.txid, e.id) <= ($6::text::xid8, $7))) \
+                 and exists (select 1 from own) and (a.txid, a.event_id) <= ($6::text::xid8, $7)) \
                  select count(*) from own",
             ),
             read: f(
@@ -123,7 +126,8 @@ impl Sql {
             park: f(
                 "with {own}, d as (insert into {s}.dead (queue, grp, event_id, message_id, key, reason) \
                  select $1, $2, $6, $7, $8, $9 from own), \
-                 ins as (insert into {s}.acked (queue, grp, slot, event_id) select $1, $2, $3, $6 from own \
+                 ins as (insert into {s}.acked (queue, grp, slot, event_id, txid) \
+                 select $1, $2, $3, $6, (select e.txid from {s}.events e where e.id = $6) from own \
                  on conflict do nothing), \
                  del as (delete from {s}.attempts where queue = $1 and grp = $2 and event_id = $6 \
                  and exists (select 1 from own)) select count(*) from own",
@@ -169,9 +173,9 @@ impl Sql {
             ),
             dead: f("select message_id, key, reason from {s}.dead where queue = $1 and grp = $2 order by id"),
             op_ack: f(
-                "with h as (select queue, grp, slot, event_id from {s}.halted where queue = $1 and grp = $2 \
-                 and key = $3), a as (insert into {s}.acked (queue, grp, slot, event_id) \
-                 select queue, grp, slot, event_id from h on conflict do nothing) \
+                "with h as (select queue, grp, slot, event_id, txid from {s}.halted where queue = $1 and grp = $2 \
+                 and key = $3), a as (insert into {s}.acked (queue, grp, slot, event_id, txid) \
+                 select queue, grp, slot, event_id, coalesce(txid, '0') from h on conflict do nothing) \
                  delete from {s}.attempts t using h where t.queue = h.queue and t.grp = h.grp \
                  and t.event_id = h.event_id",
             ),
@@ -186,7 +190,8 @@ impl Sql {
                 "update {s}.halted set action = $4 where queue = $1 and grp = $2 and key = $3 \
                  and action is null",
             ),
-            // Many deliveries at once: $4 slots, $5 generations, $6 event ids;
+            // Many deliveries at once: $4 slots, $5 generations, $6 event ids
+            // (and, for acknowledgements, $7 their transaction ids);
             // only the (slot, generation) pairs this owner still holds count.
             attempt_batch: f(
                 "with req as (select * from unnest($4::int[], $5::bigint[], $6::bigint[]) \
@@ -199,13 +204,13 @@ impl Sql {
                  returning event_id, attempts",
             ),
             ack_batch: f(
-                "with req as (select * from unnest($4::int[], $5::bigint[], $6::bigint[]) \
-                 as r(slot, gen, event_id)), \
-                 own as (select r.slot, r.event_id from req r join {s}.slots s on s.queue = $1 and s.grp = $2 \
-                 and s.slot = r.slot and s.owner = $3 and s.generation = r.gen \
+                "with req as (select * from unnest($4::int[], $5::bigint[], $6::bigint[], $7::text[]) \
+                 as r(slot, gen, event_id, txid)), \
+                 own as (select r.slot, r.event_id, r.txid from req r join {s}.slots s on s.queue = $1 \
+                 and s.grp = $2 and s.slot = r.slot and s.owner = $3 and s.generation = r.gen \
                  and s.lease_expiry > clock_timestamp() for share of s), \
-                 ins as (insert into {s}.acked (queue, grp, slot, event_id) select $1, $2, slot, event_id from own \
-                 on conflict do nothing), \
+                 ins as (insert into {s}.acked (queue, grp, slot, event_id, txid) \
+                 select $1, $2, slot, event_id, txid::xid8 from own on conflict do nothing), \
                  del as (delete from {s}.attempts a using own o where a.queue = $1 and a.grp = $2 \
                  and a.event_id = o.event_id) \
                  select event_id, 1 from own",

@@ -35,7 +35,7 @@ async fn migrations_run_once_per_schema_from_many_starts_at_once() {
     .fetch_all(&pool)
     .await
     .unwrap();
-    assert_eq!(applied, vec![(1, true), (2, true), (3, true)]);
+    assert_eq!(applied, vec![(1, true), (2, true), (3, true), (4, true)]);
     sqlx::query(sqlx::AssertSqlSafe(format!("drop schema {schema} cascade")))
         .execute(&pool)
         .await
