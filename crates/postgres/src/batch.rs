@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use keyorder_core::{Error, Result};
 use sqlx::{AssertSqlSafe, Row};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::exec::Exec;
 
@@ -38,6 +38,9 @@ pub(crate) struct Req {
 /// The most requests one statement carries.
 const MAX_BATCH: usize = 256;
 
+/// Batch statements running at once per transport.
+const IN_FLIGHT: usize = 4;
+
 /// Sends requests to the batching task (one per transport).
 #[derive(Debug, Clone)]
 pub(crate) struct Batcher {
@@ -47,6 +50,7 @@ pub(crate) struct Batcher {
 impl Batcher {
     pub(crate) fn spawn(db: Exec, attempt_sql: Arc<str>, ack_sql: Arc<str>) -> Batcher {
         let (tx, mut rx) = mpsc::unbounded_channel::<Req>();
+        let in_flight = Arc::new(Semaphore::new(IN_FLIGHT));
         tokio::spawn(async move {
             while let Some(first) = rx.recv().await {
                 let mut batch = vec![first];
@@ -64,41 +68,51 @@ impl Batcher {
                         .push(req);
                 }
                 for ((kind, queue, grp, me), reqs) in groups {
-                    let sql = match kind {
-                        Kind::Attempt => attempt_sql.clone(),
-                        Kind::Ack => ack_sql.clone(),
+                    // Statements overlap (up to `IN_FLIGHT`), so their
+                    // commits can share a WAL flush; requests that arrive
+                    // meanwhile form the next batch.
+                    let Ok(permit) = in_flight.clone().acquire_owned().await else {
+                        return;
                     };
-                    let slots: Vec<i32> = reqs.iter().map(|r| r.slot).collect();
-                    let gens: Vec<i64> = reqs.iter().map(|r| r.generation).collect();
-                    let ids: Vec<i64> = reqs.iter().map(|r| r.event_id).collect();
-                    let txids: Vec<String> = reqs.iter().map(|r| r.txid.to_string()).collect();
-                    let query = sqlx::query(AssertSqlSafe(sql))
-                        .bind(&queue)
-                        .bind(&grp)
-                        .bind(&me)
-                        .bind(&slots)
-                        .bind(&gens)
-                        .bind(&ids);
-                    let query = match kind {
-                        Kind::Attempt => query,
-                        Kind::Ack => query.bind(&txids),
-                    };
-                    let rows = db.all(query).await;
-                    match rows {
-                        Ok(rows) => {
-                            let done: HashMap<i64, i32> =
-                                rows.iter().map(|r| (r.get::<i64, _>(0), r.get::<i32, _>(1))).collect();
-                            for req in reqs {
-                                let _ = req.reply.send(Ok(done.get(&req.event_id).copied()));
+                    let (db, attempt_sql, ack_sql) = (db.clone(), attempt_sql.clone(), ack_sql.clone());
+                    tokio::spawn(async move {
+                        let _permit = permit;
+                        let sql = match kind {
+                            Kind::Attempt => attempt_sql.clone(),
+                            Kind::Ack => ack_sql.clone(),
+                        };
+                        let slots: Vec<i32> = reqs.iter().map(|r| r.slot).collect();
+                        let gens: Vec<i64> = reqs.iter().map(|r| r.generation).collect();
+                        let ids: Vec<i64> = reqs.iter().map(|r| r.event_id).collect();
+                        let txids: Vec<String> = reqs.iter().map(|r| r.txid.to_string()).collect();
+                        let query = sqlx::query(AssertSqlSafe(sql))
+                            .bind(&queue)
+                            .bind(&grp)
+                            .bind(&me)
+                            .bind(&slots)
+                            .bind(&gens)
+                            .bind(&ids);
+                        let query = match kind {
+                            Kind::Attempt => query,
+                            Kind::Ack => query.bind(&txids),
+                        };
+                        let rows = db.all(query).await;
+                        match rows {
+                            Ok(rows) => {
+                                let done: HashMap<i64, i32> =
+                                    rows.iter().map(|r| (r.get::<i64, _>(0), r.get::<i32, _>(1))).collect();
+                                for req in reqs {
+                                    let _ = req.reply.send(Ok(done.get(&req.event_id).copied()));
+                                }
+                            }
+                            Err(e) => {
+                                let msg = format!("postgres: {e}");
+                                for req in reqs {
+                                    let _ = req.reply.send(Err(Error::Broker(msg.clone())));
+                                }
                             }
                         }
-                        Err(e) => {
-                            let msg = format!("postgres: {e}");
-                            for req in reqs {
-                                let _ = req.reply.send(Err(Error::Broker(msg.clone())));
-                            }
-                        }
-                    }
+                    });
                 }
             }
         });

@@ -402,7 +402,6 @@ impl Transport for PgTransport {
             listener,
             last_maintain: None,
             waiting: false,
-            cursor: 0,
         };
         source.maintain_now().await?;
         Ok(Box::new(source))
@@ -498,7 +497,6 @@ struct PgSource {
     /// A slot this member should own is still held by another: retry soon
     /// rather than at the next heartbeat.
     waiting: bool,
-    cursor: u32,
 }
 
 impl fmt::Debug for PgSource {
@@ -727,61 +725,52 @@ impl PgSource {
 
     async fn read(&mut self, max: usize, paused: &HashSet<Arc<str>>) -> Result<Vec<Inbound>> {
         let mut out = Vec::new();
-        let slots: Vec<u32> = self.owned.keys().copied().collect();
-        if slots.is_empty() {
+        // Every readable owned slot in one round trip, each up to an even
+        // share of `max` (one statement per slot cost a round trip each on
+        // every fetch: milliseconds of latency with a few slots).
+        let readable: Vec<(u32, i64, Pos)> = self
+            .owned
+            .iter()
+            .filter(|(_, o)| !o.revoking && !paused.contains(o.lease.scope()) && !o.lease.is_lost())
+            .map(|(slot, o)| (*slot, o.generation, o.read))
+            .collect();
+        if readable.is_empty() || max == 0 {
             return Ok(out);
         }
-        let n = slots.len();
-        for i in 0..n {
-            if out.len() >= max {
-                break;
-            }
-            let slot = slots[(self.cursor as usize + i) % n];
-            let Some(o) = self.owned.get(&slot) else { continue };
-            if o.revoking || paused.contains(o.lease.scope()) || o.lease.is_lost() {
-                continue;
-            }
-            let share = (max - out.len()).div_ceil(n - i).max(1);
-            let rows = self
-                .t
-                .db
-                .all(
-                    q(&self.t.sql.read)
-                        .bind(&self.spec.category)
-                        .bind(&self.spec.group)
-                        .bind(slot as i32)
-                        .bind(&self.spec.instance)
-                        .bind(o.generation)
-                        .bind(o.read.0.to_string())
-                        .bind(o.read.1)
-                        .bind(share as i64),
-                )
-                .await;
-            let rows = match rows {
-                Ok(rows) => rows,
-                // Rows already taken from other slots moved their read
-                // positions: hand them over, report the failure next time.
-                Err(e) if !out.is_empty() => {
-                    tracing::warn!(error = %e, slot, "read failed; delivering what was read");
-                    break;
-                }
-                Err(e) => return Err(db(e)),
-            };
-            let o = self.owned.get_mut(&slot).expect("present above");
-            for r in rows {
-                let id: i64 = r.get(0);
-                let txid: u64 = r.get::<String, _>(1).parse().unwrap_or(0);
+        let share = max.div_ceil(readable.len()).max(1);
+        let rows = self
+            .t
+            .db
+            .all(
+                q(&self.t.sql.read)
+                    .bind(&self.spec.category)
+                    .bind(&self.spec.group)
+                    .bind(readable.iter().map(|r| r.0 as i32).collect::<Vec<_>>())
+                    .bind(readable.iter().map(|r| r.1).collect::<Vec<_>>())
+                    .bind(readable.iter().map(|r| r.2 .0.to_string()).collect::<Vec<_>>())
+                    .bind(readable.iter().map(|r| r.2 .1).collect::<Vec<_>>())
+                    .bind(&self.spec.instance)
+                    .bind(share as i64),
+            )
+            .await
+            .map_err(db)?;
+        for r in rows {
+            let slot = r.get::<i32, _>(0) as u32;
+            let Some(o) = self.owned.get_mut(&slot) else { continue };
+            {
+                let id: i64 = r.get(1);
+                let txid: u64 = r.get::<String, _>(2).parse().unwrap_or(0);
                 o.read = o.read.max((txid, id));
                 // After a rewind (a resolved halt), what is still in flight
                 // comes round again: it is delivered once.
                 if !lock(&o.track).unsettled.insert((txid, id)) {
                     continue;
                 }
-                let key: Option<String> = r.get(2);
-                let message_id: String = r.get(3);
-                let correlation: Option<String> = r.get(4);
-                let headers: String = r.get(5);
-                let payload: Vec<u8> = r.get(6);
+                let key: Option<String> = r.get(3);
+                let message_id: String = r.get(4);
+                let correlation: Option<String> = r.get(5);
+                let headers: String = r.get(6);
+                let payload: Vec<u8> = r.get(7);
                 let mut msg = Message::new(payload).with_id(message_id.clone());
                 if let Ok(h) = serde_json::from_str::<BTreeMap<String, String>>(&headers) {
                     for (k, v) in h {
@@ -813,7 +802,6 @@ impl PgSource {
                 });
             }
         }
-        self.cursor = self.cursor.wrapping_add(1);
         Ok(out)
     }
 }

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::shared::{after_position, commit_safe, read_order, LeaseSql, TXID_COLUMN};
+use crate::shared::{after, after_position, commit_safe, read_order, LeaseSql, TXID_COLUMN};
 
 /// The embedded migrations (`crates/postgres/migrations`), in order: `{s}`
 /// stands for the schema.
@@ -65,6 +65,7 @@ impl Sql {
             Arc::from(
                 t.replace("{own}", &lease.own)
                     .replace("{after}", &after_position("e", 6, 7))
+                    .replace("{after_read}", &after("e", "r.rtx::xid8", "r.rid"))
                     .replace("{commit_safe}", &commit_safe("e"))
                     .replace("{read_order}", &read_order("e"))
                     .replace("{txid}", TXID_COLUMN)
@@ -111,17 +112,28 @@ impl Sql {
                  and exists (select 1 from own) and (a.txid, a.event_id) <= ($6::text::xid8, $7)) \
                  select count(*) from own",
             ),
+            // `offset 0` keeps each `not exists` a per-row primary-key probe:
+            // flattened into an anti-join, a generic plan with a new queue's
+            // (absent) statistics scanned every acknowledgement of the
+            // group for every row read.
+            // Every owned slot in one statement: $3 slots, $4 generations,
+            // $5/$6 read positions (transaction id as text, event id), $7
+            // the owner, $8 rows per slot at most.
             read: f(
-                "select e.id, e.txid::text, e.key, e.message_id, e.correlation_id, e.headers::text, e.payload \
-                 from {s}.events e join {s}.slots s on s.queue = e.queue and s.grp = $2 and s.slot = e.slot \
-                 where e.queue = $1 and e.slot = $3 and s.owner = $4 and s.generation = $5 \
-                 and s.lease_expiry > clock_timestamp() \
-                 and {after} \
-                 and {commit_safe} \
-                 and not exists (select 1 from {s}.acked a where a.queue = $1 and a.grp = $2 and a.event_id = e.id) \
-                 and not exists (select 1 from {s}.halted h where h.queue = $1 and h.grp = $2 and h.key = e.key \
-                 and (e.txid, e.id) > (h.txid, h.event_id)) \
-                 {read_order} limit $8",
+                "select r.slot, e.id, e.txid::text, e.key, e.message_id, e.correlation_id, e.headers::text, \
+                 e.payload \
+                 from unnest($3::int[], $4::bigint[], $5::text[], $6::bigint[]) as r(slot, gen, rtx, rid) \
+                 join {s}.slots s on s.queue = $1 and s.grp = $2 and s.slot = r.slot and s.owner = $7 \
+                 and s.generation = r.gen and s.lease_expiry > clock_timestamp() \
+                 cross join lateral (select e.* from {s}.events e where e.queue = $1 and e.slot = r.slot \
+                  and {after_read} \
+                  and {commit_safe} \
+                  and not exists (select 1 from {s}.acked a where a.queue = $1 and a.grp = $2 \
+                   and a.event_id = e.id offset 0) \
+                  and not exists (select 1 from {s}.halted h where h.queue = $1 and h.grp = $2 \
+                   and h.key = e.key and (e.txid, e.id) > (h.txid, h.event_id)) \
+                  {read_order} limit $8) e \
+                 order by r.slot, e.txid, e.id",
             ),
             park: f(
                 "with {own}, d as (insert into {s}.dead (queue, grp, event_id, message_id, key, reason) \
