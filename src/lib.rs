@@ -37,7 +37,7 @@ pub use keyorder_kafka as kafka;
 /// | scheme | adapter | options |
 /// |---|---|---|
 /// | `memory://` | [`MemoryTransport`] (one process) | `partitions=N` |
-/// | `postgres://` | `keyorder_postgres::PgTransport` (feature `postgres`) | `schema`, `slots`, `pool`, `migrate` |
+/// | `postgres://` | `keyorder_postgres::PgTransport` (feature `postgres`) | `schema`, `slots`, `pool`, `migrate`, `retention_batch`, `pooler`, `direct`, `layout` |
 /// | `redis://`, `rediss://` | `keyorder_redis::RedisTransport` (feature `redis`) | `layout`, `response_timeout_ms`, `reap_idle_ms`, `partition_warn` |
 /// | `amqp://`, `amqps://` | `keyorder_rabbitmq::RabbitTransport` (feature `rabbitmq`) | `topology`, `queues`, `queue_type`, `declare`, `prefetch` |
 /// | `kafka://` | `keyorder_kafka::KafkaTransport` (feature `kafka`) | `partitions`, `replication`, `assignor`, `fetch_wait_ms`, `max_unfinished`, `rdkafka.*` |
