@@ -32,6 +32,8 @@ pub(crate) struct Req {
     pub(crate) event_id: i64,
     /// The event's transaction id (acknowledgements record it).
     pub(crate) txid: u64,
+    /// The attempt number to record (attempts).
+    pub(crate) n: i32,
     pub(crate) reply: oneshot::Sender<Result<Option<i32>>>,
 }
 
@@ -85,6 +87,7 @@ impl Batcher {
                         let gens: Vec<i64> = reqs.iter().map(|r| r.generation).collect();
                         let ids: Vec<i64> = reqs.iter().map(|r| r.event_id).collect();
                         let txids: Vec<String> = reqs.iter().map(|r| r.txid.to_string()).collect();
+                        let ns: Vec<i32> = reqs.iter().map(|r| r.n).collect();
                         let query = sqlx::query(AssertSqlSafe(sql))
                             .bind(&queue)
                             .bind(&grp)
@@ -93,7 +96,7 @@ impl Batcher {
                             .bind(&gens)
                             .bind(&ids);
                         let query = match kind {
-                            Kind::Attempt => query,
+                            Kind::Attempt => query.bind(&ns),
                             Kind::Ack => query.bind(&txids),
                         };
                         let rows = db.all(query).await;

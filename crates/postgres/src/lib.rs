@@ -9,6 +9,7 @@ mod sql;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -402,6 +403,7 @@ impl Transport for PgTransport {
             listener,
             last_maintain: None,
             waiting: false,
+            rotate: 0,
         };
         source.maintain_now().await?;
         Ok(Box::new(source))
@@ -456,6 +458,8 @@ type Pos = (u64, i64);
 #[derive(Debug, Default)]
 struct Track {
     unsettled: BTreeSet<Pos>,
+    /// Heads an operator resumed: their attempt count starts again.
+    resumed: HashSet<Pos>,
 }
 
 impl Track {
@@ -478,6 +482,9 @@ struct Owned {
     read: Pos,
     /// The slot's durable cursor as this owner last wrote it.
     cursor: Pos,
+    /// The slot's read mark when this owner took it: an event at or below
+    /// it with no attempts recorded was delivered once by an earlier owner.
+    prior_mark: Pos,
     track: Arc<Mutex<Track>>,
     revoking: bool,
 }
@@ -497,6 +504,8 @@ struct PgSource {
     /// A slot this member should own is still held by another: retry soon
     /// rather than at the next heartbeat.
     waiting: bool,
+    /// Where the next read shorter than the slot count starts.
+    rotate: usize,
 }
 
 impl fmt::Debug for PgSource {
@@ -616,6 +625,8 @@ impl PgSource {
                     if drop_head {
                         // Settled at the database by the operator: the cursor may pass it.
                         lock(&o.track).unsettled.remove(&head);
+                    } else {
+                        lock(&o.track).resumed.insert(head);
                     }
                 }
                 self.events.push(SourceEvent::Resolved { key, drop_head });
@@ -643,6 +654,18 @@ impl PgSource {
             let generation: i64 = r.get(0);
             let txid: String = r.get(1);
             let id: i64 = r.get(2);
+            let prior_mark: Pos = self
+                .t
+                .db
+                .opt(
+                    q(&self.t.sql.read_mark)
+                        .bind(&self.spec.category)
+                        .bind(&self.spec.group)
+                        .bind(slot as i32),
+                )
+                .await
+                .map_err(db)?
+                .map_or((0, 0), |m| (m.get::<String, _>(0).parse().unwrap_or(0), m.get(1)));
             let lease = ScopeLease::new(
                 scope_name(&self.spec.category, slot),
                 generation as u64,
@@ -657,6 +680,7 @@ impl PgSource {
                     lease,
                     read: (txid.parse().unwrap_or(0), id),
                     cursor: (txid.parse().unwrap_or(0), id),
+                    prior_mark,
                     track: Arc::default(),
                     revoking: false,
                 },
@@ -737,7 +761,17 @@ impl PgSource {
         if readable.is_empty() || max == 0 {
             return Ok(out);
         }
-        let share = max.div_ceil(readable.len()).max(1);
+        // Never more than `max` in all: with fewer rows wanted than slots,
+        // one row from each of `max` slots, starting where the last short
+        // read stopped (so every slot gets its turn).
+        let readable: Vec<(u32, i64, Pos)> = if readable.len() > max {
+            let start = self.rotate % readable.len();
+            self.rotate = self.rotate.wrapping_add(max);
+            readable.iter().cycle().skip(start).take(max).copied().collect()
+        } else {
+            readable
+        };
+        let share = max / readable.len();
         let rows = self
             .t
             .db
@@ -771,6 +805,14 @@ impl PgSource {
                 let correlation: Option<String> = r.get(5);
                 let headers: String = r.get(6);
                 let payload: Vec<u8> = r.get(7);
+                let recorded: i32 = r.get(8);
+                // Attempts made before this delivery: as recorded, or one
+                // if an earlier owner read it and recorded nothing.
+                let before = if recorded > 0 {
+                    recorded as u32
+                } else {
+                    u32::from((txid, id) <= o.prior_mark)
+                };
                 let mut msg = Message::new(payload).with_id(message_id.clone());
                 if let Ok(h) = serde_json::from_str::<BTreeMap<String, String>>(&headers) {
                     for (k, v) in h {
@@ -795,6 +837,7 @@ impl PgSource {
                         slot,
                         generation: o.generation,
                         pos: (txid, id),
+                        made: AtomicU32::new(before),
                         message_id,
                         key,
                         track: o.track.clone(),
@@ -892,6 +935,8 @@ struct PgSettle {
     generation: i64,
     /// The event's read position (its id is `pos.1`).
     pos: Pos,
+    /// Attempts made so far, durable ones included.
+    made: AtomicU32,
     message_id: String,
     key: Option<OrderingKey>,
     track: Arc<Mutex<Track>>,
@@ -927,8 +972,9 @@ impl PgSettle {
             .bind(self.pos.1)
     }
 
-    /// An attempt increment or acknowledgement, batched with other deliveries'.
-    async fn batched(&self, kind: batch::Kind) -> Result<Option<i32>> {
+    /// An attempt record (attempt number `n`) or acknowledgement, batched
+    /// with other deliveries'.
+    async fn batched(&self, kind: batch::Kind, n: u32) -> Result<Option<i32>> {
         self.t
             .batcher
             .ask(|reply| batch::Req {
@@ -940,6 +986,7 @@ impl PgSettle {
                 generation: self.generation,
                 event_id: self.pos.1,
                 txid: self.pos.0,
+                n: n as i32,
                 reply,
             })
             .await
@@ -966,14 +1013,27 @@ impl PgSettle {
 #[async_trait]
 impl Settle for PgSettle {
     async fn begin_attempt(&self) -> Result<u32> {
-        match self.batched(batch::Kind::Attempt).await? {
-            Some(n) => Ok(n as u32),
+        if lock(&self.track).resumed.remove(&self.pos) {
+            self.made.store(0, Ordering::SeqCst);
+        }
+        let n = self.made.load(Ordering::SeqCst) + 1;
+        if n == 1 {
+            // The read that delivered it moved the slot's read mark first,
+            // durably: a later owner counts this attempt without a write.
+            self.made.store(1, Ordering::SeqCst);
+            return Ok(1);
+        }
+        match self.batched(batch::Kind::Attempt, n).await? {
+            Some(recorded) => {
+                self.made.store(recorded as u32, Ordering::SeqCst);
+                Ok(recorded as u32)
+            }
             None => Err(self.fenced()),
         }
     }
 
     async fn ack(&self) -> Result<()> {
-        match self.batched(batch::Kind::Ack).await? {
+        match self.batched(batch::Kind::Ack, 0).await? {
             Some(_) => {
                 self.settled();
                 Ok(())

@@ -6,7 +6,7 @@ use crate::shared::{after, after_position, commit_safe, read_order, LeaseSql, TX
 
 /// The embedded migrations (`crates/postgres/migrations`), in order: `{s}`
 /// stands for the schema.
-const MIGRATIONS: [(i64, &str, &str); 4] = [
+const MIGRATIONS: [(i64, &str, &str); 5] = [
     (1, "init", include_str!("../migrations/0001_init.sql")),
     (
         2,
@@ -19,6 +19,7 @@ const MIGRATIONS: [(i64, &str, &str); 4] = [
         "acknowledgement positions",
         include_str!("../migrations/0004_acked_position.sql"),
     ),
+    (5, "read marks", include_str!("../migrations/0005_read_marks.sql")),
 ];
 
 /// The statements of one schema (`AssertSqlSafe`: the schema name is
@@ -55,6 +56,7 @@ pub(crate) struct Sql {
     pub(crate) op_mark: Arc<str>,
     pub(crate) retention: Arc<str>,
     pub(crate) attempt_batch: Arc<str>,
+    pub(crate) read_mark: Arc<str>,
     pub(crate) ack_batch: Arc<str>,
 }
 
@@ -118,22 +120,36 @@ impl Sql {
             // group for every row read.
             // Every owned slot in one statement: $3 slots, $4 generations,
             // $5/$6 read positions (transaction id as text, event id), $7
-            // the owner, $8 rows per slot at most.
+            // the owner, $8 rows per slot at most. Each row comes with the
+            // attempts recorded for it; the statement also moves the slot's
+            // read mark to the last row read, durably before any of them is
+            // delivered (monotonic, so a stale owner's late mark is harmless).
             read: f(
-                "select r.slot, e.id, e.txid::text, e.key, e.message_id, e.correlation_id, e.headers::text, \
-                 e.payload \
-                 from unnest($3::int[], $4::bigint[], $5::text[], $6::bigint[]) as r(slot, gen, rtx, rid) \
-                 join {s}.slots s on s.queue = $1 and s.grp = $2 and s.slot = r.slot and s.owner = $7 \
-                 and s.generation = r.gen and s.lease_expiry > clock_timestamp() \
-                 cross join lateral (select e.* from {s}.events e where e.queue = $1 and e.slot = r.slot \
-                  and {after_read} \
-                  and {commit_safe} \
-                  and not exists (select 1 from {s}.acked a where a.queue = $1 and a.grp = $2 \
-                   and a.event_id = e.id offset 0) \
-                  and not exists (select 1 from {s}.halted h where h.queue = $1 and h.grp = $2 \
-                   and h.key = e.key and (e.txid, e.id) > (h.txid, h.event_id)) \
-                  {read_order} limit $8) e \
-                 order by r.slot, e.txid, e.id",
+                "with r as (select * from unnest($3::int[], $4::bigint[], $5::text[], $6::bigint[]) \
+                  as r(slot, gen, rtx, rid)), \
+                 got as (select r.slot, e.id, e.txid, e.key, e.message_id, e.correlation_id, e.headers, \
+                  e.payload, (select a.attempts from {s}.attempts a where a.queue = $1 and a.grp = $2 \
+                   and a.event_id = e.id offset 0) as recorded \
+                  from r join {s}.slots s on s.queue = $1 and s.grp = $2 and s.slot = r.slot and s.owner = $7 \
+                  and s.generation = r.gen and s.lease_expiry > clock_timestamp() \
+                  cross join lateral (select e.* from {s}.events e where e.queue = $1 and e.slot = r.slot \
+                   and {after_read} \
+                   and {commit_safe} \
+                   and not exists (select 1 from {s}.acked a where a.queue = $1 and a.grp = $2 \
+                    and a.event_id = e.id offset 0) \
+                   and not exists (select 1 from {s}.halted h where h.queue = $1 and h.grp = $2 \
+                    and h.key = e.key and (e.txid, e.id) > (h.txid, h.event_id)) \
+                   {read_order} limit $8) e), \
+                 last as (select distinct on (slot) slot, txid, id from got order by slot, txid desc, id desc), \
+                 mark as (insert into {s}.read_marks (queue, grp, slot, read_txid, read_id) \
+                  select $1, $2, slot, txid, id from last on conflict (queue, grp, slot) do update \
+                  set read_txid = excluded.read_txid, read_id = excluded.read_id \
+                  where (excluded.read_txid, excluded.read_id) > ({s}.read_marks.read_txid, {s}.read_marks.read_id)) \
+                 select slot, id, txid::text, key, message_id, correlation_id, headers::text, payload, \
+                 coalesce(recorded, 0) from got order by slot, txid, id",
+            ),
+            read_mark: f(
+                "select read_txid::text, read_id from {s}.read_marks where queue = $1 and grp = $2 and slot = $3",
             ),
             park: f(
                 "with {own}, d as (insert into {s}.dead (queue, grp, event_id, message_id, key, reason) \
@@ -169,7 +185,7 @@ impl Sql {
                  from {s}.slots s where s.queue = $1 and s.grp = $2 order by s.slot",
             ),
             halted: f(
-                "select h.key, h.slot, h.message_id, h.reason, coalesce(a.attempts, 0), \
+                "select h.key, h.slot, h.message_id, h.reason, greatest(coalesce(a.attempts, 0), 1), \
                  (select count(*) from {s}.events e where e.queue = h.queue and e.key = h.key \
                   and (e.txid, e.id) > (h.txid, h.event_id) and not exists (select 1 from {s}.acked k \
                   where k.queue = h.queue and k.grp = h.grp and k.event_id = e.id)) \
@@ -205,14 +221,17 @@ impl Sql {
             // Many deliveries at once: $4 slots, $5 generations, $6 event ids
             // (and, for acknowledgements, $7 their transaction ids);
             // only the (slot, generation) pairs this owner still holds count.
+            // Records attempt number $7[i] of each event (a first attempt
+            // is not asked for: the read mark covers it).
             attempt_batch: f(
-                "with req as (select * from unnest($4::int[], $5::bigint[], $6::bigint[]) \
-                 as r(slot, gen, event_id)), \
-                 own as (select r.event_id from req r join {s}.slots s on s.queue = $1 and s.grp = $2 \
+                "with req as (select * from unnest($4::int[], $5::bigint[], $6::bigint[], $7::int[]) \
+                 as r(slot, gen, event_id, n)), \
+                 own as (select r.event_id, r.n from req r join {s}.slots s on s.queue = $1 and s.grp = $2 \
                  and s.slot = r.slot and s.owner = $3 and s.generation = r.gen \
                  and s.lease_expiry > clock_timestamp() for share of s) \
-                 insert into {s}.attempts (queue, grp, event_id, attempts) select $1, $2, event_id, 1 from own \
-                 on conflict (queue, grp, event_id) do update set attempts = {s}.attempts.attempts + 1 \
+                 insert into {s}.attempts (queue, grp, event_id, attempts) select $1, $2, event_id, n from own \
+                 on conflict (queue, grp, event_id) do update \
+                 set attempts = greatest({s}.attempts.attempts, excluded.attempts) \
                  returning event_id, attempts",
             ),
             ack_batch: f(
