@@ -43,6 +43,19 @@ const MAX_BATCH: usize = 256;
 /// Batch statements running at once per transport.
 const IN_FLIGHT: usize = 4;
 
+/// Waits for one request, then takes whatever else is already queued, up
+/// to `max` in all (`None` once every sender is gone).
+pub(crate) async fn next_batch<T>(rx: &mut mpsc::UnboundedReceiver<T>, max: usize) -> Option<Vec<T>> {
+    let mut batch = vec![rx.recv().await?];
+    while batch.len() < max {
+        match rx.try_recv() {
+            Ok(req) => batch.push(req),
+            Err(_) => break,
+        }
+    }
+    Some(batch)
+}
+
 /// Sends requests to the batching task (one per transport).
 #[derive(Debug, Clone)]
 pub(crate) struct Batcher {
@@ -54,14 +67,7 @@ impl Batcher {
         let (tx, mut rx) = mpsc::unbounded_channel::<Req>();
         let in_flight = Arc::new(Semaphore::new(IN_FLIGHT));
         tokio::spawn(async move {
-            while let Some(first) = rx.recv().await {
-                let mut batch = vec![first];
-                while batch.len() < MAX_BATCH {
-                    match rx.try_recv() {
-                        Ok(req) => batch.push(req),
-                        Err(_) => break,
-                    }
-                }
+            while let Some(batch) = next_batch(&mut rx, MAX_BATCH).await {
                 let mut groups: HashMap<(Kind, String, String, String), Vec<Req>> = HashMap::new();
                 for req in batch {
                     groups

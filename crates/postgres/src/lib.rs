@@ -518,6 +518,31 @@ impl fmt::Debug for PgSource {
     }
 }
 
+/// The message of a log row whose columns from `at` on are key, message id,
+/// correlation id, headers (JSON text) and payload; its key, if it passes
+/// the deployment's key rules.
+pub(crate) fn row_message(
+    r: &sqlx::postgres::PgRow,
+    at: usize,
+    rules: &keyorder_core::KeyRules,
+) -> (Message, Option<OrderingKey>) {
+    let key: Option<String> = r.get(at);
+    let mut msg = Message::new(r.get::<Vec<u8>, _>(at + 4)).with_id(r.get::<String, _>(at + 1));
+    if let Ok(h) = serde_json::from_str::<BTreeMap<String, String>>(&r.get::<String, _>(at + 3)) {
+        for (k, v) in h {
+            msg = msg.with_header(k, v);
+        }
+    }
+    if let Some(c) = r.get::<Option<String>, _>(at + 2) {
+        msg = msg.with_correlation_id(c);
+    }
+    let key = key.and_then(|k| OrderingKey::with_rules(k, rules).ok());
+    if let Some(k) = &key {
+        msg = msg.with_ordering_key(k.clone());
+    }
+    (msg, key)
+}
+
 fn scope_name(queue: &str, slot: u32) -> Arc<str> {
     Arc::from(format!("{queue}/s{slot}"))
 }
@@ -800,11 +825,8 @@ impl PgSource {
                 if !lock(&o.track).unsettled.insert((txid, id)) {
                     continue;
                 }
-                let key: Option<String> = r.get(3);
-                let message_id: String = r.get(4);
-                let correlation: Option<String> = r.get(5);
-                let headers: String = r.get(6);
-                let payload: Vec<u8> = r.get(7);
+                let (msg, key) = row_message(&r, 3, &self.spec.key_rules);
+                let message_id = msg.id().to_owned();
                 let recorded: i32 = r.get(8);
                 // Attempts made before this delivery: as recorded, or one
                 // if an earlier owner read it and recorded nothing.
@@ -813,19 +835,6 @@ impl PgSource {
                 } else {
                     u32::from((txid, id) <= o.prior_mark)
                 };
-                let mut msg = Message::new(payload).with_id(message_id.clone());
-                if let Ok(h) = serde_json::from_str::<BTreeMap<String, String>>(&headers) {
-                    for (k, v) in h {
-                        msg = msg.with_header(k, v);
-                    }
-                }
-                if let Some(c) = correlation {
-                    msg = msg.with_correlation_id(c);
-                }
-                let key = key.and_then(|k| OrderingKey::with_rules(k, &self.spec.key_rules).ok());
-                if let Some(k) = &key {
-                    msg = msg.with_ordering_key(k.clone());
-                }
                 out.push(Inbound {
                     message: msg,
                     lease: o.lease.clone(),

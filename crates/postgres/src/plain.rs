@@ -13,7 +13,7 @@
 //! pauses exactly the rows whose locks are in doubt and a lost row loses only
 //! itself. There is no per-key order and no halt.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -193,14 +193,7 @@ impl Acker {
     fn spawn(db: Exec, sql: Arc<str>, me: String) -> Acker {
         let (tx, mut rx) = mpsc::unbounded_channel::<AckReq>();
         tokio::spawn(async move {
-            while let Some(first) = rx.recv().await {
-                let mut batch = vec![first];
-                while batch.len() < MAX_BATCH {
-                    match rx.try_recv() {
-                        Ok(req) => batch.push(req),
-                        Err(_) => break,
-                    }
-                }
+            while let Some(batch) = crate::batch::next_batch(&mut rx, MAX_BATCH).await {
                 let ids: Vec<i64> = batch.iter().map(|r| r.id).collect();
                 let tokens: Vec<i32> = batch.iter().map(|r| r.token).collect();
                 let query = sqlx::query(AssertSqlSafe(sql.clone()))
@@ -297,23 +290,7 @@ impl PlainSource {
         for r in rows {
             let id: i64 = r.get(0);
             let token: i32 = r.get(1);
-            let key: Option<String> = r.get(2);
-            let message_id: String = r.get(3);
-            let correlation: Option<String> = r.get(4);
-            let headers: String = r.get(5);
-            let payload: Vec<u8> = r.get(6);
-            let mut msg = Message::new(payload).with_id(message_id);
-            if let Ok(h) = serde_json::from_str::<BTreeMap<String, String>>(&headers) {
-                for (k, v) in h {
-                    msg = msg.with_header(k, v);
-                }
-            }
-            if let Some(c) = correlation {
-                msg = msg.with_correlation_id(c);
-            }
-            if let Some(k) = key.and_then(|k| OrderingKey::with_rules(k, &self.spec.key_rules).ok()) {
-                msg = msg.with_ordering_key(k);
-            }
+            let (msg, _) = crate::row_message(&r, 2, &self.spec.key_rules);
             // Each row is its own lease: fresh from the claim's send time.
             let lease = ScopeLease::new(self.scope.clone(), token as u64, &self.spec.lease, sent);
             let held = Arc::new(Held {
