@@ -81,9 +81,9 @@ async fn a_late_commit_with_a_lower_id_is_not_skipped() {
         .subscribe(&queue, "g")
         .ordered_by(KeySource::routing_key())
         .lease(LeaseConfig {
-            ttl: Duration::from_secs(3),
+            ttl: Duration::from_secs(15),
             heartbeat: Duration::from_millis(500),
-            margin: Duration::from_secs(1),
+            margin: Duration::from_secs(5),
         })
         .build()
         .await

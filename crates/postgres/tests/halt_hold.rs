@@ -70,10 +70,12 @@ async fn a_halted_key_is_held_at_the_database_and_its_slot_keeps_going() {
             initial_backoff: Duration::from_millis(10),
             max_backoff: Duration::from_millis(10),
         })
+        // A lease a loaded machine keeps: a lost one would redeliver what
+        // was in flight (at-least-once), which is not what this tests.
         .lease(LeaseConfig {
-            ttl: Duration::from_secs(3),
-            heartbeat: Duration::from_millis(300),
-            margin: Duration::from_secs(1),
+            ttl: Duration::from_secs(15),
+            heartbeat: Duration::from_millis(500),
+            margin: Duration::from_secs(5),
         })
         .build()
         .await
@@ -81,13 +83,26 @@ async fn a_halted_key_is_held_at_the_database_and_its_slot_keeps_going() {
     let stats = subscription.stats();
     let seen: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
     let log = seen.clone();
+    let received = stats.clone();
     let handler = move |d: Delivery| {
         let log = log.clone();
+        let received = received.clone();
         async move {
             let body = String::from_utf8_lossy(d.payload()).into_owned();
             let key = d.key().map(|k| k.as_str().to_owned()).unwrap_or_default();
             log.lock().unwrap().push((key, body.clone()));
             if body == "poison" {
+                // Fail only once later events are in (the first read takes
+                // 8: `bad`'s next ones among them), so some of them wait
+                // behind the head when it halts and must go back.
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+                while received.received.load(std::sync::atomic::Ordering::Relaxed) < 8 {
+                    assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "timed out waiting for the first read"
+                    );
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
                 return Err(HandlerError::poison("bad message"));
             }
             HandlerResult::Ok(())
@@ -97,9 +112,12 @@ async fn a_halted_key_is_held_at_the_database_and_its_slot_keeps_going() {
     let run = tokio::spawn(subscription.run(handler, async move {
         let _ = stopped.await;
     }));
+    // At least `n` (a duplicate shows in the exact assertions below).
     let good_done = |seen: &Mutex<Vec<(String, String)>>, n: usize| {
-        seen.lock().unwrap().iter().filter(|(k, _)| k != "bad").count() == n
+        seen.lock().unwrap().iter().filter(|(k, _)| k != "bad").count() >= n
     };
+    let good_count =
+        |seen: &Mutex<Vec<(String, String)>>| seen.lock().unwrap().iter().filter(|(k, _)| k != "bad").count();
     let admin = client.admin();
     until("the good keys to finish while `bad` is halted", async || {
         good_done(&seen, 2 * BAD_LATER) && admin.halted(&queue, "g").await.unwrap().len() == 1
@@ -124,6 +142,7 @@ async fn a_halted_key_is_held_at_the_database_and_its_slot_keeps_going() {
         good_done(&seen, 4 * BAD_LATER)
     })
     .await;
+    assert_eq!(good_count(&seen), 4 * BAD_LATER, "no good event ran twice");
     // Held: every later `bad` event, none started, none attempted; the
     // slot never paused for it.
     let started_bad: Vec<String> = seen
@@ -152,7 +171,7 @@ async fn a_halted_key_is_held_at_the_database_and_its_slot_keeps_going() {
     // The operator skips the head: the held events run, in order.
     admin.resolve(&queue, "g", "bad", HeadAction::Skip).await.unwrap();
     until("the held events to run", async || {
-        seen.lock().unwrap().iter().filter(|(k, _)| k == "bad").count() == 1 + 2 * BAD_LATER
+        seen.lock().unwrap().iter().filter(|(k, _)| k == "bad").count() >= 1 + 2 * BAD_LATER
     })
     .await;
     let bad: Vec<String> = seen
@@ -171,5 +190,5 @@ async fn a_halted_key_is_held_at_the_database_and_its_slot_keeps_going() {
     let _ = stop.send(());
     run.await.unwrap().unwrap();
     // Each good event ran once (a rewind re-reads, it does not redeliver).
-    assert!(good_done(&seen, 4 * BAD_LATER), "good keys ran exactly once each");
+    assert_eq!(good_count(&seen), 4 * BAD_LATER, "good keys ran exactly once each");
 }

@@ -56,9 +56,9 @@ async fn passed_events_are_deleted_and_a_halted_key_is_kept() {
             max_backoff: Duration::from_millis(10),
         })
         .lease(LeaseConfig {
-            ttl: Duration::from_secs(3),
-            heartbeat: Duration::from_millis(300),
-            margin: Duration::from_secs(1),
+            ttl: Duration::from_secs(15),
+            heartbeat: Duration::from_millis(500),
+            margin: Duration::from_secs(5),
         })
         .build()
         .await
