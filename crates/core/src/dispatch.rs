@@ -217,6 +217,10 @@ enum Outcome {
     Lost,
     /// Shutting down before the job was settled: left for redelivery.
     Stopped,
+    /// The handler succeeded; the acknowledgement is still to be made. The
+    /// worker hands it to a task of its own and takes other work meanwhile
+    /// (the key stays busy until the acknowledgement is durable).
+    Applied,
 }
 
 impl Dispatcher {
@@ -641,7 +645,8 @@ impl State {
             return false;
         };
         match outcome {
-            Outcome::Done | Outcome::Stopped => self.forget(&job),
+            // `Applied` never comes here: its acknowledgement settles it first.
+            Outcome::Done | Outcome::Stopped | Outcome::Applied => self.forget(&job),
             Outcome::Halted if !job.is_lost() => {
                 let q = self.keys.entry(key.clone()).or_default();
                 let Some(drop_head) = q.release.take() else {
@@ -795,7 +800,47 @@ impl Inner {
             } else {
                 self.process(&job).await
             };
+            if matches!(outcome, Outcome::Applied) {
+                // The acknowledgement is a broker round trip: make it on a
+                // task of its own so this worker runs another key meanwhile.
+                // The key stays busy (one message of a key at a time, the
+                // next only once this one is durably settled), and the job
+                // stays counted in the budget and as running, so `drain`
+                // waits for it.
+                let inner = self.clone();
+                rt::spawn(async move {
+                    let outcome = inner.ack(&job).await;
+                    inner.complete(key, job, outcome);
+                });
+                continue;
+            }
             last = Some((key, job, outcome));
+        }
+    }
+
+    /// Settles a job whose acknowledgement ran on its own task (see
+    /// `worker`): the bookkeeping a worker does for its last job, plus a
+    /// new worker if ready work has none.
+    fn complete(self: &Arc<Self>, key: Option<OrderingKey>, job: Job, outcome: Outcome) {
+        let (refilled, spawn) = {
+            let mut st = self.lock();
+            let mark = self.cfg.budget - self.low_water();
+            let before = st.total;
+            let key_low = self.cfg.per_key_depth - self.cfg.per_key_depth / 4;
+            let key_refilled = st.finish(key, job, outcome, &self.stats, key_low);
+            let refilled = key_refilled || (before > mark && st.total <= mark);
+            let spawn = !st.ready.is_empty() && st.workers < self.cfg.concurrency && !self.is_stopping();
+            if spawn {
+                st.workers += 1;
+            }
+            (refilled, spawn)
+        };
+        self.signal();
+        if refilled {
+            self.refilled();
+        }
+        if spawn {
+            rt::spawn(self.clone().worker());
         }
     }
 
@@ -952,7 +997,7 @@ impl Inner {
                 );
                 let run = AssertUnwindSafe(self.handler.handle(delivery)).catch_unwind();
                 match tracing::Instrument::instrument(run, span).await {
-                    Ok(Ok(())) => return self.ack(job).await,
+                    Ok(Ok(())) => return Outcome::Applied,
                     Ok(Err(HandlerError::Retryable(e))) => (e.to_string(), false),
                     Ok(Err(HandlerError::Poison(e))) => (e.to_string(), true),
                     Err(_) => {

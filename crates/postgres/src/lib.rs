@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use futures::FutureExt;
 use keyorder_core::{
     Admin, Capabilities, DeadLetter, Error, HaltedKey, HeadAction, HotKey, Inbound, Message, OrderingKey, Result,
     ScopeInfo, ScopeLease, Settle, SourceEvent, SourceSpec, Transport, TransportPublisher, TransportSource,
@@ -406,6 +407,7 @@ impl Transport for PgTransport {
             rotate: 0,
         };
         source.maintain_now().await?;
+        source.announce().await;
         Ok(Box::new(source))
     }
 
@@ -452,6 +454,41 @@ impl TransportPublisher for PgPublisher {
 
 /// A read position: `(transaction id, event id)`.
 type Pos = (u64, i64);
+
+/// Splits `room` rows over slots that already hold `held` unsettled
+/// events each, lifting the lowest first (water-filling), so what every
+/// slot holds evens out. Ties go first to the slots from `start` on.
+fn fill_levels(held: &[usize], room: usize, start: usize) -> Vec<usize> {
+    let n = held.len();
+    if n == 0 {
+        return Vec::new();
+    }
+    let cost = |level: usize| held.iter().map(|&h| level.saturating_sub(h)).sum::<usize>();
+    // The highest level every slot can be lifted to within `room`.
+    let (mut lo, mut hi) = (0, held.iter().max().copied().unwrap_or(0) + room);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if cost(mid) <= room {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    let mut give: Vec<usize> = held.iter().map(|&h| lo.saturating_sub(h)).collect();
+    // What is left (fewer rows than slots at the level) goes one each to
+    // slots at the level, from `start` on.
+    let mut left = room - cost(lo);
+    for i in (0..n).map(|i| (start + i) % n) {
+        if left == 0 {
+            break;
+        }
+        if held[i] + give[i] == lo {
+            give[i] += 1;
+            left -= 1;
+        }
+    }
+    give
+}
 
 /// The delivered, not yet settled events of one owned slot, by read position
 /// (bounded by what the dispatcher holds, whatever the slot's throughput).
@@ -554,6 +591,39 @@ fn parse_scope(scope: &str) -> Option<u32> {
 impl PgSource {
     fn ms(d: Duration) -> f64 {
         d.as_millis() as f64
+    }
+
+    /// The notification payload that tells a group's members its
+    /// membership or slot ownership changed (publishes notify with the
+    /// queue's name, which holds no newline).
+    fn members_payload(&self) -> String {
+        format!("members\n{}\n{}", self.spec.category, self.spec.group)
+    }
+
+    /// A notification: a membership change makes the next step rebalance
+    /// at once instead of at the next heartbeat.
+    fn noticed(&mut self, payload: &str) {
+        if payload.starts_with("members\n") && payload == self.members_payload() {
+            self.last_maintain = None;
+        }
+    }
+
+    /// Tells the group's other members to rebalance now (a join, a leave,
+    /// a slot handed over). Best effort: the heartbeat is the fallback.
+    async fn announce(&self) {
+        let payload = self.members_payload();
+        if let Err(e) = self
+            .t
+            .db
+            .exec(
+                sqlx::query("select pg_notify($1, $2)")
+                    .bind(&self.t.sql.channel)
+                    .bind(&payload),
+            )
+            .await
+        {
+            tracing::debug!(error = %e, "membership notification not sent; members rebalance at their heartbeat");
+        }
     }
 
     /// Heartbeat, lease renewal, rebalance, cursor advance, operator actions.
@@ -774,29 +844,34 @@ impl PgSource {
 
     async fn read(&mut self, max: usize, paused: &HashSet<Arc<str>>) -> Result<Vec<Inbound>> {
         let mut out = Vec::new();
-        // Every readable owned slot in one round trip, each up to an even
-        // share of `max` (one statement per slot cost a round trip each on
-        // every fetch: milliseconds of latency with a few slots).
-        let readable: Vec<(u32, i64, Pos)> = self
+        // Every readable owned slot in one round trip (one statement per
+        // slot cost a round trip each on every fetch: milliseconds of
+        // latency with a few slots).
+        let readable: Vec<(u32, i64, Pos, usize)> = self
             .owned
             .iter()
             .filter(|(_, o)| !o.revoking && !paused.contains(o.lease.scope()) && !o.lease.is_lost())
-            .map(|(slot, o)| (*slot, o.generation, o.read))
+            .map(|(slot, o)| (*slot, o.generation, o.read, lock(&o.track).unsettled.len()))
             .collect();
         if readable.is_empty() || max == 0 {
             return Ok(out);
         }
-        // Never more than `max` in all: with fewer rows wanted than slots,
-        // one row from each of `max` slots, starting where the last short
-        // read stopped (so every slot gets its turn).
-        let readable: Vec<(u32, i64, Pos)> = if readable.len() > max {
-            let start = self.rotate % readable.len();
-            self.rotate = self.rotate.wrapping_add(max);
-            readable.iter().cycle().skip(start).take(max).copied().collect()
-        } else {
-            readable
-        };
-        let share = max / readable.len();
+        // The room goes to the slots holding the least (water-filling), not
+        // in even shares: a slot of few keys consumes slowly, and even
+        // shares let its backlog fill the budget while a slot of many keys
+        // starved. Ties start where the last read stopped, so every slot
+        // gets its turn when there is less room than slots.
+        let limits = fill_levels(&readable.iter().map(|r| r.3).collect::<Vec<_>>(), max, self.rotate);
+        self.rotate = self.rotate.wrapping_add(1);
+        let readable: Vec<(u32, i64, Pos, i32)> = readable
+            .iter()
+            .zip(&limits)
+            .filter(|(_, lim)| **lim > 0)
+            .map(|(r, lim)| (r.0, r.1, r.2, *lim as i32))
+            .collect();
+        if readable.is_empty() {
+            return Ok(out);
+        }
         let rows = self
             .t
             .db
@@ -809,7 +884,7 @@ impl PgSource {
                     .bind(readable.iter().map(|r| r.2 .0.to_string()).collect::<Vec<_>>())
                     .bind(readable.iter().map(|r| r.2 .1).collect::<Vec<_>>())
                     .bind(&self.spec.instance)
-                    .bind(share as i64),
+                    .bind(readable.iter().map(|r| r.3).collect::<Vec<_>>()),
             )
             .await
             .map_err(db)?;
@@ -861,13 +936,24 @@ impl PgSource {
 #[async_trait]
 impl TransportSource for PgSource {
     async fn fetch(&mut self, max: usize, paused: &HashSet<Arc<str>>, wait: Duration) -> Result<Vec<Inbound>> {
+        // What the LISTEN connection already holds is taken on every fetch,
+        // busy or not: left unread, the server's notification queue would
+        // grow behind this listener for as long as the load lasts.
+        while let Some(Ok(n)) = self.listener.recv().now_or_never() {
+            self.noticed(n.payload());
+        }
         let batch = self.read(max, paused).await?;
         if !batch.is_empty() {
             return Ok(batch);
         }
         // LISTEN/NOTIFY wakes us early; the timeout is the polling fallback.
         match tokio::time::timeout(wait, self.listener.recv()).await {
-            Ok(Ok(_)) => while self.listener.next_buffered().is_some() {},
+            Ok(Ok(n)) => {
+                self.noticed(n.payload());
+                while let Some(n) = self.listener.next_buffered() {
+                    self.noticed(n.payload());
+                }
+            }
             Ok(Err(e)) => tracing::warn!(error = %e, "LISTEN connection failed; polling"),
             Err(_) => {}
         }
@@ -881,9 +967,8 @@ impl TransportSource for PgSource {
             self.spec.lease.heartbeat
         };
         let due = self.last_maintain.is_none_or(|t| t.elapsed() >= every);
-        // The cursor advances with the heartbeat, not on every fetch: an
-        // advance updates the slot row, which waits for (and holds up) the
-        // acknowledgements that lock it for share. Acks are durable anyway.
+        // The cursor advances with the heartbeat, not on every fetch: each
+        // advance is a write, and acknowledgements are durable anyway.
         if due {
             self.maintain_now().await?;
         }
@@ -912,6 +997,7 @@ impl TransportSource for PgSource {
                 .map_err(db)?;
             o.lease.lose();
             self.owned.remove(&slot);
+            self.announce().await;
         }
         Ok(())
     }
@@ -931,6 +1017,7 @@ impl TransportSource for PgSource {
             )
             .await
             .map_err(db)?;
+        self.announce().await;
         Ok(())
     }
 }
@@ -1222,5 +1309,33 @@ impl Admin for PgAdmin {
             tracing::warn!(key = %label(&found), "operator skipped a halted head");
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod fill_tests {
+    use super::fill_levels;
+
+    #[test]
+    fn the_room_lifts_the_lowest_slots_first() {
+        assert_eq!(fill_levels(&[0, 10, 3], 5, 0), vec![4, 0, 1]);
+        assert_eq!(fill_levels(&[5, 5, 5], 2, 1), vec![0, 1, 1]);
+        assert_eq!(fill_levels(&[5, 5, 5], 2, 2), vec![1, 0, 1]);
+        assert_eq!(fill_levels(&[0, 0], 0, 0), vec![0, 0]);
+        assert_eq!(fill_levels(&[], 7, 3), Vec::<usize>::new());
+        for (held, room) in [
+            (vec![1usize, 7, 2, 9], 13usize),
+            (vec![0; 64], 256),
+            (vec![300, 0], 256),
+        ] {
+            let give = fill_levels(&held, room, 5);
+            assert_eq!(give.iter().sum::<usize>(), room, "all the room is used");
+            let after: Vec<usize> = held.iter().zip(&give).map(|(h, g)| h + g).collect();
+            let lifted_max = after.iter().zip(&give).filter(|(_, g)| **g > 0).map(|(a, _)| *a).max();
+            let unlifted_min = after.iter().zip(&give).filter(|(_, g)| **g == 0).map(|(a, _)| *a).min();
+            if let (Some(l), Some(u)) = (lifted_max, unlifted_min) {
+                assert!(l <= u + 1, "no slot is lifted above one left behind: {held:?} {give:?}");
+            }
+        }
     }
 }

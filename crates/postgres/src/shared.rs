@@ -104,8 +104,9 @@ pub struct LeaseSql {
     pub release: String,
     /// The fence, a CTE named `own` to start a guarded statement with:
     /// one row while owner `$4` holds slot `$3` of (`$1`, `$2`) at
-    /// generation `$5`, unexpired on the database's clock (locked `for
-    /// share`, so the lease cannot change under the statement).
+    /// generation `$5`, unexpired on the database's clock (locked `for key
+    /// share`, so the owner cannot change under the statement: `acquire`
+    /// and `release` take the row `for update` first; a renewal can).
     pub own: String,
 }
 
@@ -134,16 +135,31 @@ impl LeaseSql {
                  where queue = $1 and grp = $2 and owner = $3 and slot = any($5) and lease_expiry > clock_timestamp() \
                  returning slot, generation",
             ),
-            acquire: f("update {s}.slots set owner = $4, generation = generation + 1, \
-                 lease_expiry = clock_timestamp() + make_interval(secs => $5::float8 / 1000) \
-                 where queue = $1 and grp = $2 and slot = $3 \
+            // An owner change takes the row `for update`, the one lock that
+            // conflicts with the fence's `for key share`: it waits for the
+            // settlements in flight, and those that come after it see the
+            // new generation. Renewals and cursor moves (no-key updates)
+            // neither wait for settlements nor hold them up.
+            acquire: f(
+                "with l as (select 1 from {s}.slots where queue = $1 and grp = $2 and slot = $3 \
                  and (owner is null or lease_expiry is null or lease_expiry <= clock_timestamp() or owner = $4) \
-                 returning generation, cursor_txid::text, cursor_id"),
-            release: f("update {s}.slots set owner = null, lease_expiry = null \
-                 where queue = $1 and grp = $2 and slot = $3 and owner = $4 and generation = $5"),
+                 for update) \
+                 update {s}.slots set owner = $4, generation = generation + 1, \
+                 lease_expiry = clock_timestamp() + make_interval(secs => $5::float8 / 1000) \
+                 where queue = $1 and grp = $2 and slot = $3 and exists (select 1 from l) \
+                 and (owner is null or lease_expiry is null or lease_expiry <= clock_timestamp() or owner = $4) \
+                 returning generation, cursor_txid::text, cursor_id",
+            ),
+            release: f(
+                "with l as (select 1 from {s}.slots where queue = $1 and grp = $2 and slot = $3 \
+                 and owner = $4 and generation = $5 for update) \
+                 update {s}.slots set owner = null, lease_expiry = null \
+                 where queue = $1 and grp = $2 and slot = $3 and owner = $4 and generation = $5 \
+                 and exists (select 1 from l)",
+            ),
             own: f(
                 "own as (select 1 from {s}.slots where queue = $1 and grp = $2 and slot = $3 and owner = $4 \
-                 and generation = $5 and lease_expiry > clock_timestamp() for share)",
+                 and generation = $5 and lease_expiry > clock_timestamp() for key share)",
             ),
         }
     }

@@ -120,13 +120,13 @@ impl Sql {
             // group for every row read.
             // Every owned slot in one statement: $3 slots, $4 generations,
             // $5/$6 read positions (transaction id as text, event id), $7
-            // the owner, $8 rows per slot at most. Each row comes with the
+            // the owner, $8 rows to read from each slot (a slot's own limit). Each row comes with the
             // attempts recorded for it; the statement also moves the slot's
             // read mark to the last row read, durably before any of them is
             // delivered (monotonic, so a stale owner's late mark is harmless).
             read: f(
-                "with r as (select * from unnest($3::int[], $4::bigint[], $5::text[], $6::bigint[]) \
-                  as r(slot, gen, rtx, rid)), \
+                "with r as (select * from unnest($3::int[], $4::bigint[], $5::text[], $6::bigint[], $8::int[]) \
+                  as r(slot, gen, rtx, rid, lim)), \
                  got as (select r.slot, e.id, e.txid, e.key, e.message_id, e.correlation_id, e.headers, \
                   e.payload, (select a.attempts from {s}.attempts a where a.queue = $1 and a.grp = $2 \
                    and a.event_id = e.id offset 0) as recorded \
@@ -139,7 +139,7 @@ impl Sql {
                     and a.event_id = e.id offset 0) \
                    and not exists (select 1 from {s}.halted h where h.queue = $1 and h.grp = $2 \
                     and h.key = e.key and (e.txid, e.id) > (h.txid, h.event_id)) \
-                   {read_order} limit $8) e), \
+                   {read_order} limit r.lim) e), \
                  last as (select distinct on (slot) slot, txid, id from got order by slot, txid desc, id desc), \
                  mark as (insert into {s}.read_marks (queue, grp, slot, read_txid, read_id) \
                   select $1, $2, slot, txid, id from last on conflict (queue, grp, slot) do update \
@@ -228,7 +228,7 @@ impl Sql {
                  as r(slot, gen, event_id, n)), \
                  own as (select r.event_id, r.n from req r join {s}.slots s on s.queue = $1 and s.grp = $2 \
                  and s.slot = r.slot and s.owner = $3 and s.generation = r.gen \
-                 and s.lease_expiry > clock_timestamp() for share of s) \
+                 and s.lease_expiry > clock_timestamp() for key share of s) \
                  insert into {s}.attempts (queue, grp, event_id, attempts) select $1, $2, event_id, n from own \
                  on conflict (queue, grp, event_id) do update \
                  set attempts = greatest({s}.attempts.attempts, excluded.attempts) \
@@ -239,7 +239,7 @@ impl Sql {
                  as r(slot, gen, event_id, txid)), \
                  own as (select r.slot, r.event_id, r.txid from req r join {s}.slots s on s.queue = $1 \
                  and s.grp = $2 and s.slot = r.slot and s.owner = $3 and s.generation = r.gen \
-                 and s.lease_expiry > clock_timestamp() for share of s), \
+                 and s.lease_expiry > clock_timestamp() for key share of s), \
                  ins as (insert into {s}.acked (queue, grp, slot, event_id, txid) \
                  select $1, $2, slot, event_id, txid::xid8 from own on conflict do nothing), \
                  del as (delete from {s}.attempts a using own o where a.queue = $1 and a.grp = $2 \
