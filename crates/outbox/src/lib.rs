@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 
+mod admin;
 mod guard;
 mod relay;
 mod sql;
@@ -16,6 +17,7 @@ use keyorder_core::{Client, Error, KeyRules, OrderingKey, Result};
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Row};
 
+pub use admin::{AbandonedRecord, Acted, OutboxStatus, RecordState, MAX_LIST};
 pub use guard::{AppliedStore, GuardStats, MemoryApplied, PgApplied, SequenceGuard};
 pub use keyorder_postgres::sqlx;
 pub use relay::{Relay, RelayConfig, RelayStats, RelayStatsSnapshot};

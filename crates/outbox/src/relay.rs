@@ -47,6 +47,11 @@ pub struct RelayConfig {
     /// What happens to a record whose publish keeps failing: halt its key
     /// (default) or park it in the dead table and go on with the key.
     pub poison: PoisonPolicy,
+    /// Retention: published records deleted per batch, oldest first, a
+    /// batch each heartbeat and at once again while batches come back full
+    /// (default 1000; 0 keeps every published record). Pending, held,
+    /// abandoned, parked and discarded records are never deleted.
+    pub retention_batch: usize,
 }
 
 impl Default for RelayConfig {
@@ -65,6 +70,7 @@ impl Default for RelayConfig {
                 max_backoff: Duration::from_secs(10),
             },
             poison: PoisonPolicy::Halt,
+            retention_batch: 1000,
         }
     }
 }
@@ -81,6 +87,7 @@ pub struct RelayStats {
     fenced: AtomicU64,
     blocked: AtomicU64,
     slots_lost: AtomicU64,
+    retention_deleted: AtomicU64,
 }
 
 /// A copy of a relay's counters.
@@ -105,6 +112,8 @@ pub struct RelayStatsSnapshot {
     pub blocked: u64,
     /// Slot leases this relay lost (not renewed in time).
     pub slots_lost: u64,
+    /// Published records this relay deleted (retention).
+    pub retention_deleted: u64,
 }
 
 impl RelayStats {
@@ -120,6 +129,7 @@ impl RelayStats {
             fenced: g(&self.fenced),
             blocked: g(&self.blocked),
             slots_lost: g(&self.slots_lost),
+            retention_deleted: g(&self.retention_deleted),
         }
     }
 }
@@ -214,6 +224,9 @@ pub struct Relay {
     last_read: Option<Instant>,
     read_more: bool,
     waiting: bool,
+    last_status: Option<Instant>,
+    last_retention: Option<Instant>,
+    retention_more: bool,
 }
 
 impl fmt::Debug for Relay {
@@ -255,6 +268,9 @@ impl Relay {
             last_read: None,
             read_more: false,
             waiting: false,
+            last_status: None,
+            last_retention: None,
+            retention_more: false,
         }
     }
 
@@ -337,6 +353,15 @@ impl Relay {
             self.maintain().await?;
         }
         self.release_drained().await?;
+        let heartbeat = self.cfg.lease.heartbeat;
+        if self.last_status.is_none_or(|t| t.elapsed() >= heartbeat) {
+            self.refresh_status().await;
+        }
+        if self.cfg.retention_batch > 0
+            && (self.retention_more || self.last_retention.is_none_or(|t| t.elapsed() >= heartbeat))
+        {
+            self.retain().await;
+        }
         if self.read_more || self.last_read.is_none_or(|t| t.elapsed() >= self.cfg.poll) {
             self.read().await?;
         }
@@ -346,7 +371,7 @@ impl Relay {
 
     /// How long the run loop may sleep before the next step is due.
     fn next_wake(&self) -> Duration {
-        if self.read_more {
+        if self.read_more || self.retention_more {
             return Duration::ZERO;
         }
         let now = Instant::now();
@@ -367,6 +392,47 @@ impl Relay {
             }
         }
         at.saturating_duration_since(now).max(Duration::from_millis(1))
+    }
+
+    /// Refreshes the gauges from [`Outbox::status`] (one statement, each
+    /// heartbeat). A failure is logged, not fatal: publishing goes on.
+    async fn refresh_status(&mut self) {
+        self.last_status = Some(Instant::now());
+        match self.outbox.status().await {
+            Ok(s) => {
+                let schema = self.outbox.cfg.schema.clone();
+                let gauge = |name: &'static str, v: f64| metrics::gauge!(name, "schema" => schema.clone()).set(v);
+                gauge("keyorder_outbox_pending", s.pending as f64);
+                gauge(
+                    "keyorder_outbox_oldest_pending_seconds",
+                    s.oldest_pending_age.map_or(0.0, |d| d.as_secs_f64()),
+                );
+                gauge("keyorder_outbox_abandoned", s.abandoned as f64);
+                gauge("keyorder_outbox_parked", s.parked as f64);
+                gauge("keyorder_outbox_held_keys", s.held_keys as f64);
+            }
+            Err(e) => tracing::warn!(error = %e, "outbox relay: status refresh failed"),
+        }
+    }
+
+    /// Deletes one bounded batch of published records; a full batch asks
+    /// for another at the next step. A failure is logged, not fatal.
+    async fn retain(&mut self) {
+        self.last_retention = Some(Instant::now());
+        let batch = self.cfg.retention_batch;
+        match self.outbox.delete_published(batch).await {
+            Ok(n) => {
+                self.retention_more = n >= batch as u64;
+                if n > 0 {
+                    self.ctx.stats.retention_deleted.fetch_add(n, Ordering::Relaxed);
+                    metrics::counter!("keyorder_outbox_retention_deleted_total").increment(n);
+                }
+            }
+            Err(e) => {
+                self.retention_more = false;
+                tracing::warn!(error = %e, "outbox relay: retention failed");
+            }
+        }
     }
 
     fn ms(d: Duration) -> f64 {

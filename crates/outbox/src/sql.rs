@@ -5,6 +5,9 @@ use keyorder_postgres::shared::{after, commit_safe, read_order, LeaseSql, TXID_C
 /// The `queue` value of the outbox's lease rows (the relay group is `grp`).
 pub(crate) const LEASE_QUEUE: &str = "outbox";
 
+/// Every state a record can be in.
+const STATES: &str = "('pending', 'published', 'abandoned', 'parked', 'discarded')";
+
 /// The statements of one schema (run with `AssertSqlSafe`: the schema name
 /// is checked as an identifier before it is formatted in).
 #[derive(Debug)]
@@ -26,6 +29,14 @@ pub(crate) struct Sql {
     pub(crate) purge: String,
     pub(crate) applied_get: String,
     pub(crate) applied_put: String,
+    pub(crate) status: String,
+    pub(crate) retain: String,
+    pub(crate) stuck: String,
+    pub(crate) lock_record: String,
+    pub(crate) later: String,
+    pub(crate) requeue: String,
+    pub(crate) discard: String,
+    pub(crate) undead: String,
 }
 
 impl Sql {
@@ -37,6 +48,7 @@ impl Sql {
                 .replace("{commit_safe}", &commit_safe("e"))
                 .replace("{read_order}", &read_order("e"))
                 .replace("{txid}", TXID_COLUMN)
+                .replace("{states}", STATES)
                 .replace("{s}", schema)
         };
         let mut migrate: Vec<String> = [
@@ -58,13 +70,26 @@ impl Sql {
                 {txid},
                 created_at timestamptz not null default clock_timestamp(),
                 state text not null default 'pending'
-                    check (state in ('pending', 'published', 'abandoned', 'parked')),
+                    constraint records_state check (state in {states}),
                 attempts int not null default 0,
                 reason text,
                 resolved_by text,
                 resolved_at timestamptz)",
             "create unique index if not exists records_key_seq on {s}.records (category, key, seq)",
             "create index if not exists records_pending on {s}.records (slot, txid, id) where state = 'pending'",
+            // Schemas made before `discarded` existed: swap the unnamed
+            // check for the named one (once; later runs find it).
+            "do $$ begin
+                if not exists (select 1 from pg_constraint
+                    where conrelid = '{s}.records'::regclass and conname = 'records_state') then
+                    alter table {s}.records drop constraint if exists records_state_check;
+                    alter table {s}.records add constraint records_state check (state in {states});
+                end if;
+            end $$",
+            // The age of the oldest pending record, and the records given up
+            // on (few), without scanning the table.
+            "create index if not exists records_pending_age on {s}.records (created_at) where state = 'pending'",
+            "create index if not exists records_stuck on {s}.records (id) where state in ('abandoned', 'parked')",
             "create table if not exists {s}.halted (
                 category text not null, key text not null, record_id bigint not null, reason text not null,
                 halted_at timestamptz not null default clock_timestamp(),
@@ -164,6 +189,49 @@ impl Sql {
             applied_put: f("insert into {s}.applied (name, key, seq) values ($1, $2, $3) \
                  on conflict (name, key) do update set seq = excluded.seq where {s}.applied.seq < excluded.seq \
                  returning 1"),
+            // One cheap statement for the gauges and `Outbox::status`: the
+            // pending count and the oldest pending record through their
+            // partial indexes, the given-up records through theirs.
+            status: f("select (select count(*) from {s}.records where state = 'pending'), \
+                 (select extract(epoch from clock_timestamp() - min(created_at))::float8 \
+                  from {s}.records where state = 'pending'), \
+                 (select count(*) from {s}.records where state = 'abandoned'), \
+                 (select count(*) from {s}.records where state = 'parked'), \
+                 (select count(*) from {s}.halted)"),
+            // One bounded batch of published records, oldest first; rows
+            // another relay is deleting are skipped, not waited for.
+            retain: f(
+                "delete from {s}.records where id = any(array(select id from {s}.records \
+                 where state = 'published' order by id limit $1 for update skip locked))",
+            ),
+            stuck: f(
+                "select id, message_id, category, key, seq, state, coalesce(reason, '') from {s}.records \
+                 where state in ('abandoned', 'parked') and id > $1 order by id limit $2",
+            ),
+            // The record an operator names, locked, with whether its key is
+            // halted on it, on another record, or not at all.
+            lock_record: f("select r.id, r.category, r.key, r.seq, r.state, h.record_id \
+                 from {s}.records r left join {s}.halted h on h.category = r.category and h.key = r.key \
+                 where r.id = $1 for update of r"),
+            // Later records of the key already published, or gone (purged:
+            // counted as published), and the key's last staged sequence.
+            later: f(
+                "select (select count(*) from {s}.records where category = $1 and key = $2 and seq > $3 \
+                  and state = 'published'), \
+                 (select count(*) from {s}.records where category = $1 and key = $2 and seq > $3), \
+                 (select seq from {s}.counters where category = $1 and key = $2)",
+            ),
+            // Back to pending with a fresh transaction id: the relays' read
+            // positions are behind it, so it is read like a newly staged
+            // record, in its key's sequence order.
+            requeue: f(
+                "update {s}.records set state = 'pending', attempts = 0, reason = null, \
+                 resolved_by = null, resolved_at = null, txid = pg_current_xact_id() where id = $1",
+            ),
+            discard: f("update {s}.records set state = 'discarded', \
+                 reason = 'discarded by operator' || coalesce(' (was ' || state || ': ' || reason || ')', ''), \
+                 resolved_by = 'operator', resolved_at = clock_timestamp() where id = $1"),
+            undead: f("delete from {s}.dead where record_id = $1"),
             lease,
         }
     }
