@@ -4,6 +4,7 @@ mod bench;
 mod demo;
 mod failover;
 mod ops;
+mod outbox;
 mod run;
 
 use clap::{Parser, Subcommand};
@@ -31,6 +32,8 @@ enum Command {
     HotKeys(ops::HotKeysArgs),
     /// Dead-lettered messages of a group.
     DeadLetters(ops::Target),
+    /// The transactional outbox: status, held keys, abandoned records; retry or discard one.
+    Outbox(outbox::OutboxArgs),
     /// Fail-over time: `kill -9` an owner inside a handler, time the takeover.
     Failover(failover::FailoverArgs),
 }
@@ -55,6 +58,7 @@ fn main() -> anyhow::Result<()> {
             Command::Head(a) => ops::head(a).await,
             Command::HotKeys(a) => ops::hot_keys(a).await,
             Command::DeadLetters(t) => ops::dead_letters(t).await,
+            Command::Outbox(a) => outbox::run(a).await,
             Command::Failover(a) => failover::run(a).await,
         }
     })
