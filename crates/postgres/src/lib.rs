@@ -789,49 +789,62 @@ impl PgSource {
     /// queue has passed.
     async fn retain(&self) -> Result<()> {
         let batch = self.t.cfg.retention_batch;
-        if batch == 0 {
+        if batch == 0 || self.owned.is_empty() {
             return Ok(());
         }
-        for slot in self.owned.keys() {
-            let done = self
-                .t
-                .db
-                .exec(
-                    q(&self.t.sql.retention)
-                        .bind(&self.spec.category)
-                        .bind(*slot as i32)
-                        .bind(i64::from(batch)),
-                )
-                .await
-                .map_err(db)?;
-            if done.rows_affected() > 0 {
-                tracing::debug!(slot, deleted = done.rows_affected(), "retention");
-            }
+        let slots: Vec<i32> = self.owned.keys().map(|s| *s as i32).collect();
+        let done = self
+            .t
+            .db
+            .exec(
+                q(&self.t.sql.retention)
+                    .bind(&self.spec.category)
+                    .bind(&slots)
+                    .bind(i64::from(batch)),
+            )
+            .await
+            .map_err(db)?;
+        if done.rows_affected() > 0 {
+            tracing::debug!(deleted = done.rows_affected(), "retention");
         }
         Ok(())
     }
 
     /// Moves each owned slot's cursor over its settled prefix (fenced).
     async fn advance_cursors(&mut self) -> Result<()> {
+        let moves: Vec<(u32, i64, Pos)> = self
+            .owned
+            .iter()
+            .map(|(slot, o)| (*slot, o.generation, lock(&o.track).cursor_target(o.read), o.cursor))
+            .filter(|(_, _, target, cursor)| target > cursor)
+            .map(|(slot, generation, target, _)| (slot, generation, target))
+            .collect();
+        if moves.is_empty() {
+            return Ok(());
+        }
+        let query = q(&self.t.sql.advance)
+            .bind(&self.spec.category)
+            .bind(&self.spec.group)
+            .bind(moves.iter().map(|m| m.0 as i32).collect::<Vec<_>>())
+            .bind(moves.iter().map(|m| m.1).collect::<Vec<_>>())
+            .bind(moves.iter().map(|m| m.2 .0.to_string()).collect::<Vec<_>>())
+            .bind(moves.iter().map(|m| m.2 .1).collect::<Vec<_>>())
+            .bind(&self.spec.instance);
+        let still: HashSet<u32> = self
+            .t
+            .db
+            .all(query)
+            .await
+            .map_err(db)?
+            .iter()
+            .map(|r| r.get::<i32, _>(0) as u32)
+            .collect();
         let mut lost = Vec::new();
-        for (slot, o) in &mut self.owned {
-            let target = lock(&o.track).cursor_target(o.read);
-            if target <= o.cursor {
-                continue;
-            }
-            let query = q(&self.t.sql.advance)
-                .bind(&self.spec.category)
-                .bind(&self.spec.group)
-                .bind(*slot as i32)
-                .bind(&self.spec.instance)
-                .bind(o.generation)
-                .bind(target.0.to_string())
-                .bind(target.1);
-            let owned: i64 = self.t.db.one(query).await.map_err(db)?.get(0);
-            if owned == 0 {
-                lost.push(*slot);
-            } else {
-                o.cursor = target;
+        for (slot, _, target) in &moves {
+            match self.owned.get_mut(slot) {
+                Some(o) if still.contains(slot) => o.cursor = *target,
+                Some(_) => lost.push(*slot),
+                None => {}
             }
         }
         for slot in lost {

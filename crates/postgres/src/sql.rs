@@ -107,12 +107,21 @@ impl Sql {
             renew: Arc::from(lease.renew.as_str()),
             acquire: Arc::from(lease.acquire.as_str()),
             release: Arc::from(lease.release.as_str()),
+            // Every owned slot's cursor in one statement (a round trip per
+            // slot stalled the read loop every heartbeat): $3 slots, $4
+            // generations, $5/$6 cursor positions (transaction id as text,
+            // event id), $7 the owner. Returns the slots still owned.
             advance: f(
-                "with {own}, up as (update {s}.slots set cursor_txid = $6::text::xid8, cursor_id = $7 \
-                 where queue = $1 and grp = $2 and slot = $3 and exists (select 1 from own) returning 1), \
-                 del as (delete from {s}.acked a where a.queue = $1 and a.grp = $2 and a.slot = $3 \
-                 and exists (select 1 from own) and (a.txid, a.event_id) <= ($6::text::xid8, $7)) \
-                 select count(*) from own",
+                "with req as (select * from unnest($3::int[], $4::bigint[], $5::text[], $6::bigint[]) \
+                  as r(slot, gen, ctx, cid)), \
+                 own as (select r.slot, r.ctx::xid8 as ctx, r.cid from req r join {s}.slots s on s.queue = $1 \
+                  and s.grp = $2 and s.slot = r.slot and s.owner = $7 and s.generation = r.gen \
+                  and s.lease_expiry > clock_timestamp() for key share of s), \
+                 up as (update {s}.slots s set cursor_txid = o.ctx, cursor_id = o.cid from own o \
+                  where s.queue = $1 and s.grp = $2 and s.slot = o.slot returning 1), \
+                 del as (delete from {s}.acked a using own o where a.queue = $1 and a.grp = $2 \
+                  and a.slot = o.slot and (a.txid, a.event_id) <= (o.ctx, o.cid)) \
+                 select slot from own",
             ),
             // `offset 0` keeps each `not exists` a per-row primary-key probe:
             // flattened into an anti-join, a generic plan with a new queue's
@@ -246,14 +255,15 @@ impl Sql {
                  and a.event_id = o.event_id) \
                  select event_id, 1 from own",
             ),
-            // Events every group of the queue has passed in this slot: below
-            // the lowest cursor (a halted head is never below a cursor).
+            // Events every group of the queue has passed, in each of the
+            // slots $2 (an `int[]`): below the lowest cursor (a halted head
+            // is never below a cursor), up to $3 per slot, in one statement.
             retention: f(
-                "with floor as (select cursor_txid, cursor_id from {s}.slots where queue = $1 and slot = $2 \
-                 order by cursor_txid, cursor_id limit 1) \
-                 delete from {s}.events where id in (select e.id from {s}.events e, floor f \
-                 where e.queue = $1 and e.slot = $2 and (e.txid, e.id) <= (f.cursor_txid, f.cursor_id) \
-                 order by e.txid, e.id limit $3)",
+                "delete from {s}.events where id in (select d.id from unnest($2::int[]) as r(slot) \
+                 cross join lateral (select cursor_txid, cursor_id from {s}.slots where queue = $1 \
+                  and slot = r.slot order by cursor_txid, cursor_id limit 1) f \
+                 cross join lateral (select e.id from {s}.events e where e.queue = $1 and e.slot = r.slot \
+                  and (e.txid, e.id) <= (f.cursor_txid, f.cursor_id) order by e.txid, e.id limit $3) d)",
             ),
         }
     }
