@@ -5,6 +5,7 @@ mod demo;
 mod failover;
 mod ops;
 mod outbox;
+mod outbox_bench;
 mod run;
 
 use clap::{Parser, Subcommand};
@@ -32,7 +33,7 @@ enum Command {
     HotKeys(ops::HotKeysArgs),
     /// Dead-lettered messages of a group.
     DeadLetters(ops::Target),
-    /// The transactional outbox: status, held keys, abandoned records; retry or discard one.
+    /// The transactional outbox: status, held keys, abandoned records; retry or discard one; relay bench.
     Outbox(outbox::OutboxArgs),
     /// Fail-over time: `kill -9` an owner inside a handler, time the takeover.
     Failover(failover::FailoverArgs),

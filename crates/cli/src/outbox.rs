@@ -1,6 +1,6 @@
 //! `keyorder outbox`: the transactional outbox's status, held keys and
-//! abandoned records, and the operator's retry and discard. Keys show as
-//! labels (`k#...`), never as values.
+//! abandoned records, the operator's retry and discard, and the relay
+//! benchmark. Keys show as labels (`k#...`), never as values.
 
 use std::time::Duration;
 
@@ -21,11 +21,11 @@ pub(crate) struct Db {
 #[derive(Debug, Args)]
 pub(crate) struct OutboxArgs {
     #[command(subcommand)]
-    verb: Verb,
+    pub(crate) verb: Verb,
 }
 
 #[derive(Debug, Subcommand)]
-enum Verb {
+pub(crate) enum Verb {
     /// Pending records, the oldest one's age, abandoned and parked records, held keys.
     Status(Db),
     /// Keys held on a poison record (policy `Halt`): their head record and why.
@@ -57,6 +57,10 @@ enum Verb {
         /// The record id (`held` or `abandoned` prints it).
         id: i64,
     },
+    /// Relay throughput into a transport: the ordered relay beside one that
+    /// ignores per-key order, same records and settings, same run; prints
+    /// records/s of both and the ratio.
+    Bench(crate::outbox_bench::OutboxBenchArgs),
 }
 
 async fn open(db: &Db) -> anyhow::Result<Outbox> {
@@ -113,6 +117,7 @@ pub(crate) async fn run(a: OutboxArgs) -> anyhow::Result<()> {
             let acted = open(&db).await?.discard(id).await?;
             println!("discarded: {acted}");
         }
+        Verb::Bench(b) => crate::outbox_bench::run(b).await?,
     }
     Ok(())
 }

@@ -2,7 +2,7 @@
 //! fenced slot leases so several relays share the work and never publish one
 //! key at the same time.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -52,6 +52,15 @@ pub struct RelayConfig {
     /// (default 1000; 0 keeps every published record). Pending, held,
     /// abandoned, parked and discarded records are never deleted.
     pub retention_batch: usize,
+    /// **A benchmark baseline, for comparison only** (default `false`):
+    /// publishes pending records without waiting for a key's earlier record
+    /// to be confirmed, so a key's records may reach the broker in any
+    /// order: no per-key order. Everything else is unchanged: the same
+    /// reads, the same fenced statements around each publish (without the
+    /// check of the key's earlier records), the same publisher, and every
+    /// record is still marked published. `keyorder outbox bench` runs it
+    /// beside the ordered relay to measure what the order costs.
+    pub ignore_ordering: bool,
 }
 
 impl Default for RelayConfig {
@@ -71,6 +80,7 @@ impl Default for RelayConfig {
             },
             poison: PoisonPolicy::Halt,
             retention_batch: 1000,
+            ignore_ordering: false,
         }
     }
 }
@@ -158,6 +168,9 @@ type KeyId = (String, String);
 struct KeyQueue {
     records: BTreeMap<i64, Arc<Record>>,
     busy: bool,
+    /// The sequences being published ([`RelayConfig::ignore_ordering`] only,
+    /// where one key has several publishes at once).
+    in_flight: BTreeSet<i64>,
     not_before: Option<Instant>,
 }
 
@@ -204,6 +217,7 @@ struct Ctx {
     retry: RetryPolicy,
     poison: PoisonPolicy,
     margin: Duration,
+    ignore_ordering: bool,
     stats: Arc<RelayStats>,
 }
 
@@ -253,8 +267,12 @@ impl Relay {
             retry: cfg.retry,
             poison: cfg.poison,
             margin: cfg.lease.margin,
+            ignore_ordering: cfg.ignore_ordering,
             stats: Arc::new(RelayStats::default()),
         });
+        if cfg.ignore_ordering {
+            tracing::warn!("outbox relay: ignore_ordering is set: a key's records may be published out of order (a benchmark baseline)");
+        }
         Relay {
             outbox,
             cfg,
@@ -643,10 +661,12 @@ impl Relay {
     }
 
     /// Starts the head of every idle key whose back-off has passed, up to
-    /// the concurrency limit.
+    /// the concurrency limit (with [`RelayConfig::ignore_ordering`], every
+    /// record of such a key that is not already being published).
     fn start(&mut self) {
         let now = Instant::now();
         let limit = self.cfg.concurrency.max(1);
+        let unordered = self.cfg.ignore_ordering;
         for (slot, o) in self.owned.iter_mut() {
             if o.revoking {
                 continue;
@@ -658,11 +678,35 @@ impl Relay {
                 if kq.busy || kq.not_before.is_some_and(|t| t > now) {
                     continue;
                 }
+                kq.not_before = None;
+                if unordered {
+                    for (seq, rec) in &kq.records {
+                        if self.running.len() >= limit {
+                            return;
+                        }
+                        if !kq.in_flight.insert(*seq) {
+                            continue;
+                        }
+                        let handle =
+                            self.running
+                                .spawn(publish_one(self.ctx.clone(), *slot, o.generation, rec.clone()));
+                        *self.running_by_slot.entry(*slot).or_default() += 1;
+                        self.meta.insert(
+                            handle.id(),
+                            Meta {
+                                slot: *slot,
+                                generation: o.generation,
+                                key: key.clone(),
+                                seq: *seq,
+                            },
+                        );
+                    }
+                    continue;
+                }
                 let Some((seq, rec)) = kq.records.first_key_value() else {
                     continue;
                 };
                 kq.busy = true;
-                kq.not_before = None;
                 *self.running_by_slot.entry(*slot).or_default() += 1;
                 let handle = self
                     .running
@@ -702,12 +746,13 @@ impl Relay {
         let now = Instant::now();
         let Some(kq) = o.keys.get_mut(&meta.key) else { return };
         kq.busy = false;
+        kq.in_flight.remove(&meta.seq);
         match outcome {
             Outcome::Resolved => {
                 if kq.records.remove(&meta.seq).is_some() {
                     o.held = o.held.saturating_sub(1);
                 }
-                if kq.records.is_empty() {
+                if kq.records.is_empty() && kq.in_flight.is_empty() {
                     o.keys.remove(&meta.key);
                 }
             }
@@ -732,7 +777,12 @@ async fn publish_one(ctx: Arc<Ctx>, slot: u32, generation: i64, rec: Arc<Record>
         Ok(_) => return abandon(&ctx, slot, generation, &rec, "invalid category name").await,
         Err(e) => return abandon(&ctx, slot, generation, &rec, &e.to_string()).await,
     };
-    let begin = q(&ctx.sql.begin)
+    let begin_sql = if ctx.ignore_ordering {
+        &ctx.sql.begin_unordered
+    } else {
+        &ctx.sql.begin
+    };
+    let begin = q(begin_sql)
         .bind(LEASE_QUEUE)
         .bind(&ctx.group)
         .bind(slot as i32)

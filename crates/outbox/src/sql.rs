@@ -8,6 +8,26 @@ pub(crate) const LEASE_QUEUE: &str = "outbox";
 /// Every state a record can be in.
 const STATES: &str = "('pending', 'published', 'abandoned', 'parked', 'discarded')";
 
+/// Before a publish: the fence, the record still pending, no earlier record
+/// of its key pending (`{lower}`), the key not halted; then the attempt is
+/// counted durably. Returns (owned, exists, earlier, halted, attempts, lease
+/// milliseconds left).
+const BEGIN: &str = "with {own}, \
+     r as (select id, category, key, seq from {s}.records where id = $6 and state = 'pending'), \
+     lower as ({lower}), \
+     h as (select 1 from {s}.halted h join r on h.category = r.category and h.key = r.key), \
+     up as (update {s}.records set attempts = attempts + 1 where id = $6 and state = 'pending' \
+     and exists (select 1 from own) and not exists (select 1 from lower) \
+     and not exists (select 1 from h) returning attempts) \
+     select (select count(*) from own), (select count(*) from r), (select count(*) from lower), \
+     (select count(*) from h), (select attempts from up), \
+     (select (extract(epoch from (lease_expiry - clock_timestamp())) * 1000)::bigint \
+      from {s}.slots where queue = $1 and grp = $2 and slot = $3)";
+
+/// An earlier record of the key still pending (the per-key order check).
+const LOWER: &str = "select 1 from {s}.records p join r on p.category = r.category and p.key = r.key \
+     and p.seq < r.seq where p.state = 'pending' limit 1";
+
 /// The statements of one schema (run with `AssertSqlSafe`: the schema name
 /// is checked as an identifier before it is formatted in).
 #[derive(Debug)]
@@ -20,6 +40,7 @@ pub(crate) struct Sql {
     pub(crate) ensure_slots: String,
     pub(crate) read: String,
     pub(crate) begin: String,
+    pub(crate) begin_unordered: String,
     pub(crate) resolve: String,
     pub(crate) halt: String,
     pub(crate) halted: String,
@@ -139,22 +160,10 @@ impl Sql {
                  and {after} and {commit_safe} {read_order} limit $8) e \
                  order by c.slot, e.txid, e.id",
             ),
-            // Before a publish: the fence, the record still pending, no
-            // earlier record of its key pending, the key not halted; then the
-            // attempt is counted durably. Returns (owned, exists, earlier,
-            // halted, attempts, lease milliseconds left).
-            begin: f("with {own}, \
-                 r as (select id, category, key, seq from {s}.records where id = $6 and state = 'pending'), \
-                 lower as (select 1 from {s}.records p join r on p.category = r.category and p.key = r.key \
-                 and p.seq < r.seq where p.state = 'pending' limit 1), \
-                 h as (select 1 from {s}.halted h join r on h.category = r.category and h.key = r.key), \
-                 up as (update {s}.records set attempts = attempts + 1 where id = $6 and state = 'pending' \
-                 and exists (select 1 from own) and not exists (select 1 from lower) \
-                 and not exists (select 1 from h) returning attempts) \
-                 select (select count(*) from own), (select count(*) from r), (select count(*) from lower), \
-                 (select count(*) from h), (select attempts from up), \
-                 (select (extract(epoch from (lease_expiry - clock_timestamp())) * 1000)::bigint \
-                  from {s}.slots where queue = $1 and grp = $2 and slot = $3)"),
+            begin: f(&BEGIN.replace("{lower}", LOWER)),
+            // The baseline of `RelayConfig::ignore_ordering`: the same
+            // statement without the check of the key's earlier records.
+            begin_unordered: f(&BEGIN.replace("{lower}", "select 1 where false")),
             // Marks a record published, abandoned or parked ($7) with a
             // reason ($8), only while this owner holds the slot at this
             // generation: the same statement checks the fence.
