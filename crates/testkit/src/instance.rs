@@ -2,7 +2,7 @@
 //! and polling with a deadline.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -54,6 +54,11 @@ pub struct Switches {
     pub broken: AtomicBool,
     /// When set, every handler first waits on this barrier.
     pub barrier: std::sync::Mutex<Option<Arc<Barrier>>>,
+    /// When set, a handler waits on the barrier at most this long, then
+    /// goes on and counts the miss in `barrier_missed`.
+    pub barrier_timeout: std::sync::Mutex<Option<Duration>>,
+    /// Handlers that gave up waiting on the barrier.
+    pub barrier_missed: AtomicUsize,
     /// `(seq, d)`: the first message whose sequence is at least `seq` sleeps
     /// `d` inside the handler, once (a place to kill or stop the process).
     pub hold: std::sync::Mutex<Option<(u64, Duration)>>,
@@ -85,7 +90,17 @@ pub fn logging_handler(
                 .map_err(HandlerError::retry)?;
             let barrier = switches.barrier.lock().unwrap().clone();
             if let Some(barrier) = barrier {
-                barrier.wait().await;
+                let limit = *switches.barrier_timeout.lock().unwrap();
+                match limit {
+                    Some(d) => {
+                        if tokio::time::timeout(d, barrier.wait()).await.is_err() {
+                            switches.barrier_missed.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                    None => {
+                        barrier.wait().await;
+                    }
+                }
             }
             let hold = {
                 let mut hold = switches.hold.lock().unwrap();
