@@ -187,6 +187,19 @@ impl Outbox {
         Ok(done.rows_affected())
     }
 
+    /// Releases a held record's key: its attempts start again and the halt goes.
+    async fn release_key(&self, tx: &mut sqlx::PgConnection, l: &Locked) -> Result<()> {
+        for stmt in [&self.sql.reset_attempts, &self.sql.unhalt] {
+            q(stmt)
+                .bind(&l.category)
+                .bind(&l.key)
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+        }
+        Ok(())
+    }
+
     async fn lock(&self, tx: &mut sqlx::PgConnection, record_id: i64) -> Result<Locked> {
         let row = q(&self.sql.lock_record)
             .bind(record_id)
@@ -236,14 +249,7 @@ impl Outbox {
         let id = record_id;
         match l.acted.was {
             RecordState::Held => {
-                for stmt in [&self.sql.reset_attempts, &self.sql.unhalt] {
-                    q(stmt)
-                        .bind(&l.category)
-                        .bind(&l.key)
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(db)?;
-                }
+                self.release_key(&mut tx, &l).await?;
             }
             RecordState::Pending => {
                 let why = match l.halted_on {
@@ -301,14 +307,7 @@ impl Outbox {
         match l.acted.was {
             RecordState::Held => {
                 q(&self.sql.discard).bind(id).execute(&mut *tx).await.map_err(db)?;
-                for stmt in [&self.sql.reset_attempts, &self.sql.unhalt] {
-                    q(stmt)
-                        .bind(&l.category)
-                        .bind(&l.key)
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(db)?;
-                }
+                self.release_key(&mut tx, &l).await?;
             }
             RecordState::Abandoned | RecordState::Parked => {
                 q(&self.sql.discard).bind(id).execute(&mut *tx).await.map_err(db)?;

@@ -687,18 +687,16 @@ impl Relay {
                         if !kq.in_flight.insert(*seq) {
                             continue;
                         }
-                        let handle =
-                            self.running
-                                .spawn(publish_one(self.ctx.clone(), *slot, o.generation, rec.clone()));
-                        *self.running_by_slot.entry(*slot).or_default() += 1;
-                        self.meta.insert(
-                            handle.id(),
+                        launch(
+                            (&mut self.running, &mut self.running_by_slot, &mut self.meta),
+                            &self.ctx,
                             Meta {
                                 slot: *slot,
                                 generation: o.generation,
                                 key: key.clone(),
                                 seq: *seq,
                             },
+                            rec.clone(),
                         );
                     }
                     continue;
@@ -707,18 +705,16 @@ impl Relay {
                     continue;
                 };
                 kq.busy = true;
-                *self.running_by_slot.entry(*slot).or_default() += 1;
-                let handle = self
-                    .running
-                    .spawn(publish_one(self.ctx.clone(), *slot, o.generation, rec.clone()));
-                self.meta.insert(
-                    handle.id(),
+                launch(
+                    (&mut self.running, &mut self.running_by_slot, &mut self.meta),
+                    &self.ctx,
                     Meta {
                         slot: *slot,
                         generation: o.generation,
                         key: key.clone(),
                         seq: *seq,
                     },
+                    rec.clone(),
                 );
             }
         }
@@ -770,6 +766,18 @@ impl Relay {
 /// Publishes one record: the fenced begin (attempt counted, earlier
 /// records of the key resolved, key not halted), the publish awaited, then
 /// the fenced mark. Every failure path is decided here.
+/// Starts one record's publish task and books it under its slot.
+fn launch(
+    (running, by_slot, meta): (&mut JoinSet<Outcome>, &mut HashMap<u32, usize>, &mut HashMap<Id, Meta>),
+    ctx: &Arc<Ctx>,
+    m: Meta,
+    rec: Arc<Record>,
+) {
+    let handle = running.spawn(publish_one(ctx.clone(), m.slot, m.generation, rec));
+    *by_slot.entry(m.slot).or_default() += 1;
+    meta.insert(handle.id(), m);
+}
+
 async fn publish_one(ctx: Arc<Ctx>, slot: u32, generation: i64, rec: Arc<Record>) -> Outcome {
     let key_label = label(&rec.key);
     let key = match OrderingKey::with_rules(&rec.key, ctx.client.key_rules()) {
