@@ -9,30 +9,17 @@ use std::time::Duration;
 
 use keyorder_core::{Client, Delivery, HandlerResult};
 use keyorder_outbox::sqlx;
-use keyorder_outbox::{Outbox, OutboxConfig, Outgoing, RelayConfig};
+use keyorder_outbox::{Outgoing, RelayConfig};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-fn pg_url() -> String {
-    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-fn unique(prefix: &str) -> String {
-    format!("{prefix}{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
-}
+mod common;
+use common::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_unordered_baseline_publishes_every_record_once() {
-    let schema = unique("ko_obase_");
+    let (outbox, schema) = outbox_in("ko_obase_").await;
     let category = unique("baseline-");
-    let cfg = OutboxConfig {
-        schema: schema.clone(),
-        ..OutboxConfig::default()
-    };
-    let outbox = Outbox::connect(&pg_url(), 8, cfg)
-        .await
-        .expect("PostgreSQL must be reachable (run scripts/services)");
-    outbox.migrate().await.unwrap();
 
     // 5 keys x 40 records, several records of a key per transaction, so a
     // key has many pending records the baseline publishes at once.

@@ -7,45 +7,18 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{
-    async_trait, Admin, Capabilities, Client, Delivery, Error, HandlerResult, KeyRules, KeySource, LeaseConfig,
-    MemoryTransport, Message, PoisonPolicy, Result, RetryPolicy, RunReport, SourceSpec, Transport, TransportPublisher,
-    TransportSource,
+    async_trait, Admin, Capabilities, Client, Error, KeyRules, LeaseConfig, MemoryTransport, Message, PoisonPolicy,
+    Result, RetryPolicy, SourceSpec, Transport, TransportPublisher, TransportSource,
 };
-use keyorder_outbox::sqlx::{self, PgPool};
-use keyorder_outbox::{
-    GuardStats, Outbox, OutboxConfig, Outgoing, RecordState, Relay, RelayConfig, RelayStats, SequenceGuard, Staged,
-};
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
-use tokio::time::Instant;
+use keyorder_outbox::sqlx;
+use keyorder_outbox::{Outbox, Outgoing, RecordState, RelayConfig, Staged};
 
-fn pg_url() -> String {
-    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-fn unique(prefix: &str) -> String {
-    format!("{prefix}{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
-}
+mod common;
+use common::*;
 
 /// A fresh, migrated outbox in a schema of its own.
 async fn outbox() -> (Outbox, String) {
-    let schema = unique("ko_outbox_ops_");
-    let cfg = OutboxConfig {
-        schema: schema.clone(),
-        ..OutboxConfig::default()
-    };
-    let outbox = Outbox::connect(&pg_url(), 8, cfg)
-        .await
-        .expect("PostgreSQL must be reachable (run scripts/services)");
-    outbox.migrate().await.unwrap();
-    (outbox, schema)
-}
-
-async fn count(pool: &PgPool, sql: &str) -> i64 {
-    sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
-        .fetch_one(pool)
-        .await
-        .unwrap()
+    outbox_in("ko_outbox_ops_").await
 }
 
 async fn state_count(outbox: &Outbox, schema: &str, state: &str) -> i64 {
@@ -64,19 +37,6 @@ async fn state_of(outbox: &Outbox, schema: &str, id: i64) -> String {
     .fetch_one(outbox.pool())
     .await
     .unwrap()
-}
-
-/// Polls `cond` until it holds, failing at the deadline.
-async fn until<F, Fut>(what: &str, secs: u64, mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !cond().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 fn lease() -> LeaseConfig {
@@ -99,95 +59,6 @@ fn relay_cfg(name: &str) -> RelayConfig {
         },
         retention_batch: 0,
         ..RelayConfig::default()
-    }
-}
-
-struct Running {
-    stop: oneshot::Sender<()>,
-    task: JoinHandle<Result<keyorder_outbox::RelayStatsSnapshot>>,
-    stats: Arc<RelayStats>,
-}
-
-fn spawn_relay(relay: Relay) -> Running {
-    let (stop, stopped) = oneshot::channel::<()>();
-    let stats = relay.stats();
-    let task = tokio::spawn(relay.run(async move {
-        let _ = stopped.await;
-    }));
-    Running { stop, task, stats }
-}
-
-impl Running {
-    async fn stop(self) {
-        let _ = self.stop.send(());
-        self.task.await.unwrap().unwrap();
-    }
-}
-
-/// What the handler applied, after the guard: (key, seq, message id).
-type Log = Arc<Mutex<Vec<(String, u64, String)>>>;
-
-struct Consumer {
-    log: Log,
-    guard: Arc<GuardStats>,
-    stop: oneshot::Sender<()>,
-    task: JoinHandle<Result<RunReport>>,
-}
-
-async fn consume(client: &Client, category: &str) -> Consumer {
-    let subscription = client
-        .subscribe(category, "consumer")
-        .ordered_by(KeySource::routing_key())
-        .lease(lease())
-        .build()
-        .await
-        .unwrap();
-    let log: Log = Arc::default();
-    let seen = log.clone();
-    let handler = move |d: Delivery| {
-        let seen = seen.clone();
-        async move {
-            let seq = keyorder_outbox::sequence_of(d.message()).expect("every outbox message has a sequence");
-            seen.lock()
-                .unwrap()
-                .push((d.key().unwrap().as_str().to_owned(), seq, d.id().to_owned()));
-            HandlerResult::Ok(())
-        }
-    };
-    let guard = SequenceGuard::in_memory(handler, 10_000);
-    let stats = guard.stats();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(subscription.run(guard, async move {
-        let _ = stopped.await;
-    }));
-    Consumer {
-        log,
-        guard: stats,
-        stop,
-        task,
-    }
-}
-
-impl Consumer {
-    fn ids_of(&self, key: &str) -> Vec<String> {
-        self.log
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|(k, _, _)| k == key)
-            .map(|(_, _, id)| id.clone())
-            .collect()
-    }
-    fn len(&self) -> usize {
-        self.log.lock().unwrap().len()
-    }
-    async fn wait_for(&self, n: usize) {
-        until(&format!("{n} deliveries applied"), 60, || async { self.len() >= n }).await;
-    }
-    async fn stop(self) -> Vec<(String, u64, String)> {
-        let _ = self.stop.send(());
-        self.task.await.unwrap().unwrap();
-        self.log.lock().unwrap().clone()
     }
 }
 
@@ -304,7 +175,7 @@ async fn status_matches_the_table() {
     assert_eq!(status.pending as i64, state_count(&outbox, &schema, "pending").await);
 
     let broker: Arc<dyn Transport> = Arc::new(MemoryTransport::new());
-    let consumer = consume(&Client::new(broker.clone()), &category).await;
+    let consumer = consume(&Client::new(broker.clone()), &category, lease()).await;
     let failing = Failing::new(broker.clone(), &["h-2"]);
     let relay = spawn_relay(outbox.relay(failing.client(), relay_cfg("r1")));
     // a, b, c (12) and h-1; then h halts on h-2 and the bad record is abandoned.
@@ -361,7 +232,7 @@ async fn retention_deletes_only_published_records_in_batches() {
     stage(&outbox, &category, &["h"], 3).await;
     insert_invalid(&outbox, &schema, &category).await;
     let broker: Arc<dyn Transport> = Arc::new(MemoryTransport::new());
-    let consumer = consume(&Client::new(broker.clone()), &category).await;
+    let consumer = consume(&Client::new(broker.clone()), &category, lease()).await;
     let failing = Failing::new(broker.clone(), &["h-2"]);
     let relay = spawn_relay(outbox.relay(failing.client(), relay_cfg("r1")));
     consumer.wait_for(26).await;
@@ -422,7 +293,7 @@ async fn retried_abandoned_records_are_published_in_order() {
     let (outbox, schema) = outbox().await;
     let category = unique("retry-");
     let broker: Arc<dyn Transport> = Arc::new(MemoryTransport::new());
-    let consumer = consume(&Client::new(broker.clone()), &category).await;
+    let consumer = consume(&Client::new(broker.clone()), &category, lease()).await;
     let strict = Client::new(broker.clone()).with_key_rules(KeyRules::default().with_lane("retired"));
     let a = spawn_relay(outbox.relay(strict, relay_cfg("a")));
     let staged = stage(&outbox, &category, &["retired", "other"], 3).await;
@@ -496,7 +367,7 @@ async fn discard_releases_a_held_key_and_retry_resumes_one() {
     let (outbox, schema) = outbox().await;
     let category = unique("held-");
     let broker: Arc<dyn Transport> = Arc::new(MemoryTransport::new());
-    let consumer = consume(&Client::new(broker.clone()), &category).await;
+    let consumer = consume(&Client::new(broker.clone()), &category, lease()).await;
     let failing = Failing::new(broker.clone(), &["p-2", "r-1"]);
     let staged = stage(&outbox, &category, &["p", "q", "r"], 3).await;
     let relay = spawn_relay(outbox.relay(failing.client(), relay_cfg("a")));
@@ -547,7 +418,7 @@ async fn a_parked_record_is_refused_out_of_order_and_discarded() {
     let (outbox, schema) = outbox().await;
     let category = unique("park-");
     let broker: Arc<dyn Transport> = Arc::new(MemoryTransport::new());
-    let consumer = consume(&Client::new(broker.clone()), &category).await;
+    let consumer = consume(&Client::new(broker.clone()), &category, lease()).await;
     let failing = Failing::new(broker.clone(), &["s-2"]);
     let staged = stage(&outbox, &category, &["s"], 3).await;
     let cfg = RelayConfig {

@@ -9,62 +9,24 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{
-    async_trait, Admin, Capabilities, Client, Delivery, Error, HandlerResult, KeySource, LeaseConfig, MemoryTransport,
-    Message, PoisonPolicy, Result, RetryPolicy, RunReport, SourceSpec, Transport, TransportPublisher, TransportSource,
+    async_trait, Admin, Capabilities, Client, Error, LeaseConfig, MemoryTransport, Message, PoisonPolicy, Result,
+    RetryPolicy, SourceSpec, Transport, TransportPublisher, TransportSource,
 };
-use keyorder_outbox::sqlx::{self, PgPool};
-use keyorder_outbox::{
-    AppliedStore, GuardStats, MemoryApplied, Outbox, OutboxConfig, Outgoing, PgApplied, Relay, RelayConfig, RelayStats,
-    SequenceGuard,
-};
-use tokio::sync::{oneshot, Semaphore};
-use tokio::task::JoinHandle;
+use keyorder_outbox::sqlx;
+use keyorder_outbox::{AppliedStore, MemoryApplied, Outbox, Outgoing, PgApplied, RelayConfig};
+use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
-fn pg_url() -> String {
-    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
+mod common;
+use common::*;
 
 fn redis_url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
 }
 
-fn unique(prefix: &str) -> String {
-    format!("{prefix}{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
-}
-
 /// A fresh, migrated outbox in a schema of its own.
 async fn outbox() -> (Outbox, String) {
-    let schema = unique("ko_outbox_");
-    let cfg = OutboxConfig {
-        schema: schema.clone(),
-        ..OutboxConfig::default()
-    };
-    let outbox = Outbox::connect(&pg_url(), 8, cfg)
-        .await
-        .expect("PostgreSQL must be reachable (run scripts/services)");
-    outbox.migrate().await.unwrap();
-    (outbox, schema)
-}
-
-async fn count(pool: &PgPool, sql: &str) -> i64 {
-    sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
-        .fetch_one(pool)
-        .await
-        .unwrap()
-}
-
-/// Polls `cond` until it holds, failing at the deadline.
-async fn until<F, Fut>(what: &str, secs: u64, mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !cond().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    outbox_in("ko_outbox_").await
 }
 
 fn lease() -> LeaseConfig {
@@ -88,90 +50,6 @@ fn relay_cfg(name: &str) -> RelayConfig {
         // These tests look at the published rows: keep them.
         retention_batch: 0,
         ..RelayConfig::default()
-    }
-}
-
-/// A running relay and its stop signal.
-struct Running {
-    stop: oneshot::Sender<()>,
-    task: JoinHandle<Result<keyorder_outbox::RelayStatsSnapshot>>,
-    stats: Arc<RelayStats>,
-}
-
-fn spawn_relay(relay: Relay) -> Running {
-    let (stop, stopped) = oneshot::channel::<()>();
-    let stats = relay.stats();
-    let task = tokio::spawn(relay.run(async move {
-        let _ = stopped.await;
-    }));
-    Running { stop, task, stats }
-}
-
-impl Running {
-    async fn stop(self) {
-        let _ = self.stop.send(());
-        self.task.await.unwrap().unwrap();
-    }
-}
-
-/// What the handler saw: (key, seq, message id), after the guard.
-type Log = Arc<Mutex<Vec<(String, u64, String)>>>;
-
-struct Consumer {
-    log: Log,
-    guard: Arc<GuardStats>,
-    stop: oneshot::Sender<()>,
-    task: JoinHandle<Result<RunReport>>,
-}
-
-async fn consume(client: &Client, category: &str) -> Consumer {
-    let subscription = client
-        .subscribe(category, "consumer")
-        .ordered_by(KeySource::routing_key())
-        .lease(lease())
-        .build()
-        .await
-        .unwrap();
-    let log: Log = Arc::default();
-    let seen = log.clone();
-    let handler = move |d: Delivery| {
-        let seen = seen.clone();
-        async move {
-            let seq = keyorder_outbox::sequence_of(d.message()).expect("every outbox message has a sequence");
-            seen.lock()
-                .unwrap()
-                .push((d.key().unwrap().as_str().to_owned(), seq, d.id().to_owned()));
-            HandlerResult::Ok(())
-        }
-    };
-    let guard = SequenceGuard::in_memory(handler, 10_000);
-    let stats = guard.stats();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(subscription.run(guard, async move {
-        let _ = stopped.await;
-    }));
-    Consumer {
-        log,
-        guard: stats,
-        stop,
-        task,
-    }
-}
-
-impl Consumer {
-    fn seen(&self) -> Vec<(String, u64, String)> {
-        self.log.lock().unwrap().clone()
-    }
-    async fn wait_for(&self, n: usize) {
-        until(&format!("{n} deliveries applied"), 60, || async {
-            self.log.lock().unwrap().len() >= n
-        })
-        .await;
-    }
-    async fn stop(self) -> Vec<(String, u64, String)> {
-        let _ = self.stop.send(());
-        self.task.await.unwrap().unwrap();
-        self.log.lock().unwrap().clone()
     }
 }
 
@@ -335,7 +213,7 @@ async fn sequence_is_commit_order_with_concurrent_stagers() {
     // Relay while X is open: only B's record (seq 2) is readable; the relay
     // must not publish it before A's (seq 1).
     let client = Client::memory();
-    let consumer = consume(&client, &category).await;
+    let consumer = consume(&client, &category, lease()).await;
     let relay = spawn_relay(outbox.relay(client.clone(), relay_cfg("r1")));
     until("the relay to hold back seq 2", 30, || async {
         relay.stats.snapshot().blocked >= 1
@@ -405,7 +283,7 @@ async fn stage_many_takes_counters_in_key_order() {
 async fn end_to_end(client: Client, category: &str) {
     let (outbox, _) = outbox().await;
     let mut expected = stage_load(&outbox, category, 8, 15).await;
-    let consumer = consume(&client, category).await;
+    let consumer = consume(&client, category, lease()).await;
     let relay = spawn_relay(outbox.relay(client.clone(), relay_cfg("r1")));
     // Records staged while the relay runs flow too.
     stage_load(&outbox, category, 8, 5).await;
@@ -572,7 +450,7 @@ async fn two_relays_never_publish_one_key_at_once() {
     let (outbox, schema) = outbox().await;
     let category = unique("two-");
     let broker: Arc<dyn Transport> = Arc::new(MemoryTransport::new());
-    let consumer = consume(&Client::new(broker.clone()), &category).await;
+    let consumer = consume(&Client::new(broker.clone()), &category, lease()).await;
     let (wa, wb) = (Wrap::new(broker.clone(), "a"), Wrap::new(broker.clone(), "b"));
     let a = spawn_relay(outbox.relay(wa.client(), relay_cfg("a")));
     let b = spawn_relay(outbox.relay(wb.client(), relay_cfg("b")));
@@ -624,7 +502,7 @@ async fn a_stalled_relay_is_fenced_and_its_late_publish_dropped() {
     let (outbox, schema) = outbox().await;
     let category = unique("stall-");
     let broker: Arc<dyn Transport> = Arc::new(MemoryTransport::new());
-    let consumer = consume(&Client::new(broker.clone()), &category).await;
+    let consumer = consume(&Client::new(broker.clone()), &category, lease()).await;
     let mut tx = outbox.pool().begin().await.unwrap();
     for i in 1..=3 {
         outbox
@@ -700,7 +578,7 @@ async fn an_invalid_key_inserted_by_raw_sql_is_abandoned_and_others_flow() {
     }
     let expected = stage_load(&outbox, &category, 4, 5).await;
     let client = Client::memory();
-    let consumer = consume(&client, &category).await;
+    let consumer = consume(&client, &category, lease()).await;
     let relay = spawn_relay(outbox.relay(client.clone(), relay_cfg("r1")));
     consumer.wait_for(20).await;
     until("both bad records abandoned", 30, || async {
@@ -736,7 +614,7 @@ async fn a_crashed_relay_loses_nothing() {
     let (outbox, _) = outbox().await;
     let category = unique("crash-");
     let broker: Arc<dyn Transport> = Arc::new(MemoryTransport::new());
-    let consumer = consume(&Client::new(broker.clone()), &category).await;
+    let consumer = consume(&Client::new(broker.clone()), &category, lease()).await;
     let mut expected = BTreeMap::new();
     let mut tx = outbox.pool().begin().await.unwrap();
     for k in 0..6 {
@@ -775,7 +653,7 @@ async fn poison_parks_or_halts_by_policy() {
         let (outbox, schema) = outbox().await;
         let category = unique("poison-");
         let broker: Arc<dyn Transport> = Arc::new(MemoryTransport::new());
-        let consumer = consume(&Client::new(broker.clone()), &category).await;
+        let consumer = consume(&Client::new(broker.clone()), &category, lease()).await;
         let mut tx = outbox.pool().begin().await.unwrap();
         for key in ["p", "q"] {
             for i in 1..=3 {
