@@ -750,11 +750,7 @@ impl Inner {
             let next = {
                 let mut st = self.lock();
                 if let Some((key, job, outcome)) = last.take() {
-                    let mark = self.cfg.budget - self.low_water();
-                    let before = st.total;
-                    let key_low = self.cfg.per_key_depth - self.cfg.per_key_depth / 4;
-                    let key_refilled = st.finish(key, job, outcome, &self.stats, key_low);
-                    refilled = key_refilled || (before > mark && st.total <= mark);
+                    refilled = self.finish_job(&mut st, key, job, outcome);
                 }
                 let stopping = self.is_stopping();
                 loop {
@@ -818,17 +814,24 @@ impl Inner {
         }
     }
 
+    /// A processed job's bookkeeping (`State::finish`); returns
+    /// whether room came back: its key fell to its low water, or the held
+    /// count crossed below the budget's refill mark.
+    fn finish_job(&self, st: &mut State, key: Option<OrderingKey>, job: Job, outcome: Outcome) -> bool {
+        let mark = self.cfg.budget - self.low_water();
+        let before = st.total;
+        let key_low = self.cfg.per_key_depth - self.cfg.per_key_depth / 4;
+        let key_refilled = st.finish(key, job, outcome, &self.stats, key_low);
+        key_refilled || (before > mark && st.total <= mark)
+    }
+
     /// Settles a job whose acknowledgement ran on its own task (see
     /// `worker`): the bookkeeping a worker does for its last job, plus a
     /// new worker if ready work has none.
     fn complete(self: &Arc<Self>, key: Option<OrderingKey>, job: Job, outcome: Outcome) {
         let (refilled, spawn) = {
             let mut st = self.lock();
-            let mark = self.cfg.budget - self.low_water();
-            let before = st.total;
-            let key_low = self.cfg.per_key_depth - self.cfg.per_key_depth / 4;
-            let key_refilled = st.finish(key, job, outcome, &self.stats, key_low);
-            let refilled = key_refilled || (before > mark && st.total <= mark);
+            let refilled = self.finish_job(&mut st, key, job, outcome);
             let spawn = !st.ready.is_empty() && st.workers < self.cfg.concurrency && !self.is_stopping();
             if spawn {
                 st.workers += 1;
