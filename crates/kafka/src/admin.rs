@@ -348,7 +348,7 @@ impl Admin for KafkaAdmin {
                             .and_then(|x| x.value.map(|v| String::from_utf8_lossy(v).into_owned()))
                     })
                 };
-                if get("keyorder-group").as_deref() != Some(g.as_str()) {
+                if get(crate::GROUP_HEADER).as_deref() != Some(g.as_str()) {
                     return;
                 }
                 let key = key.map(|k| String::from_utf8_lossy(k).into_owned()).unwrap_or_default();

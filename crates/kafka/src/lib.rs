@@ -33,6 +33,10 @@ pub const ID_HEADER: &str = "keyorder-id";
 pub const CORRELATION_HEADER: &str = "keyorder-correlation";
 /// The header a dead letter carries its reason in.
 pub const REASON_HEADER: &str = "keyorder-reason";
+/// The header a dead letter carries its origin (`topic/partition@offset`) in.
+pub const ORIGIN_HEADER: &str = "keyorder-origin";
+/// The header a dead letter carries its consumer group in.
+pub const GROUP_HEADER: &str = "keyorder-group";
 
 /// What the Kafka transport can do.
 pub const CAPABILITIES: Capabilities = Capabilities {

@@ -12,7 +12,7 @@ use keyorder_core::{Error, Result, Settle};
 use rdkafka::message::{Header, Headers, OwnedHeaders};
 
 use crate::source::{HeldHead, Part, Shared};
-use crate::REASON_HEADER;
+use crate::{GROUP_HEADER, ORIGIN_HEADER, REASON_HEADER};
 
 pub(crate) struct KafkaSettle {
     pub(crate) shared: Arc<Shared>,
@@ -88,11 +88,11 @@ pub(crate) async fn dead_letter(
             value: Some(reason),
         })
         .insert(Header {
-            key: "keyorder-origin",
+            key: ORIGIN_HEADER,
             value: Some(origin.as_str()),
         })
         .insert(Header {
-            key: "keyorder-group",
+            key: GROUP_HEADER,
             value: Some(shared.group.as_str()),
         });
     shared.t.produce(&shared.names.dlq(), key, payload, h).await?;

@@ -37,7 +37,10 @@ use tokio::time::Instant;
 use crate::settle::KafkaSettle;
 use crate::state;
 use crate::track::{decode, Admit, Track};
-use crate::{base_config, kafka_err, KafkaTransport, Names, CORRELATION_HEADER, ID_HEADER};
+use crate::{
+    base_config, kafka_err, KafkaTransport, Names, CORRELATION_HEADER, GROUP_HEADER, ID_HEADER, ORIGIN_HEADER,
+    REASON_HEADER,
+};
 
 /// What the poll thread tells the async side, in order.
 pub(crate) enum Ev {
@@ -820,7 +823,11 @@ impl Source {
                 match hd.key {
                     ID_HEADER => id = Some(v.to_owned()),
                     CORRELATION_HEADER => msg = msg.with_correlation_id(v),
-                    k if k.starts_with("keyorder-") && k != keyorder_core::TYPE_HEADER => {}
+                    // The routing key comes from the record key below; a
+                    // dead letter's bookkeeping stays with the dead letter.
+                    // Every other header (the message type, an outbox
+                    // record's sequence, the user's) reaches the handler.
+                    keyorder_core::KEY_HEADER | REASON_HEADER | ORIGIN_HEADER | GROUP_HEADER => {}
                     k => msg = msg.with_header(k, v),
                 }
             }
