@@ -12,6 +12,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use keyorder::{Capabilities, Client, MemoryTransport, Result, Transport};
+use keyorder_testkit::outbox::OutboxScenario;
 use keyorder_testkit::{Harness, Scenario};
 use libtest_mimic::{Arguments, Completion, Trial};
 
@@ -525,6 +526,18 @@ fn connect_boxed(url: String) -> Pin<Box<dyn Future<Output = Result<Client>> + S
     Box::pin(async move { keyorder::connect(&url).await })
 }
 
+/// The harness each adapter's outbox trials run on (`outbox-<adapter>::...`).
+fn outbox_adapter(harness: &str) -> Option<&'static str> {
+    match harness {
+        "memory" => Some("memory"),
+        "postgres" => Some("postgres"),
+        "redis" => Some("redis"),
+        "rabbitmq-hash" => Some("rabbitmq"),
+        "kafka" => Some("kafka"),
+        _ => None,
+    }
+}
+
 fn main() {
     // Logs (workers' too) on stderr when asked for.
     if let Ok(filter) = std::env::var("KEYORDER_LOG") {
@@ -572,6 +585,22 @@ fn main() {
                         rt.block_on(scenario.run(&*harness)).map_err(Into::into)
                     }));
                 }
+            }
+        }
+        // The outbox end to end over this adapter (one harness per adapter).
+        if let Some(adapter) = outbox_adapter(harness.name()) {
+            for scenario in OutboxScenario::ALL {
+                let harness = harness.clone();
+                trials.push(Trial::test(
+                    format!("outbox-{adapter}::{}", scenario.slug()),
+                    move || {
+                        let rt = tokio::runtime::Builder::new_multi_thread()
+                            .worker_threads(2)
+                            .enable_all()
+                            .build()?;
+                        rt.block_on(scenario.run(&*harness)).map_err(Into::into)
+                    },
+                ));
             }
         }
     }

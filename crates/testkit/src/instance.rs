@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keyorder_core::{
-    Client, Delivery, HandlerError, HandlerResult, Message, Result, RunReport, Stats, SubscriptionBuilder,
+    Client, Delivery, Handler, HandlerError, HandlerResult, Message, Result, RunReport, Stats, SubscriptionBuilder,
 };
 use tokio::sync::{oneshot, Barrier};
 use tokio::task::JoinHandle;
@@ -147,10 +147,14 @@ impl Instance {
         log: Arc<dyn EventLog>,
         switches: Arc<Switches>,
     ) -> Result<Instance> {
+        Self::start_with(builder, id, logging_handler(log, id.to_owned(), switches)).await
+    }
+
+    /// Builds the subscription with `builder` and runs it with `handler`.
+    pub async fn start_with<H: Handler>(builder: SubscriptionBuilder, id: &str, handler: H) -> Result<Instance> {
         let subscription = builder.instance_id(id).build().await?;
         let stats = subscription.stats();
         let (stop, stopped) = oneshot::channel::<()>();
-        let handler = logging_handler(log, id.to_owned(), switches);
         let join = tokio::spawn(subscription.run(handler, async move {
             let _ = stopped.await;
         }));

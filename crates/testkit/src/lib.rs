@@ -17,6 +17,7 @@ pub mod broken;
 pub mod checker;
 pub mod eventlog;
 pub mod instance;
+pub mod outbox;
 pub mod pglog;
 pub mod scenarios;
 pub mod worker;

@@ -26,6 +26,10 @@ use crate::pglog::PgEventLog;
 /// The environment variable that carries a worker's configuration (JSON).
 pub const WORKER_ENV: &str = "KEYORDER_TESTKIT_WORKER";
 
+/// The stdout line (followed by a message id) a worker prints once it holds
+/// a message where the test asked it to.
+pub(crate) const HOLDING_LINE: &str = "KEYORDER_WORKER_HOLDING ";
+
 /// What a worker process runs.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct WorkerConfig {
@@ -59,6 +63,7 @@ pub type Connector = fn(String) -> Pin<Box<dyn Future<Output = Result<Client>> +
 /// If this process was spawned as a worker, runs it and exits; otherwise
 /// returns at once. Call it first in the runner's `main`.
 pub fn run_if_worker(connect: Connector) {
+    crate::outbox::run_if_relay(connect);
     let Ok(raw) = std::env::var(WORKER_ENV) else { return };
     let code = match serde_json::from_str::<WorkerConfig>(&raw) {
         Ok(cfg) => {
@@ -135,15 +140,28 @@ pub struct WorkerProcess {
     pid: u32,
     stopped: AtomicBool,
     stats: tokio::sync::oneshot::Receiver<Option<String>>,
+    held: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 impl WorkerProcess {
     /// Spawns this executable as a worker with `cfg`; returns once the
     /// worker's subscription is built.
     pub async fn spawn(cfg: &WorkerConfig) -> std::result::Result<WorkerProcess, String> {
+        let json = serde_json::to_string(cfg).map_err(|e| e.to_string())?;
+        Self::spawn_with(WORKER_ENV, json, &cfg.instance).await
+    }
+
+    /// Spawns this executable with `json` in the environment variable `env`
+    /// (a consumer worker or an outbox relay); returns once the process
+    /// printed `KEYORDER_WORKER_READY`.
+    pub(crate) async fn spawn_with(
+        env: &str,
+        json: String,
+        instance: &str,
+    ) -> std::result::Result<WorkerProcess, String> {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
         let mut child = Command::new(exe)
-            .env(WORKER_ENV, serde_json::to_string(cfg).map_err(|e| e.to_string())?)
+            .env(env, json)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -163,26 +181,43 @@ impl WorkerProcess {
         })
         .await;
         if ready != Ok(true) {
-            return Err(format!("worker {} did not become ready", cfg.instance));
+            return Err(format!("worker {instance} did not become ready"));
         }
-        // Keep reading stdout in the background (the stats line comes at exit).
+        // Keep reading stdout in the background (a hold line may come at
+        // any time, the stats line comes at exit).
         let (tx, rx) = tokio::sync::oneshot::channel();
+        let held = Arc::new(std::sync::Mutex::new(None));
+        let held_by_reader = held.clone();
         tokio::spawn(async move {
             let mut stats = None;
             while let Ok(Some(line)) = lines.next_line().await {
                 if let Some(json) = line.strip_prefix("KEYORDER_WORKER_STATS ") {
                     stats = Some(json.to_owned());
+                } else if let Some(id) = line.strip_prefix(HOLDING_LINE) {
+                    *held_by_reader.lock().unwrap() = Some(id.trim().to_owned());
                 }
             }
             let _ = tx.send(stats);
         });
         Ok(WorkerProcess {
-            id: cfg.instance.clone(),
+            id: instance.to_owned(),
             child,
             pid,
             stopped: AtomicBool::new(false),
             stats: rx,
+            held,
         })
+    }
+
+    /// The message id the process said it holds (`KEYORDER_WORKER_HOLDING
+    /// <id>` on its stdout), if it said so yet.
+    pub fn held(&self) -> Option<String> {
+        self.held.lock().unwrap().clone()
+    }
+
+    /// `SIGUSR1`: an outbox relay worker lets its held publish go on.
+    pub fn release(&self) -> std::result::Result<(), String> {
+        self.signal("USR1")
     }
 
     fn signal(&self, sig: &str) -> std::result::Result<(), String> {
