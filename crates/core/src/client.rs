@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::key::KeyRules;
 use crate::message::{Message, KEY_HEADER};
 use crate::subscription::SubscriptionBuilder;
-use crate::transport::{Admin, Transport, TransportPublisher};
+use crate::transport::{Admin, PublishFence, Transport, TransportPublisher};
 
 /// A handle on one transport: publishers, subscriptions, the admin view.
 /// Cheap to clone; clones share the registration table.
@@ -141,14 +141,39 @@ impl Publisher {
     /// [`Error::Key`] when the key breaks a rule of this client's
     /// [`KeyRules`] (nothing is stored); [`Error::Broker`] when the broker failed.
     pub async fn publish(&self, message: Message) -> Result<()> {
-        let message = match message.key() {
+        let message = self.checked(message)?;
+        self.inner.publish(message).await
+    }
+
+    /// Whether this transport's broker checks [`Publisher::publish_fenced`]
+    /// (Redis and PostgreSQL do; elsewhere it publishes unfenced).
+    pub fn fences_publishes(&self) -> bool {
+        self.inner.fences_publishes()
+    }
+
+    /// Publishes one message unless the broker has already seen a higher
+    /// token for `fence.scope` in this category (a newer owner of the
+    /// scope), and records the token; one atomic step on the broker. On a
+    /// transport that cannot fence a publish ([`Publisher::fences_publishes`]
+    /// is `false`) it publishes unfenced.
+    ///
+    /// # Errors
+    /// As [`Publisher::publish`]; [`Error::Fenced`] when the broker refused
+    /// it (nothing stored); [`Error::Config`] for a badly spelled scope.
+    pub async fn publish_fenced(&self, message: Message, fence: &PublishFence) -> Result<()> {
+        fence.check()?;
+        let message = self.checked(message)?;
+        self.inner.publish_fenced(message, fence).await
+    }
+
+    fn checked(&self, message: Message) -> Result<Message> {
+        Ok(match message.key() {
             Some(key) => {
                 self.rules.check(key.as_str())?;
                 let key = key.as_str().to_owned();
                 message.with_header(KEY_HEADER, key)
             }
             None => message,
-        };
-        self.inner.publish(message).await
+        })
     }
 }

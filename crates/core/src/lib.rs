@@ -37,8 +37,8 @@ pub use stats::{Stats, StatsSnapshot};
 pub use strategy::{GlobalBackoff, PoisonPolicy, Resolved, RetryPolicy, Strategy};
 pub use subscription::{RunReport, Subscription, SubscriptionBuilder};
 pub use transport::{
-    Admin, DeadLetter, HaltedKey, HeadAction, HotKey, Inbound, ScopeInfo, Settle, SourceEvent, SourceSpec, Transport,
-    TransportPublisher, TransportSource,
+    Admin, DeadLetter, HaltedKey, HeadAction, HotKey, Inbound, PublishFence, ScopeInfo, Settle, SourceEvent,
+    SourceSpec, Transport, TransportPublisher, TransportSource,
 };
 
 pub use async_trait::async_trait;

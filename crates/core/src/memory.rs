@@ -26,8 +26,8 @@ use crate::key::OrderingKey;
 use crate::lease::{LeaseConfig, ScopeLease};
 use crate::message::Message;
 use crate::transport::{
-    Admin, DeadLetter, HaltedKey, HeadAction, HotKey, Inbound, ScopeInfo, Settle, SourceEvent, SourceSpec, Transport,
-    TransportPublisher, TransportSource,
+    Admin, DeadLetter, HaltedKey, HeadAction, HotKey, Inbound, PublishFence, ScopeInfo, Settle, SourceEvent,
+    SourceSpec, Transport, TransportPublisher, TransportSource,
 };
 
 /// Default partition count of a memory category.
@@ -133,6 +133,8 @@ struct Category {
     logs: Vec<PartLog>,
     next_keyless: u32,
     groups: HashMap<String, Group>,
+    /// Publish fences: the highest token seen per scope.
+    fences: HashMap<String, u64>,
 }
 
 #[derive(Default, Clone)]
@@ -202,6 +204,7 @@ impl Broker {
             logs: (0..partitions).map(|_| PartLog::default()).collect(),
             next_keyless: 0,
             groups: HashMap::new(),
+            fences: HashMap::new(),
         })
     }
 }
@@ -443,10 +446,34 @@ impl fmt::Debug for MemoryPublisher {
 #[async_trait]
 impl TransportPublisher for MemoryPublisher {
     async fn publish(&self, message: Message) -> Result<()> {
+        self.append(message, None)
+    }
+
+    fn fences_publishes(&self) -> bool {
+        true
+    }
+
+    async fn publish_fenced(&self, message: Message, fence: &PublishFence) -> Result<()> {
+        self.append(message, Some(fence))
+    }
+}
+
+impl MemoryPublisher {
+    fn append(&self, message: Message, fence: Option<&PublishFence>) -> Result<()> {
         let partitions = self.broker.partitions;
         {
             let mut st = self.broker.lock();
             let cat = self.broker.category(&mut st, &self.category);
+            if let Some(f) = fence {
+                let seen = cat.fences.entry(f.scope.clone()).or_insert(0);
+                if *seen > f.token {
+                    return Err(Error::Fenced {
+                        scope: f.scope.clone(),
+                        generation: f.token,
+                    });
+                }
+                *seen = f.token;
+            }
             let part = match message.key() {
                 Some(key) => (key.stable_hash() % u64::from(partitions)) as u32,
                 None => {

@@ -80,11 +80,65 @@ pub struct SourceSpec {
     pub key_rules: KeyRules,
 }
 
+/// A publisher's claim for a fenced publish: the scope it publishes for (a
+/// relay's slot, say) and the generation it holds that scope at.
+///
+/// A broker that fences publishes keeps, per category and scope, the highest
+/// token it has seen: a publish with a lower token is refused
+/// ([`crate::Error::Fenced`]) and stores nothing, so once a new owner (a
+/// higher generation) has published for a scope, the old owner's late
+/// publishes cannot reach consumers.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PublishFence {
+    /// The scope: 1 to 200 bytes of ASCII letters, digits and `-_./`.
+    pub scope: String,
+    /// The publisher's generation for the scope.
+    pub token: u64,
+}
+
+impl PublishFence {
+    /// Checks the scope's spelling (the transports use it in names).
+    pub fn check(&self) -> Result<()> {
+        let ok = !self.scope.is_empty()
+            && self.scope.len() <= 200
+            && self
+                .scope
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/'));
+        if ok {
+            Ok(())
+        } else {
+            Err(crate::Error::Config(format!(
+                "publish fence scope {:?}: use 1 to 200 ASCII letters, digits and -_./",
+                self.scope.chars().take(40).collect::<String>()
+            )))
+        }
+    }
+}
+
 /// A transport's publisher for one category.
 #[async_trait]
 pub trait TransportPublisher: Send + Sync + fmt::Debug {
     /// Appends one message; returns once the broker acknowledged it.
     async fn publish(&self, message: Message) -> Result<()>;
+
+    /// Whether [`TransportPublisher::publish_fenced`] is checked by the
+    /// broker (default `false`: it publishes unfenced).
+    fn fences_publishes(&self) -> bool {
+        false
+    }
+
+    /// Appends one message unless the broker has seen a higher token for
+    /// `fence.scope` in this category, recording `fence.token` as the
+    /// highest seen, in one atomic step on the broker.
+    ///
+    /// # Errors
+    /// [`crate::Error::Fenced`] when refused (nothing stored). A transport
+    /// that cannot fence a publish (the default) publishes unfenced.
+    async fn publish_fenced(&self, message: Message, fence: &PublishFence) -> Result<()> {
+        let _ = fence;
+        self.publish(message).await
+    }
 }
 
 /// One delivery as a transport hands it over.

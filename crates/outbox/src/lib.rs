@@ -278,6 +278,7 @@ impl Outbox {
             .execute(&mut *tx)
             .await
             .map_err(db)?;
+        q(&self.sql.settings_epoch).execute(&mut *tx).await.map_err(db)?;
         tx.commit().await.map_err(db)?;
         let n = self.slots().await?;
         if n != self.cfg.slots {
@@ -291,11 +292,20 @@ impl Outbox {
 
     /// The persisted slot count.
     pub(crate) async fn slots(&self) -> Result<u32> {
-        let n: Option<i32> = sqlx::query_scalar(AssertSqlSafe(self.sql.settings.clone()))
+        Ok(self.settings().await?.0)
+    }
+
+    /// The persisted slot count and epoch (the id of this outbox's
+    /// incarnation, in every publish fence scope).
+    pub(crate) async fn settings(&self) -> Result<(u32, String)> {
+        let row: Option<(i32, Option<String>)> = sqlx::query_as(AssertSqlSafe(self.sql.settings.clone()))
             .fetch_optional(&self.pool)
             .await
             .map_err(|e| self.missing_schema(e))?;
-        n.map(|n| n as u32).ok_or_else(|| self.not_migrated())
+        match row {
+            Some((n, Some(epoch))) => Ok((n as u32, epoch)),
+            _ => Err(self.not_migrated()),
+        }
     }
 
     fn not_migrated(&self) -> Error {

@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keyorder_core::key::label;
-use keyorder_core::{Client, Error, LeaseConfig, Message, OrderingKey, PoisonPolicy, Publisher, Result, RetryPolicy};
+use keyorder_core::{
+    Client, Error, LeaseConfig, Message, OrderingKey, PoisonPolicy, PublishFence, Publisher, Result, RetryPolicy,
+};
 use sqlx::postgres::PgPool;
 use sqlx::Row;
 use tokio::sync::Mutex as AsyncMutex;
@@ -219,6 +221,21 @@ struct Ctx {
     margin: Duration,
     ignore_ordering: bool,
     stats: Arc<RelayStats>,
+    /// `outbox/{epoch}/{group hash}/`: a slot's publish fence scope is this
+    /// and the slot number (set at the first step).
+    fence_prefix: std::sync::OnceLock<String>,
+}
+
+impl Ctx {
+    /// The publish fence of `slot` at `generation`: brokers that fence
+    /// publishes refuse this relay's publish once a later owner of the slot
+    /// published.
+    fn fence(&self, slot: u32, generation: i64) -> PublishFence {
+        PublishFence {
+            scope: format!("{}{slot}", self.fence_prefix.get().map_or("outbox/", String::as_str)),
+            token: generation.max(0) as u64,
+        }
+    }
 }
 
 /// A relay: publishes the outbox's records through a keyorder [`Client`],
@@ -269,6 +286,7 @@ impl Relay {
             margin: cfg.lease.margin,
             ignore_ordering: cfg.ignore_ordering,
             stats: Arc::new(RelayStats::default()),
+            fence_prefix: std::sync::OnceLock::new(),
         });
         if cfg.ignore_ordering {
             tracing::warn!("outbox relay: ignore_ordering is set: a key's records may be published out of order (a benchmark baseline)");
@@ -352,7 +370,9 @@ impl Relay {
             self.finish(done);
         }
         if self.slots.is_none() {
-            let n = self.outbox.slots().await?;
+            let (n, epoch) = self.outbox.settings().await?;
+            let group = keyorder_core::key::stable_hash(self.cfg.group.as_bytes());
+            let _ = self.ctx.fence_prefix.set(format!("outbox/{epoch}/{group:016x}/"));
             q(&self.ctx.sql.ensure_slots)
                 .bind(LEASE_QUEUE)
                 .bind(&self.cfg.group)
@@ -838,7 +858,10 @@ async fn publish_one(ctx: Arc<Ctx>, slot: u32, generation: i64, rec: Arc<Record>
         }
     };
     let result = match publisher {
-        Ok(p) => p.publish(message_of(&rec, key)).await,
+        Ok(p) => {
+            p.publish_fenced(message_of(&rec, key), &ctx.fence(slot, generation))
+                .await
+        }
         Err(e) => Err(e),
     };
     match result {
@@ -857,6 +880,14 @@ async fn publish_one(ctx: Arc<Ctx>, slot: u32, generation: i64, rec: Arc<Record>
             Err(e) => db_failed(&ctx, e),
         },
         Err(Error::Key(e)) => abandon(&ctx, slot, generation, &rec, &e.to_string()).await,
+        // The broker refused the publish: a later owner of the slot has
+        // published (this relay lost the slot while it was stalled). Nothing
+        // reached consumers; the new owner publishes the record.
+        Err(Error::Fenced { .. }) => {
+            tracing::warn!(key = %key_label, seq = rec.seq, "outbox relay: late publish refused by the broker's fence");
+            bump(&ctx.stats.fenced, "keyorder_outbox_fenced_total");
+            Outcome::Fenced
+        }
         Err(e) => {
             let attempts = attempts.max(1) as u32;
             let max = match ctx.poison {

@@ -35,6 +35,7 @@ pub(crate) struct Sql {
     pub(crate) migrate: Vec<String>,
     pub(crate) settings_init: String,
     pub(crate) settings: String,
+    pub(crate) settings_epoch: String,
     pub(crate) stage: String,
     pub(crate) lease: LeaseSql,
     pub(crate) ensure_slots: String,
@@ -75,6 +76,11 @@ impl Sql {
         let mut migrate: Vec<String> = [
             "create schema if not exists {s}",
             "create table if not exists {s}.settings (id int primary key check (id = 1), slots int not null)",
+            // The outbox's epoch: a random id fixed at the first migration,
+            // part of every publish fence scope, so an outbox re-created
+            // from scratch (generations from 1 again) never meets the
+            // fences its predecessor left on the broker.
+            "alter table {s}.settings add column if not exists epoch text",
             "create table if not exists {s}.counters (
                 category text not null, key text not null, seq bigint not null,
                 primary key (category, key))",
@@ -131,7 +137,8 @@ impl Sql {
         Sql {
             migrate,
             settings_init: f("insert into {s}.settings (id, slots) values (1, $1) on conflict (id) do nothing"),
-            settings: f("select slots from {s}.settings where id = 1"),
+            settings: f("select slots, epoch from {s}.settings where id = 1"),
+            settings_epoch: f("update {s}.settings set epoch = gen_random_uuid()::text where id = 1 and epoch is null"),
             // One statement: the counter row's lock is held until the
             // caller's transaction ends, so same-key stagers serialise and
             // the sequence is the key's commit order.

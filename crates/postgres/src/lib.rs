@@ -16,8 +16,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::FutureExt;
 use keyorder_core::{
-    Admin, Capabilities, DeadLetter, Error, HaltedKey, HeadAction, HotKey, Inbound, Message, OrderingKey, Result,
-    ScopeInfo, ScopeLease, Settle, SourceEvent, SourceSpec, Transport, TransportPublisher, TransportSource,
+    Admin, Capabilities, DeadLetter, Error, HaltedKey, HeadAction, HotKey, Inbound, Message, OrderingKey, PublishFence,
+    Result, ScopeInfo, ScopeLease, Settle, SourceEvent, SourceSpec, Transport, TransportPublisher, TransportSource,
 };
 use sqlx::postgres::{PgListener, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Row};
@@ -430,6 +430,45 @@ impl fmt::Debug for PgPublisher {
 
 #[async_trait]
 impl TransportPublisher for PgPublisher {
+    fn fences_publishes(&self) -> bool {
+        true
+    }
+
+    /// One statement records the fence in `publish_fences` and inserts the
+    /// event only where the fence held no higher token.
+    async fn publish_fenced(&self, message: Message, fence: &PublishFence) -> Result<()> {
+        let slot = slot_of(message.key(), message.id(), self.slots);
+        let headers = serde_json::to_string(message.headers()).map_err(|e| Error::Broker(e.to_string()))?;
+        let token = i64::try_from(fence.token)
+            .map_err(|_| Error::Config(format!("publish fence token {} exceeds i64", fence.token)))?;
+        let rows = self
+            .t
+            .db
+            .all(
+                q(&self.t.sql.publish_fenced)
+                    .bind(&self.queue)
+                    .bind(slot as i32)
+                    .bind(message.key().map(OrderingKey::as_str))
+                    .bind(message.id())
+                    .bind(message.correlation_id())
+                    .bind(headers)
+                    .bind(message.payload().as_ref())
+                    .bind(&self.t.sql.channel)
+                    .bind(&fence.scope)
+                    .bind(token),
+            )
+            .await
+            .map_err(|e| self.t.missing_schema(e))?;
+        if rows.is_empty() {
+            Err(Error::Fenced {
+                scope: fence.scope.clone(),
+                generation: fence.token,
+            })
+        } else {
+            Ok(())
+        }
+    }
+
     async fn publish(&self, message: Message) -> Result<()> {
         let slot = slot_of(message.key(), message.id(), self.slots);
         let headers = serde_json::to_string(message.headers()).map_err(|e| Error::Broker(e.to_string()))?;

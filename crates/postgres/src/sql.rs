@@ -6,7 +6,7 @@ use crate::shared::{after, after_position, commit_safe, read_order, LeaseSql, TX
 
 /// The embedded migrations (`crates/postgres/migrations`), in order: `{s}`
 /// stands for the schema.
-const MIGRATIONS: [(i64, &str, &str); 5] = [
+const MIGRATIONS: [(i64, &str, &str); 6] = [
     (1, "init", include_str!("../migrations/0001_init.sql")),
     (
         2,
@@ -20,6 +20,11 @@ const MIGRATIONS: [(i64, &str, &str); 5] = [
         include_str!("../migrations/0004_acked_position.sql"),
     ),
     (5, "read marks", include_str!("../migrations/0005_read_marks.sql")),
+    (
+        6,
+        "publish fences",
+        include_str!("../migrations/0006_publish_fences.sql"),
+    ),
 ];
 
 /// The statements of one schema (`AssertSqlSafe`: the schema name is
@@ -35,6 +40,7 @@ pub(crate) struct Sql {
     pub(crate) group_slots: Arc<str>,
     pub(crate) ensure_slots: Arc<str>,
     pub(crate) publish: Arc<str>,
+    pub(crate) publish_fenced: Arc<str>,
     pub(crate) heartbeat: Arc<str>,
     pub(crate) live_members: Arc<str>,
     pub(crate) leave: Arc<str>,
@@ -99,6 +105,16 @@ impl Sql {
             publish: f(
                 "with ins as (insert into {s}.events (queue, slot, key, message_id, correlation_id, headers, payload) \
                  values ($1, $2, $3, $4, $5, $6::jsonb, $7) returning 1) \
+                 select pg_notify($8, $1) from ins",
+            ),
+            // The fence row and the event in one statement: no event (and no
+            // row back) when the scope's fence holds a higher token.
+            publish_fenced: f(
+                "with f as (insert into {s}.publish_fences (queue, scope, token) values ($1, $9, $10) \
+                 on conflict (queue, scope) do update set token = excluded.token \
+                 where {s}.publish_fences.token <= excluded.token returning 1), \
+                 ins as (insert into {s}.events (queue, slot, key, message_id, correlation_id, headers, payload) \
+                 select $1, $2::int, $3::text, $4::text, $5::text, $6::jsonb, $7::bytea from f returning 1) \
                  select pg_notify($8, $1) from ins",
             ),
             heartbeat: Arc::from(lease.heartbeat.as_str()),

@@ -117,3 +117,60 @@ fn a_transaction_pooler_needs_a_direct_url() {
     );
     assert!(PgConfig::from_url(&"postgres://u@h/test?pooler=session".parse().unwrap()).is_err());
 }
+
+/// A fenced publish: one statement records the scope's token and inserts
+/// the event, or (a lower token than the scope has seen) inserts nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_publish_with_a_lower_token_is_refused_and_stores_nothing() {
+    let schema = format!("ko_fence_{}", &uuid::Uuid::new_v4().simple().to_string()[..16]);
+    let t = PgTransport::connect(config(&format!("schema={schema}")))
+        .await
+        .expect("PostgreSQL must be reachable");
+    t.migrate().await.unwrap();
+    let client = keyorder_core::Client::new(std::sync::Arc::new(t));
+    let publisher = client.publisher("orders").await.unwrap();
+    assert!(publisher.fences_publishes());
+    let fence = |scope: &str, token| keyorder_core::PublishFence {
+        scope: scope.into(),
+        token,
+    };
+    let msg = |i: u32| keyorder_core::Message::new(format!("m{i}")).with_key("k").unwrap();
+    publisher.publish_fenced(msg(1), &fence("outbox/s/1", 2)).await.unwrap();
+    publisher.publish_fenced(msg(2), &fence("outbox/s/1", 2)).await.unwrap();
+    let refused = publisher.publish_fenced(msg(3), &fence("outbox/s/1", 1)).await;
+    assert!(
+        matches!(refused, Err(Error::Fenced { generation: 1, .. })),
+        "{refused:?}"
+    );
+    publisher.publish_fenced(msg(4), &fence("outbox/s/2", 1)).await.unwrap();
+    publisher.publish_fenced(msg(5), &fence("outbox/s/1", 3)).await.unwrap();
+    let refused = publisher.publish_fenced(msg(6), &fence("outbox/s/1", 2)).await;
+    assert!(matches!(refused, Err(Error::Fenced { .. })), "{refused:?}");
+    // The unfenced publish is unchanged.
+    publisher.publish(msg(7)).await.unwrap();
+
+    let pool = sqlx::PgPool::connect(&url()).await.unwrap();
+    let payloads: Vec<Vec<u8>> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "select payload from {schema}.events where queue = 'orders' order by id"
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let payloads: Vec<String> = payloads.into_iter().map(|p| String::from_utf8(p).unwrap()).collect();
+    assert_eq!(
+        payloads,
+        ["m1", "m2", "m4", "m5", "m7"],
+        "refused publishes stored nothing"
+    );
+    let tokens: Vec<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "select scope, token from {schema}.publish_fences order by scope"
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(tokens, [("outbox/s/1".to_owned(), 3), ("outbox/s/2".to_owned(), 1)]);
+    sqlx::query(sqlx::AssertSqlSafe(format!("drop schema {schema} cascade")))
+        .execute(&pool)
+        .await
+        .unwrap();
+}

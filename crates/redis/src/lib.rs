@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use keyorder_core::{
-    Admin, Capabilities, Error, Message, OrderingKey, Result, SourceSpec, Transport, TransportPublisher,
+    Admin, Capabilities, Error, Message, OrderingKey, PublishFence, Result, SourceSpec, Transport, TransportPublisher,
     TransportSource,
 };
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -309,6 +309,62 @@ impl fmt::Debug for RedisPublisher {
 #[async_trait]
 impl TransportPublisher for RedisPublisher {
     async fn publish(&self, message: Message) -> Result<()> {
+        self.append(message).await
+    }
+
+    fn fences_publishes(&self) -> bool {
+        true
+    }
+
+    /// One script checks and records the fence and appends, as
+    /// [`TransportPublisher::publish`] would (the fence key is
+    /// `{category}:__fence__:{scope}`).
+    async fn publish_fenced(&self, message: Message, fence: &PublishFence) -> Result<()> {
+        let mut conn = self.t.conn.clone();
+        let n = &self.names;
+        let fence_key = n.fence(&fence.scope);
+        let token = fence.token.to_string();
+        let mut inv;
+        match (self.t.cfg.layout, message.key()) {
+            (Layout::Partitioned, Some(key)) => {
+                inv = scripts::PUBLISH_FENCED.prepare_invoke();
+                inv.key(n.stream(key.as_str()))
+                    .key(n.index())
+                    .key(&fence_key)
+                    .arg(key.as_str())
+                    .arg(n.wake())
+                    .arg(&token);
+                for f in fields(&message, false)? {
+                    inv.arg(f);
+                }
+            }
+            (layout, _) => {
+                let single = layout == Layout::Single;
+                inv = scripts::APPEND_FENCED.prepare_invoke();
+                inv.key(if single { n.single() } else { n.keyless() })
+                    .key(&fence_key)
+                    .arg(n.wake())
+                    .arg("")
+                    .arg(&token);
+                for f in fields(&message, single)? {
+                    inv.arg(f);
+                }
+            }
+        }
+        let stored: i64 = inv.invoke_async(&mut conn).await.map_err(broker)?;
+        if stored == 1 {
+            Ok(())
+        } else {
+            Err(Error::Fenced {
+                scope: fence.scope.clone(),
+                generation: fence.token,
+            })
+        }
+    }
+}
+
+impl RedisPublisher {
+    async fn append(&self, message: Message) -> Result<()> {
         let mut conn = self.t.conn.clone();
         let n = &self.names;
         match (self.t.cfg.layout, message.key()) {

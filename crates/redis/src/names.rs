@@ -9,6 +9,7 @@
 //! | `{c}:__partitions__` | sorted set | the index: every live partition, scored by its last publish (server clock, ms) |
 //! | `{c}:{k}:__lease__:{g}` | string | the lease, `{owner}:{generation}`, with a PX expiry |
 //! | `{c}:__generation__` | string | the category's generation counter (never expires) |
+//! | `{c}:__fence__:{scope}` | string | a publish fence: the highest token a fenced publish for `{scope}` carried (never expires) |
 //! | `{c}:__members__:{g}` | sorted set | live members, scored by their last heartbeat |
 //! | `{c}:__halted__:{g}` | hash | halted keys and their heads |
 //! | `{c}:__resolved__:{g}` | hash | operator actions waiting for the owner |
@@ -71,6 +72,11 @@ impl Names {
     /// The lease of `key`'s partition for `group`.
     pub fn lease(&self, key: &str, group: &str) -> String {
         format!("{}:{key}:__lease__:{group}", self.c)
+    }
+    /// The publish fence of `scope` (the highest token a fenced publish
+    /// for it carried; never expires).
+    pub fn fence(&self, scope: &str) -> String {
+        format!("{}:__fence__:{scope}", self.c)
     }
     /// The generation counter.
     pub fn generation(&self) -> String {

@@ -52,6 +52,50 @@ return id
     )
 });
 
+/// The publish fence: `true` when the fence key holds a token above
+/// `token` (a newer owner of the scope published); otherwise records
+/// `token` as the highest seen.
+const FENCE: &str = r"
+local function fenced(fence, token)
+  local seen = tonumber(redis.call('GET', fence) or '0')
+  local mine = tonumber(token)
+  if seen > mine then return true end
+  if seen < mine then redis.call('SET', fence, token) end
+  return false
+end
+";
+
+/// [`PUBLISH`] behind a publish fence: returns 0 (and stores nothing) when
+/// the fence has seen a higher token, else 1.
+///
+/// KEYS: stream, index, fence. ARGV: key, wake channel, token, field/value pairs...
+pub(crate) static PUBLISH_FENCED: LazyLock<Script> = LazyLock::new(|| {
+    script(&format!(
+        r"{FENCE}
+if fenced(KEYS[3], ARGV[3]) then return 0 end
+redis.call('XADD', KEYS[1], '*', unpack(ARGV, 4))
+redis.call('ZADD', KEYS[2], now_ms(), ARGV[1])
+redis.call('PUBLISH', ARGV[2], ARGV[1])
+return 1
+"
+    ))
+});
+
+/// [`APPEND`] behind a publish fence: returns 0 (and stores nothing) when
+/// the fence has seen a higher token, else 1.
+///
+/// KEYS: stream, fence. ARGV: wake channel, wake message, token, field/value pairs...
+pub(crate) static APPEND_FENCED: LazyLock<Script> = LazyLock::new(|| {
+    script(&format!(
+        r"{FENCE}
+if fenced(KEYS[2], ARGV[3]) then return 0 end
+redis.call('XADD', KEYS[1], '*', unpack(ARGV, 4))
+redis.call('PUBLISH', ARGV[1], ARGV[2])
+return 1
+"
+    ))
+});
+
 /// Joins a stream for a new holder: creates the group at `0` if missing and
 /// claims every pending entry of earlier generations (XAUTOCLAIM with
 /// min-idle 0 until the cursor is `0-0`), removing the emptied consumers.

@@ -395,3 +395,56 @@ async fn a_server_that_may_evict_keys_is_refused() {
         other => panic!("expected a configuration error, got {other}"),
     }
 }
+
+/// A fenced publish: the script refuses (and stores nothing for) a token
+/// below the highest the scope has seen; equal and higher tokens publish;
+/// scopes are independent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_publish_with_a_lower_token_is_refused_and_stores_nothing() {
+    let category = category("fence");
+    let t = transport("").await;
+    let client = keyorder_core::Client::new(Arc::new(t));
+    let publisher = client.publisher(&category).await.unwrap();
+    assert!(publisher.fences_publishes());
+    let fence = |scope: &str, token| keyorder_core::PublishFence {
+        scope: scope.into(),
+        token,
+    };
+    let msg = |i: u32| Message::new(format!("m{i}")).with_key("k").unwrap();
+    publisher.publish_fenced(msg(1), &fence("outbox/s/1", 2)).await.unwrap();
+    publisher.publish_fenced(msg(2), &fence("outbox/s/1", 2)).await.unwrap();
+    let refused = publisher.publish_fenced(msg(3), &fence("outbox/s/1", 1)).await;
+    assert!(
+        matches!(refused, Err(Error::Fenced { generation: 1, .. })),
+        "{refused:?}"
+    );
+    // Another scope has its own fence.
+    publisher.publish_fenced(msg(4), &fence("outbox/s/2", 1)).await.unwrap();
+    publisher.publish_fenced(msg(5), &fence("outbox/s/1", 3)).await.unwrap();
+    let refused = publisher.publish_fenced(msg(6), &fence("outbox/s/1", 2)).await;
+    assert!(matches!(refused, Err(Error::Fenced { .. })), "{refused:?}");
+    // A badly spelled scope fails before the broker.
+    let bad = publisher.publish_fenced(msg(7), &fence("a b", 9)).await;
+    assert!(matches!(bad, Err(Error::Config(_))), "{bad:?}");
+
+    let names = Names::new(&category).unwrap();
+    let mut conn = redis::Client::open(url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    type Entry = (String, Vec<(String, Vec<u8>)>);
+    let entries: Vec<Entry> = conn.xrange_all(names.stream("k")).await.unwrap();
+    let payloads: Vec<String> = entries
+        .iter()
+        .filter_map(|(_, fields)| {
+            fields
+                .iter()
+                .find(|(f, _)| f == "p")
+                .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+        })
+        .collect();
+    assert_eq!(payloads, ["m1", "m2", "m4", "m5"], "refused publishes stored nothing");
+    let token: u64 = conn.get(names.fence("outbox/s/1")).await.unwrap();
+    assert_eq!(token, 3);
+}

@@ -27,8 +27,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use keyorder_core::{
-    Admin, Capabilities, Client, Delivery, Error, HandlerError, HandlerResult, KeySource, LeaseConfig, Message, Result,
-    RetryPolicy, SourceSpec, Transport, TransportPublisher, TransportSource,
+    Admin, Capabilities, Client, Delivery, Error, HandlerError, HandlerResult, KeySource, LeaseConfig, Message,
+    PublishFence, Result, RetryPolicy, SourceSpec, Transport, TransportPublisher, TransportSource,
 };
 use keyorder_outbox::sqlx::{self, AssertSqlSafe, PgPool};
 use keyorder_outbox::{
@@ -41,7 +41,7 @@ use tokio::task::JoinHandle;
 use crate::checker::{check, Expectation, Published};
 use crate::eventlog::{EventLog, EventStart, MemoryEventLog};
 use crate::instance::{wait_until, Instance, Payload};
-use crate::worker::{Connector, WorkerProcess, HOLDING_LINE};
+use crate::worker::{Connector, WorkerProcess, HOLDING_LINE, RELEASED_LINE};
 use crate::Harness;
 
 type Outcome = std::result::Result<(), String>;
@@ -143,6 +143,8 @@ struct HoldState {
     held: Mutex<Option<String>>,
     release: Semaphore,
     announce: bool,
+    /// How the held publish ended once let go (`ok`, `fenced`, `error: ...`).
+    released: Mutex<Option<String>>,
 }
 
 impl HoldState {
@@ -153,6 +155,7 @@ impl HoldState {
             held: Mutex::new(None),
             release: Semaphore::new(0),
             announce,
+            released: Mutex::new(None),
         })
     }
 
@@ -164,6 +167,18 @@ impl HoldState {
         if let Ok(permit) = self.release.acquire().await {
             permit.forget();
         }
+    }
+
+    fn released(&self, res: &Result<()>) {
+        let outcome = match res {
+            Ok(()) => "ok".to_owned(),
+            Err(Error::Fenced { .. }) => "fenced".to_owned(),
+            Err(e) => format!("error: {e}"),
+        };
+        if self.announce {
+            println!("{RELEASED_LINE}{outcome}");
+        }
+        *self.released.lock().unwrap() = Some(outcome);
     }
 }
 
@@ -183,17 +198,38 @@ struct HoldPublisher {
 #[async_trait]
 impl TransportPublisher for HoldPublisher {
     async fn publish(&self, message: Message) -> Result<()> {
+        self.go(message, None).await
+    }
+
+    fn fences_publishes(&self) -> bool {
+        self.inner.fences_publishes()
+    }
+
+    async fn publish_fenced(&self, message: Message, fence: &PublishFence) -> Result<()> {
+        self.go(message, Some(fence)).await
+    }
+}
+
+impl HoldPublisher {
+    async fn send(&self, message: Message, fence: Option<&PublishFence>) -> Result<()> {
+        match fence {
+            Some(f) => self.inner.publish_fenced(message, f).await,
+            None => self.inner.publish(message).await,
+        }
+    }
+
+    async fn go(&self, message: Message, fence: Option<&PublishFence>) -> Result<()> {
         let state = &self.state;
         let rule = state
             .rule
             .filter(|r| keyorder_outbox::sequence_of(&message).is_some_and(|s| s >= r.from_seq))
             .filter(|_| !state.taken.swap(true, Ordering::SeqCst));
         let Some(rule) = rule else {
-            return self.inner.publish(message).await;
+            return self.send(message, fence).await;
         };
         let id = message.id().to_owned();
         if rule.after_publish {
-            if let Err(e) = self.inner.publish(message).await {
+            if let Err(e) = self.send(message, fence).await {
                 state.taken.store(false, Ordering::SeqCst);
                 return Err(e);
             }
@@ -201,7 +237,9 @@ impl TransportPublisher for HoldPublisher {
             Ok(())
         } else {
             state.hold(&id).await;
-            self.inner.publish(message).await
+            let res = self.send(message, fence).await;
+            state.released(&res);
+            res
         }
     }
 }
@@ -363,7 +401,7 @@ struct TaskRelay {
 /// A relay under test: a process or a task.
 #[derive(Debug)]
 enum RelayUnderTest {
-    Process(WorkerProcess),
+    Process(Box<WorkerProcess>),
     Task(TaskRelay),
 }
 
@@ -376,10 +414,18 @@ impl RelayUnderTest {
         }
     }
 
+    /// How its held publish ended once let go (`ok`, `fenced`, `error: ...`).
+    fn released(&self) -> Option<String> {
+        match self {
+            RelayUnderTest::Process(p) => p.released(),
+            RelayUnderTest::Task(t) => t.state.released.lock().unwrap().clone(),
+        }
+    }
+
     /// `kill -9` (a process) or an abort with every in-flight publish (a task).
     async fn crash(self) -> Outcome {
         match self {
-            RelayUnderTest::Process(p) => p.kill9().await,
+            RelayUnderTest::Process(p) => (*p).kill9().await,
             RelayUnderTest::Task(t) => {
                 t.join.abort();
                 match t.join.await {
@@ -419,7 +465,7 @@ impl RelayUnderTest {
     /// Graceful stop (the relay drains); its final counters.
     async fn stop(self) -> std::result::Result<serde_json::Value, String> {
         match self {
-            RelayUnderTest::Process(p) => p.terminate().await,
+            RelayUnderTest::Process(p) => (*p).terminate().await,
             RelayUnderTest::Task(mut t) => {
                 if let Some(stop) = t.stop.take() {
                     let _ = stop.send(());
@@ -502,9 +548,9 @@ impl<'a> Trial<'a> {
                 hold,
             };
             let json = serde_json::to_string(&cfg).map_err(err)?;
-            return Ok(RelayUnderTest::Process(
+            return Ok(RelayUnderTest::Process(Box::new(
                 WorkerProcess::spawn_with(RELAY_ENV, json, id).await?,
-            ));
+            )));
         }
         let state = HoldState::new(hold, false);
         let client = holding_client(&self.h.client().await.map_err(err)?, state.clone());
@@ -899,10 +945,13 @@ async fn c6(t: &mut Trial<'_>) -> Outcome {
 /// C7: relay r1 is held inside a publish (the record not yet at the
 /// broker) and stopped (`SIGSTOP`) past its lease. r2 takes over and
 /// publishes the key, the held record included; the consumers apply all of
-/// it. r1 continues (`SIGCONT`): its late publish reaches the broker and is
-/// dropped by the consumers (its sequence is not above the last applied),
-/// and its late confirmation is refused by the fence. No stale record is
-/// applied; nothing lost or applied twice.
+/// it. r1 continues (`SIGCONT`) and its late publish goes out: a broker
+/// that fences publishes (memory, Redis, PostgreSQL) refuses it, because r2
+/// published for the slot at a higher generation; elsewhere (RabbitMQ,
+/// Kafka) it reaches the broker and the consumers drop it (its sequence is
+/// not above the last applied). Either way the relay's fence refuses r1's
+/// late confirmation. No stale record is applied; nothing lost or applied
+/// twice.
 async fn c7(t: &mut Trial<'_>) -> Outcome {
     let hold = HoldRule {
         from_seq: 4,
@@ -925,12 +974,33 @@ async fn c7(t: &mut Trial<'_>) -> Outcome {
     let of_key: Vec<Published> = published.iter().filter(|p| p.key == key).cloned().collect();
     t.wait_applied(&of_key).await?;
     let dropped_before = t.dropped();
+    let fences =
+        t.h.client()
+            .await
+            .map_err(err)?
+            .publisher(&t.category)
+            .await
+            .map_err(err)?
+            .fences_publishes();
     r1.resume()?;
-    t.wait_dropped(
-        dropped_before + 1,
-        "the consumers to drop r1's late publish after SIGCONT",
-    )
+    wait_until("r1's held publish to return after SIGCONT", t.h.deadline(), || async {
+        r1.released().is_some()
+    })
     .await?;
+    let late = r1.released().unwrap_or_default();
+    if fences {
+        // The broker refuses it: r2 published for the slot at a higher generation.
+        ensure(late == "fenced", || {
+            format!("the broker fences publishes, yet r1's late publish ended with `{late}`")
+        })?;
+    } else {
+        ensure(late == "ok", || format!("r1's late publish ended with `{late}`"))?;
+        t.wait_dropped(
+            dropped_before + 1,
+            "the consumers to drop r1's late publish after SIGCONT",
+        )
+        .await?;
+    }
     t.wait_applied(&published).await?;
     let stats = stop_relays(vec![r1, r2]).await?;
     stop_instances(consumers).await?;

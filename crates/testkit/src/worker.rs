@@ -30,6 +30,10 @@ pub const WORKER_ENV: &str = "KEYORDER_TESTKIT_WORKER";
 /// a message where the test asked it to.
 pub(crate) const HOLDING_LINE: &str = "KEYORDER_WORKER_HOLDING ";
 
+/// The stdout line (followed by `ok`, `fenced` or `error: ...`) a relay
+/// worker prints once its held publish returned.
+pub(crate) const RELEASED_LINE: &str = "KEYORDER_WORKER_RELEASED ";
+
 /// What a worker process runs.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct WorkerConfig {
@@ -141,6 +145,7 @@ pub struct WorkerProcess {
     stopped: AtomicBool,
     stats: tokio::sync::oneshot::Receiver<Option<String>>,
     held: Arc<std::sync::Mutex<Option<String>>>,
+    released: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 impl WorkerProcess {
@@ -188,6 +193,8 @@ impl WorkerProcess {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let held = Arc::new(std::sync::Mutex::new(None));
         let held_by_reader = held.clone();
+        let released = Arc::new(std::sync::Mutex::new(None));
+        let released_by_reader = released.clone();
         tokio::spawn(async move {
             let mut stats = None;
             while let Ok(Some(line)) = lines.next_line().await {
@@ -195,6 +202,8 @@ impl WorkerProcess {
                     stats = Some(json.to_owned());
                 } else if let Some(id) = line.strip_prefix(HOLDING_LINE) {
                     *held_by_reader.lock().unwrap() = Some(id.trim().to_owned());
+                } else if let Some(outcome) = line.strip_prefix(RELEASED_LINE) {
+                    *released_by_reader.lock().unwrap() = Some(outcome.trim().to_owned());
                 }
             }
             let _ = tx.send(stats);
@@ -206,6 +215,7 @@ impl WorkerProcess {
             stopped: AtomicBool::new(false),
             stats: rx,
             held,
+            released,
         })
     }
 
@@ -213,6 +223,12 @@ impl WorkerProcess {
     /// <id>` on its stdout), if it said so yet.
     pub fn held(&self) -> Option<String> {
         self.held.lock().unwrap().clone()
+    }
+
+    /// How a relay worker's held publish ended (`KEYORDER_WORKER_RELEASED
+    /// <outcome>` on its stdout), once it said so.
+    pub fn released(&self) -> Option<String> {
+        self.released.lock().unwrap().clone()
     }
 
     /// `SIGUSR1`: an outbox relay worker lets its held publish go on.
