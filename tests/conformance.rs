@@ -419,13 +419,6 @@ impl Harness for KafkaHarness {
                  topic, so there is nothing to restart into"
                     .to_owned(),
             ),
-            // Not a capability gap: run it with `KEYORDER_KAFKA_C16=1`.
-            Scenario::C16 if std::env::var("KEYORDER_KAFKA_C16").as_deref() != Ok("1") => Some(
-                "held out of CI: on a clean-clone CI run the third instance got no events within 90 s (it passes \
-                 when run alone, `KEYORDER_KAFKA_C16=1 cargo test --all-features --test conformance -- \
-                 kafka::c16`); issue 6 stays open for it"
-                    .to_owned(),
-            ),
             _ => None,
         }
     }

@@ -855,8 +855,12 @@ async fn c16(ctx: &Ctx<'_>) -> Outcome {
             let ks = keys("k", 12);
             let mut all = Vec::new();
             let mut seq = 0;
-            // Bounded: at most 400 rounds; paced so the stream spans the phases.
-            while !*stop_rx.borrow_and_update() && seq < 400 {
+            // The stream runs until the last instance has joined and applied
+            // something (a bounded stream could end before a slow rebalance
+            // hands the third instance a partition, leaving it nothing to
+            // apply); at most 4 minutes, so a hung scenario stays bounded.
+            let started = tokio::time::Instant::now();
+            while !*stop_rx.borrow_and_update() && started.elapsed() < Duration::from_secs(240) {
                 all.extend(publish_range(&producer_client, &cat, &ks, seq..seq + 1, 1).await?);
                 seq += 1;
                 tokio::time::sleep(Duration::from_millis(5)).await;
