@@ -1,6 +1,7 @@
 //! The operator's view. Queue depth and consumer count come from the broker
 //! (passive declarations); halted heads are held by the process that halted
-//! them, so this view sees the halts of its own process.
+//! them: this view lists its own and asks the other processes (see
+//! [`crate::control`]), and acts on a head where it is held.
 
 use std::fmt;
 
@@ -66,20 +67,12 @@ impl Admin for RabbitAdmin {
     }
 
     async fn halted(&self, category: &str, _group: &str) -> Result<Vec<HaltedKey>> {
-        let map = self.t.shared.halted.lock().unwrap_or_else(|e| e.into_inner());
-        let mut out: Vec<HaltedKey> = map
-            .iter()
-            .filter(|((c, _), _)| c == category)
-            .map(|((_, k), h)| HaltedKey {
-                label: label(k),
-                preview: redact(k),
-                scope: h.scope.clone(),
-                head_id: h.head_id.clone(),
-                attempts: h.attempts,
-                reason: h.reason.clone(),
-                held: None,
-            })
-            .collect();
+        let mut out = self.local_halted(category);
+        for h in self.t.remote_halted(category).await? {
+            if !out.iter().any(|o| o.label == h.label) {
+                out.push(h);
+            }
+        }
         out.sort_by(|a, b| a.label.cmp(&b.label));
         Ok(out)
     }
@@ -119,16 +112,44 @@ impl Admin for RabbitAdmin {
     }
 
     async fn resolve(&self, category: &str, _group: &str, key: &str, action: HeadAction) -> Result<()> {
+        if self.local_resolve(category, key, action).await? {
+            return Ok(());
+        }
+        self.t.remote_resolve(category, key, action).await
+    }
+}
+
+impl RabbitAdmin {
+    /// The halted heads this process holds in `category`.
+    pub(crate) fn local_halted(&self, category: &str) -> Vec<HaltedKey> {
+        let map = self.t.shared.halted.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<HaltedKey> = map
+            .iter()
+            .filter(|((c, _), _)| c == category)
+            .map(|((_, k), h)| HaltedKey {
+                label: label(k),
+                preview: redact(k),
+                scope: h.scope.clone(),
+                head_id: h.head_id.clone(),
+                attempts: h.attempts,
+                reason: h.reason.clone(),
+                held: None,
+            })
+            .collect();
+        out.sort_by(|a, b| a.label.cmp(&b.label));
+        out
+    }
+
+    /// Acts on `key`'s halted head if this process holds it (`Ok(false)`:
+    /// not held here).
+    pub(crate) async fn local_resolve(&self, category: &str, key: &str, action: HeadAction) -> Result<bool> {
         let (found, held) = {
             let map = self.t.shared.halted.lock().unwrap_or_else(|e| e.into_inner());
             let Some(((_, k), h)) = map
                 .iter()
                 .find(|((c, k), _)| c == category && (k == key || label(k) == key))
             else {
-                return Err(Error::NotFound(format!(
-                    "no halted key {} in this process (RabbitMQ halts are held by the consumer that halted them)",
-                    redact(key)
-                )));
+                return Ok(false);
             };
             (k.clone(), h.settle.clone())
         };
@@ -165,6 +186,6 @@ impl Admin for RabbitAdmin {
             .entry(category.to_owned())
             .or_default()
             .push(SourceEvent::Resolved { key: found, drop_head });
-        Ok(())
+        Ok(true)
     }
 }

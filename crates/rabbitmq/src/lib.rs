@@ -3,6 +3,7 @@
 
 mod admin;
 mod config;
+pub mod control;
 mod settle;
 mod source;
 mod topology;
@@ -77,6 +78,8 @@ pub(crate) struct Shared {
     pub(crate) halted: Mutex<HashMap<(String, String), Halted>>,
     /// category -> operator actions for the owner.
     pub(crate) resolved: Mutex<HashMap<String, Vec<SourceEvent>>>,
+    /// Answers other processes' operator requests about these halts.
+    pub(crate) responder: control::Responder,
 }
 
 /// The RabbitMQ transport (`amqp://`).

@@ -123,6 +123,7 @@ impl Settle for RabbitSettle {
                 settle: self.held.clone(),
             },
         );
+        self.t.answer_for(&self.category);
         metrics::counter!("keyorder_rabbitmq_halts_total").increment(1);
         tracing::warn!(key = %label(key), scope = %self.scope, "rabbitmq: key halted at its head");
         Ok(())
