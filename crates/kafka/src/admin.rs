@@ -366,6 +366,20 @@ impl Admin for KafkaAdmin {
 
     async fn resolve(&self, category: &str, group: &str, key: &str, action: HeadAction) -> Result<()> {
         let names = Names::new(category)?;
+        if self.resolve_here(&names, group, key, action).await? {
+            return Ok(());
+        }
+        // The owner is another process: ask it through the control topic.
+        self.t.remote_resolve(&names, group, key, action).await
+    }
+}
+
+impl KafkaAdmin {
+    /// Acts on `key`'s halted head if this process owns its partition
+    /// (`Ok(false)`: another process does; `NotFound`: no such halted key).
+    pub(crate) async fn resolve_here(&self, names: &Names, group: &str, key: &str, action: HeadAction) -> Result<bool> {
+        let category = names.topic();
+        let names = names.clone();
         let n = self.t.partition_count(names.topic()).await?;
         // `key` is the value or its label: find the halted head it names.
         let heads = self.halted(category, group).await?;
@@ -416,13 +430,9 @@ impl Admin for KafkaAdmin {
                     key: held.key.clone(),
                     drop_head: action != HeadAction::Resume,
                 });
-            return Ok(());
+            return Ok(true);
         }
-        Err(Error::NotFound(format!(
-            "key {} halted on {}, whose owner is not in this process: run the operator action in the owning \
-             instance (Kafka lets only the partition's group member commit)",
-            head.label, head.scope
-        )))
+        Ok(false)
     }
 }
 

@@ -3,6 +3,7 @@
 
 mod admin;
 mod config;
+mod control;
 mod settle;
 mod source;
 mod state;
@@ -174,6 +175,7 @@ pub struct KafkaTransport {
     pub(crate) cfg: Arc<KafkaConfig>,
     pub(crate) producer: FutureProducer,
     pub(crate) registry: Arc<Registry>,
+    pub(crate) listening: Arc<control::Listening>,
     ensured: Arc<Mutex<HashSet<String>>>,
     partitions: Arc<Mutex<HashMap<String, i32>>>,
 }
@@ -207,6 +209,7 @@ impl KafkaTransport {
             cfg: Arc::new(cfg),
             producer,
             registry: Arc::default(),
+            listening: Arc::default(),
             ensured: Arc::default(),
             partitions: Arc::default(),
         })

@@ -140,6 +140,8 @@ impl Settle for KafkaSettle {
     async fn halt(&self, reason: &str) -> Result<()> {
         self.live()?;
         self.part.track().halt(self.offset, reason);
+        // From now on this process answers operator requests for the category.
+        self.shared.t.answer_for(&self.shared.names);
         if let Some(key) = self.key.as_deref().and_then(|k| std::str::from_utf8(k).ok()) {
             self.part.hold_head(HeldHead {
                 offset: self.offset,
