@@ -371,6 +371,7 @@ impl Transport for PgTransport {
         }
         let slots = self.slots_of(category).await?;
         Ok(Arc::new(PgPublisher {
+            fences: std::sync::Mutex::default(),
             t: self.clone(),
             queue: category.to_owned(),
             slots,
@@ -420,6 +421,10 @@ struct PgPublisher {
     t: PgTransport,
     queue: String,
     slots: u32,
+    /// scope -> the token this publisher last recorded in `publish_fences`:
+    /// a publish with that token again only share-locks the fence row and
+    /// checks it (no row update, so a scope's publishes do not queue on it).
+    fences: std::sync::Mutex<HashMap<String, u64>>,
 }
 
 impl fmt::Debug for PgPublisher {
@@ -441,32 +446,46 @@ impl TransportPublisher for PgPublisher {
         let headers = serde_json::to_string(message.headers()).map_err(|e| Error::Broker(e.to_string()))?;
         let token = i64::try_from(fence.token)
             .map_err(|_| Error::Config(format!("publish fence token {} exceeds i64", fence.token)))?;
-        let rows = self
-            .t
-            .db
-            .all(
-                q(&self.t.sql.publish_fenced)
-                    .bind(&self.queue)
-                    .bind(slot as i32)
-                    .bind(message.key().map(OrderingKey::as_str))
-                    .bind(message.id())
-                    .bind(message.correlation_id())
-                    .bind(headers)
-                    .bind(message.payload().as_ref())
-                    .bind(&self.t.sql.channel)
-                    .bind(&fence.scope)
-                    .bind(token),
-            )
-            .await
-            .map_err(|e| self.t.missing_schema(e))?;
-        if rows.is_empty() {
-            Err(Error::Fenced {
-                scope: fence.scope.clone(),
-                generation: fence.token,
-            })
+        let recorded = self.fences.lock().unwrap_or_else(|e| e.into_inner()).get(&fence.scope) == Some(&fence.token);
+        // With the token this publisher recorded last, the cheap statement
+        // first; when it stores nothing (the fence moved, or the row is
+        // gone), the recording statement decides.
+        let statements: &[&Arc<str>] = if recorded {
+            &[&self.t.sql.publish_fence_held, &self.t.sql.publish_fenced]
         } else {
-            Ok(())
+            &[&self.t.sql.publish_fenced]
+        };
+        for sql in statements {
+            let rows = self
+                .t
+                .db
+                .all(
+                    q(sql)
+                        .bind(&self.queue)
+                        .bind(slot as i32)
+                        .bind(message.key().map(OrderingKey::as_str))
+                        .bind(message.id())
+                        .bind(message.correlation_id())
+                        .bind(&headers)
+                        .bind(message.payload().as_ref())
+                        .bind(&self.t.sql.channel)
+                        .bind(&fence.scope)
+                        .bind(token),
+                )
+                .await
+                .map_err(|e| self.t.missing_schema(e))?;
+            if !rows.is_empty() {
+                self.fences
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(fence.scope.clone(), fence.token);
+                return Ok(());
+            }
         }
+        Err(Error::Fenced {
+            scope: fence.scope.clone(),
+            generation: fence.token,
+        })
     }
 
     async fn publish(&self, message: Message) -> Result<()> {

@@ -41,6 +41,7 @@ pub(crate) struct Sql {
     pub(crate) ensure_slots: Arc<str>,
     pub(crate) publish: Arc<str>,
     pub(crate) publish_fenced: Arc<str>,
+    pub(crate) publish_fence_held: Arc<str>,
     pub(crate) heartbeat: Arc<str>,
     pub(crate) live_members: Arc<str>,
     pub(crate) leave: Arc<str>,
@@ -109,6 +110,17 @@ impl Sql {
             ),
             // The fence row and the event in one statement: no event (and no
             // row back) when the scope's fence holds a higher token.
+            // The fence row holds exactly this token: share-lock it (a
+            // higher token's update waits for this commit, and an update
+            // that committed first is seen: the row then no longer
+            // matches) and insert. Publishes sharing a token do not block
+            // each other.
+            publish_fence_held: f(
+                "with f as (select 1 from {s}.publish_fences where queue = $1 and scope = $9 and token = $10 for share), \
+                 ins as (insert into {s}.events (queue, slot, key, message_id, correlation_id, headers, payload) \
+                 select $1, $2::int, $3::text, $4::text, $5::text, $6::jsonb, $7::bytea from f returning 1) \
+                 select pg_notify($8, $1) from ins",
+            ),
             publish_fenced: f(
                 "with f as (insert into {s}.publish_fences (queue, scope, token) values ($1, $9, $10) \
                  on conflict (queue, scope) do update set token = excluded.token \

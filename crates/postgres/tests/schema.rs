@@ -148,6 +148,18 @@ async fn a_fenced_publish_with_a_lower_token_is_refused_and_stores_nothing() {
     assert!(matches!(refused, Err(Error::Fenced { .. })), "{refused:?}");
     // The unfenced publish is unchanged.
     publisher.publish(msg(7)).await.unwrap();
+    // A publisher that recorded token 3 for s/1 is refused once another
+    // (a newer owner, its own client) moved the fence to 4.
+    let t2 = PgTransport::connect(config(&format!("schema={schema}"))).await.unwrap();
+    let newer = keyorder_core::Client::new(std::sync::Arc::new(t2));
+    let newer = newer.publisher("orders").await.unwrap();
+    newer.publish_fenced(msg(8), &fence("outbox/s/1", 4)).await.unwrap();
+    let refused = publisher.publish_fenced(msg(9), &fence("outbox/s/1", 3)).await;
+    assert!(
+        matches!(refused, Err(Error::Fenced { generation: 3, .. })),
+        "{refused:?}"
+    );
+    newer.publish_fenced(msg(10), &fence("outbox/s/1", 4)).await.unwrap();
 
     let pool = sqlx::PgPool::connect(&url()).await.unwrap();
     let payloads: Vec<Vec<u8>> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
@@ -159,7 +171,7 @@ async fn a_fenced_publish_with_a_lower_token_is_refused_and_stores_nothing() {
     let payloads: Vec<String> = payloads.into_iter().map(|p| String::from_utf8(p).unwrap()).collect();
     assert_eq!(
         payloads,
-        ["m1", "m2", "m4", "m5", "m7"],
+        ["m1", "m2", "m4", "m5", "m7", "m8", "m10"],
         "refused publishes stored nothing"
     );
     let tokens: Vec<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
@@ -168,7 +180,7 @@ async fn a_fenced_publish_with_a_lower_token_is_refused_and_stores_nothing() {
     .fetch_all(&pool)
     .await
     .unwrap();
-    assert_eq!(tokens, [("outbox/s/1".to_owned(), 3), ("outbox/s/2".to_owned(), 1)]);
+    assert_eq!(tokens, [("outbox/s/1".to_owned(), 4), ("outbox/s/2".to_owned(), 1)]);
     sqlx::query(sqlx::AssertSqlSafe(format!("drop schema {schema} cascade")))
         .execute(&pool)
         .await
