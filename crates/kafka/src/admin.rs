@@ -90,7 +90,7 @@ impl KafkaAdmin {
         rc.set("group.id", "keyorder-state-reader")
             .set("enable.auto.commit", "false");
         let reader: state::Reader = rc.create().map_err(kafka_err)?;
-        let producer = self.t.producer.clone();
+        let producer = self.t.state_producer.clone();
         let (n2, g2) = (names.clone(), names.group_id(group));
         let saved = tokio::task::spawn_blocking(move || {
             let parts: Vec<i32> = (0..n).collect();

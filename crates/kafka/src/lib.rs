@@ -174,6 +174,9 @@ impl Registry {
 pub struct KafkaTransport {
     pub(crate) cfg: Arc<KafkaConfig>,
     pub(crate) producer: FutureProducer,
+    /// The state records' producer: no linger, since every acknowledgement
+    /// waits for its round (same idempotence and `acks=all`).
+    pub(crate) state_producer: FutureProducer,
     pub(crate) registry: Arc<Registry>,
     pub(crate) listening: Arc<control::Listening>,
     ensured: Arc<Mutex<HashSet<String>>>,
@@ -199,6 +202,9 @@ impl KafkaTransport {
             .set("message.timeout.ms", "30000");
         apply_extra(&mut pc, &cfg);
         let producer: FutureProducer = pc.create().map_err(kafka_err)?;
+        pc.set("linger.ms", "0");
+        apply_extra(&mut pc, &cfg);
+        let state_producer: FutureProducer = pc.create().map_err(kafka_err)?;
         let probe = producer.clone();
         let brokers = cfg.brokers.clone();
         tokio::task::spawn_blocking(move || probe.client().fetch_metadata(None, Duration::from_secs(10)))
@@ -208,6 +214,7 @@ impl KafkaTransport {
         Ok(KafkaTransport {
             cfg: Arc::new(cfg),
             producer,
+            state_producer,
             registry: Arc::default(),
             listening: Arc::default(),
             ensured: Arc::default(),
@@ -316,6 +323,22 @@ impl KafkaTransport {
         headers: OwnedHeaders,
     ) -> Result<(i32, i64)> {
         self.produce_to(topic, None, key, payload, Some(headers)).await
+    }
+
+    /// Produces a state record (the no-linger producer) to `partition`.
+    pub(crate) async fn produce_state(
+        &self,
+        topic: &str,
+        partition: i32,
+        key: &[u8],
+        payload: &[u8],
+    ) -> Result<(i32, i64)> {
+        let record: FutureRecord<'_, [u8], [u8]> =
+            FutureRecord::to(topic).payload(payload).key(key).partition(partition);
+        match self.state_producer.send(record, Duration::from_secs(30)).await {
+            Ok(d) => Ok((d.partition, d.offset)),
+            Err((e, _)) => Err(Error::Broker(format!("kafka: producing to `{topic}`: {e}"))),
+        }
     }
 
     /// Produces to a given partition (or the partitioner's choice).

@@ -206,6 +206,10 @@ impl Part {
 }
 
 /// What the source shares with its settles, committer and heartbeat.
+/// State rounds in flight at once (each waits for its records' delivery
+/// reports; acknowledgements wait for the round that carries them).
+const MAX_ROUNDS: usize = 4;
+
 pub(crate) struct Shared {
     pub(crate) t: KafkaTransport,
     pub(crate) names: Names,
@@ -315,7 +319,7 @@ impl Shared {
     }
 
     /// The committer: writes the state of every changed partition in
-    /// rounds, up to four in flight. Rounds complete in order (records of
+    /// rounds, up to [`MAX_ROUNDS`] in flight. Rounds complete in order (records of
     /// one partition are appended in order by the idempotent producer), so
     /// a completed request number means everything recorded before it is
     /// durable. A failed round is covered by the next: a partition stays
@@ -332,7 +336,7 @@ impl Shared {
             }
             let wanted = self.wanted.load(Ordering::SeqCst);
             let mut ticked = false;
-            if wanted <= started || rounds.len() >= 4 {
+            if wanted <= started || rounds.len() >= MAX_ROUNDS {
                 tokio::select! {
                     () = self.wake.notified() => {}
                     _ = tick.tick() => ticked = true,
@@ -341,7 +345,7 @@ impl Shared {
                         continue;
                     }
                 }
-                if rounds.len() >= 4 {
+                if rounds.len() >= MAX_ROUNDS {
                     continue;
                 }
             }
@@ -405,14 +409,8 @@ impl Shared {
             let value = state::encode(w.part.lease.generation(), w.committed, &w.meta);
             let (t, topic, key) = (&self.t, &state_topic, &group_id);
             async move {
-                t.produce_to(
-                    topic,
-                    Some(w.part.partition),
-                    Some(key.as_bytes()),
-                    value.as_bytes(),
-                    None,
-                )
-                .await
+                t.produce_state(topic, w.part.partition, key.as_bytes(), value.as_bytes())
+                    .await
             }
         });
         let written = futures::future::join_all(writes).await;
@@ -634,7 +632,7 @@ impl Source {
             names: self.shared.names.clone(),
             group_id: self.shared.names.group_id(&self.spec.group),
             reader: rc.create().map_err(kafka_err)?,
-            producer: self.shared.t.producer.clone(),
+            producer: self.shared.t.state_producer.clone(),
         };
         let member: Member = c.create_with_context(ctx).map_err(kafka_err)?;
         member.subscribe(&[self.shared.names.topic()]).map_err(kafka_err)?;
@@ -951,7 +949,7 @@ async fn check_partition_count(t: &KafkaTransport, names: &Names, group: &str, p
     r.set("group.id", "keyorder-state-reader")
         .set("enable.auto.commit", "false");
     let reader: state::Reader = r.create().map_err(kafka_err)?;
-    let producer = t.producer.clone();
+    let producer = t.state_producer.clone();
     let (n2, g2) = (names.clone(), names.group_id(group));
     let saved = tokio::task::spawn_blocking(move || {
         let parts: Vec<i32> = (0..partitions).collect();
