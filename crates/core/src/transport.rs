@@ -300,6 +300,25 @@ pub enum HeadAction {
     Resume,
 }
 
+impl HeadAction {
+    /// Its name on the wire and in the `keyorder head` command: `skip`,
+    /// `dlq` or `resume`.
+    pub fn name(self) -> &'static str {
+        match self {
+            HeadAction::Skip => "skip",
+            HeadAction::DeadLetter => "dlq",
+            HeadAction::Resume => "resume",
+        }
+    }
+
+    /// The action [`HeadAction::name`] gives `name`, if any.
+    pub fn from_name(name: &str) -> Option<Self> {
+        [HeadAction::Skip, HeadAction::DeadLetter, HeadAction::Resume]
+            .into_iter()
+            .find(|a| a.name() == name)
+    }
+}
+
 /// The operator's view of a transport.
 #[async_trait]
 pub trait Admin: Send + Sync + fmt::Debug {

@@ -15,10 +15,8 @@ use std::time::Duration;
 
 use keyorder_core::key::redact;
 use keyorder_core::{Error, HeadAction, Result};
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
+use rdkafka::admin::{NewTopic, TopicReplication};
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::{Message as _, Offset, TopicPartitionList};
 use serde_json::{json, Value};
 
@@ -35,23 +33,6 @@ pub(crate) struct Listening {
 
 fn control_topic(names: &Names) -> String {
     format!("{}.keyorder-control", names.topic())
-}
-
-fn action_name(a: HeadAction) -> &'static str {
-    match a {
-        HeadAction::Skip => "skip",
-        HeadAction::DeadLetter => "dlq",
-        HeadAction::Resume => "resume",
-    }
-}
-
-fn action_of(name: &str) -> Option<HeadAction> {
-    match name {
-        "skip" => Some(HeadAction::Skip),
-        "dlq" => Some(HeadAction::DeadLetter),
-        "resume" => Some(HeadAction::Resume),
-        _ => None,
-    }
 }
 
 /// A consumer of the control topic from its current end; returns it with
@@ -77,21 +58,8 @@ impl KafkaTransport {
     async fn ensure_control(&self, names: &Names) -> Result<String> {
         let topic = control_topic(names);
         if self.cfg.create {
-            let admin: AdminClient<DefaultClientContext> = base_config(&self.cfg).create().map_err(kafka_err)?;
-            let results = admin
-                .create_topics(
-                    &[NewTopic::new(&topic, 1, TopicReplication::Fixed(self.cfg.replication))],
-                    &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
-                )
-                .await
-                .map_err(kafka_err)?;
-            for r in results {
-                if let Err((name, code)) = r {
-                    if code != RDKafkaErrorCode::TopicAlreadyExists {
-                        return Err(Error::Broker(format!("kafka: creating topic `{name}`: {code}")));
-                    }
-                }
-            }
+            self.create_topics(&[NewTopic::new(&topic, 1, TopicReplication::Fixed(self.cfg.replication))])
+                .await?;
         }
         self.partition_count(&topic).await?;
         Ok(topic)
@@ -127,19 +95,13 @@ impl KafkaTransport {
     /// Has the process owning `key`'s halted head act on it.
     pub(crate) async fn remote_resolve(&self, names: &Names, group: &str, key: &str, action: HeadAction) -> Result<()> {
         let topic = self.ensure_control(names).await?;
-        let id = format!(
-            "{:x}-{}",
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos()),
-            std::process::id()
-        );
+        let id = uuid::Uuid::new_v4().to_string();
         let t = self.clone();
         let t2 = topic.clone();
         let reader = tokio::task::spawn_blocking(move || tail(&t, &t2))
             .await
             .map_err(kafka_err)??;
-        let request = json!({"op": "act", "id": id, "group": group, "key": key, "action": action_name(action)});
+        let request = json!({"op": "act", "id": id, "group": group, "key": key, "action": action.name()});
         self.produce_to(&topic, Some(0), None, request.to_string().as_bytes(), None)
             .await?;
         let answer = tokio::task::spawn_blocking(move || -> Option<Value> {
@@ -211,7 +173,7 @@ fn listen(t: KafkaTransport, names: Names, topic: String, handle: tokio::runtime
         }
         let text = |k: &str| req.get(k).and_then(Value::as_str).unwrap_or_default().to_owned();
         let (id, group, key) = (text("id"), text("group"), text("key"));
-        let Some(action) = action_of(&text("action")) else {
+        let Some(action) = HeadAction::from_name(&text("action")) else {
             continue;
         };
         let answer = match handle.block_on(admin.resolve_here(&names, &group, &key, action)) {

@@ -250,28 +250,14 @@ impl KafkaTransport {
             .unwrap_or_else(|e| e.into_inner())
             .contains(names.topic());
         if fresh && self.cfg.create {
-            let admin: AdminClient<DefaultClientContext> = base_config(&self.cfg).create().map_err(kafka_err)?;
             let (dlq, state) = (names.dlq(), names.state());
             let rf = || TopicReplication::Fixed(self.cfg.replication);
-            let topics = [
+            self.create_topics(&[
                 NewTopic::new(names.topic(), self.cfg.partitions, rf()),
                 NewTopic::new(&dlq, self.cfg.partitions, rf()),
                 NewTopic::new(&state, self.cfg.partitions, rf()).set("cleanup.policy", "compact"),
-            ];
-            let results = admin
-                .create_topics(
-                    &topics,
-                    &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
-                )
-                .await
-                .map_err(kafka_err)?;
-            for r in results {
-                if let Err((topic, code)) = r {
-                    if code != RDKafkaErrorCode::TopicAlreadyExists {
-                        return Err(Error::Broker(format!("kafka: creating topic `{topic}`: {code}")));
-                    }
-                }
-            }
+            ])
+            .await?;
             self.ensured
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -283,6 +269,26 @@ impl KafkaTransport {
             .unwrap_or_else(|e| e.into_inner())
             .insert(names.topic().to_owned(), n);
         Ok(n)
+    }
+
+    /// Creates `topics`; one that already exists is fine.
+    pub(crate) async fn create_topics(&self, topics: &[NewTopic<'_>]) -> Result<()> {
+        let admin: AdminClient<DefaultClientContext> = base_config(&self.cfg).create().map_err(kafka_err)?;
+        let results = admin
+            .create_topics(
+                topics,
+                &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+            )
+            .await
+            .map_err(kafka_err)?;
+        for r in results {
+            if let Err((topic, code)) = r {
+                if code != RDKafkaErrorCode::TopicAlreadyExists {
+                    return Err(Error::Broker(format!("kafka: creating topic `{topic}`: {code}")));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The broker's partition count of `topic` (waits briefly for a topic

@@ -442,8 +442,7 @@ impl TransportPublisher for PgPublisher {
     /// One statement records the fence in `publish_fences` and inserts the
     /// event only where the fence held no higher token.
     async fn publish_fenced(&self, message: Message, fence: &PublishFence) -> Result<()> {
-        let slot = slot_of(message.key(), message.id(), self.slots);
-        let headers = serde_json::to_string(message.headers()).map_err(|e| Error::Broker(e.to_string()))?;
+        let headers = headers_of(&message)?;
         let token = i64::try_from(fence.token)
             .map_err(|_| Error::Config(format!("publish fence token {} exceeds i64", fence.token)))?;
         let recorded = self.fences.lock().unwrap_or_else(|e| e.into_inner()).get(&fence.scope) == Some(&fence.token);
@@ -459,19 +458,7 @@ impl TransportPublisher for PgPublisher {
             let rows = self
                 .t
                 .db
-                .all(
-                    q(sql)
-                        .bind(&self.queue)
-                        .bind(slot as i32)
-                        .bind(message.key().map(OrderingKey::as_str))
-                        .bind(message.id())
-                        .bind(message.correlation_id())
-                        .bind(&headers)
-                        .bind(message.payload().as_ref())
-                        .bind(&self.t.sql.channel)
-                        .bind(&fence.scope)
-                        .bind(token),
-                )
+                .all(self.event(sql, &message, &headers).bind(&fence.scope).bind(token))
                 .await
                 .map_err(|e| self.t.missing_schema(e))?;
             if !rows.is_empty() {
@@ -489,24 +476,34 @@ impl TransportPublisher for PgPublisher {
     }
 
     async fn publish(&self, message: Message) -> Result<()> {
-        let slot = slot_of(message.key(), message.id(), self.slots);
-        let headers = serde_json::to_string(message.headers()).map_err(|e| Error::Broker(e.to_string()))?;
+        let headers = headers_of(&message)?;
         self.t
             .db
-            .exec(
-                q(&self.t.sql.publish)
-                    .bind(&self.queue)
-                    .bind(slot as i32)
-                    .bind(message.key().map(OrderingKey::as_str))
-                    .bind(message.id())
-                    .bind(message.correlation_id())
-                    .bind(headers)
-                    .bind(message.payload().as_ref())
-                    .bind(&self.t.sql.channel),
-            )
+            .exec(self.event(&self.t.sql.publish, &message, &headers))
             .await
             .map_err(db)?;
         Ok(())
+    }
+}
+
+fn headers_of(message: &Message) -> Result<String> {
+    serde_json::to_string(message.headers()).map_err(|e| Error::Broker(e.to_string()))
+}
+
+impl PgPublisher {
+    /// `sql` (a publish statement) with the event's parameters `$1`-`$8`
+    /// bound: queue, slot, key, id, correlation id, headers, payload and
+    /// the notification channel.
+    fn event<'q>(&'q self, sql: &Arc<str>, message: &'q Message, headers: &'q str) -> exec::PgQuery<'q> {
+        q(sql)
+            .bind(&self.queue)
+            .bind(slot_of(message.key(), message.id(), self.slots) as i32)
+            .bind(message.key().map(OrderingKey::as_str))
+            .bind(message.id())
+            .bind(message.correlation_id())
+            .bind(headers)
+            .bind(message.payload().as_ref())
+            .bind(&self.t.sql.channel)
     }
 }
 

@@ -18,15 +18,13 @@ use std::time::Duration;
 use futures::StreamExt;
 use keyorder_core::key::redact;
 use keyorder_core::{Error, HaltedKey, HeadAction, Result};
-use lapin::options::{
-    BasicConsumeOptions, BasicPublishOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
-};
+use lapin::options::{BasicPublishOptions, ExchangeDeclareOptions, QueueBindOptions};
 use lapin::types::{FieldTable, ShortString};
 use lapin::Confirmation;
 use lapin::{BasicProperties, Channel, ExchangeKind};
 use serde_json::{json, Value};
 
-use crate::topology::amqp;
+use crate::topology::{amqp, private_queue};
 use crate::{confirm_channel, RabbitTransport};
 
 /// The topic exchange operator requests go through (routing key: category).
@@ -46,23 +44,6 @@ pub(crate) struct Responder {
     categories: Mutex<HashSet<String>>,
     wake: tokio::sync::Notify,
     started: std::sync::atomic::AtomicBool,
-}
-
-fn action_name(a: HeadAction) -> &'static str {
-    match a {
-        HeadAction::Skip => "skip",
-        HeadAction::DeadLetter => "dlq",
-        HeadAction::Resume => "resume",
-    }
-}
-
-fn action_of(name: &str) -> Option<HeadAction> {
-    match name {
-        "skip" => Some(HeadAction::Skip),
-        "dlq" => Some(HeadAction::DeadLetter),
-        "resume" => Some(HeadAction::Resume),
-        _ => None,
-    }
 }
 
 fn halted_json(h: &HaltedKey) -> Value {
@@ -122,30 +103,7 @@ impl RabbitTransport {
         let conn = self.connection().await?;
         let ch = conn.create_channel().await.map_err(amqp)?;
         declare_exchange(&ch).await?;
-        let q = ch
-            .queue_declare(
-                "".into(),
-                QueueDeclareOptions {
-                    exclusive: true,
-                    auto_delete: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map_err(amqp)?;
-        let mut consumer = ch
-            .basic_consume(
-                q.name().clone(),
-                "".into(),
-                BasicConsumeOptions {
-                    no_ack: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map_err(amqp)?;
+        let (queue, mut consumer) = private_queue(&ch).await?;
         let mut bound: HashSet<String> = HashSet::new();
         loop {
             let wanted: Vec<String> = {
@@ -159,7 +117,7 @@ impl RabbitTransport {
             };
             for c in wanted {
                 ch.queue_bind(
-                    q.name().clone(),
+                    queue.as_str().into(),
                     CONTROL_EXCHANGE.into(),
                     c.as_str().into(),
                     QueueBindOptions::default(),
@@ -216,7 +174,7 @@ impl RabbitTransport {
                 json!({ "halted": list })
             }
             "act" => {
-                let Some(action) = action_of(&text("action")) else {
+                let Some(action) = HeadAction::from_name(&text("action")) else {
                     return json!({"error": "unknown action"});
                 };
                 match admin.local_resolve(&category, &text("key"), action).await {
@@ -242,33 +200,10 @@ impl RabbitTransport {
         let conn = self.connection().await?;
         let ch = confirm_channel(&conn).await?;
         declare_exchange(&ch).await?;
-        let q = ch
-            .queue_declare(
-                "".into(),
-                QueueDeclareOptions {
-                    exclusive: true,
-                    auto_delete: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map_err(amqp)?;
-        let mut replies = ch
-            .basic_consume(
-                q.name().clone(),
-                "".into(),
-                BasicConsumeOptions {
-                    no_ack: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map_err(amqp)?;
-        let correlation = uuid_like();
+        let (queue, mut replies) = private_queue(&ch).await?;
+        let correlation = uuid::Uuid::new_v4().to_string();
         let props = BasicProperties::default()
-            .with_reply_to(q.name().clone())
+            .with_reply_to(queue.as_str().into())
             .with_correlation_id(ShortString::from(correlation.clone()));
         let confirm = ch
             .basic_publish(
@@ -327,7 +262,7 @@ impl RabbitTransport {
 
     /// Has the process holding `key`'s halted head act on it.
     pub(crate) async fn remote_resolve(&self, category: &str, key: &str, action: HeadAction) -> Result<()> {
-        let request = json!({"op": "act", "category": category, "key": key, "action": action_name(action)});
+        let request = json!({"op": "act", "category": category, "key": key, "action": action.name()});
         let done = |a: &Value| a.get("done").and_then(Value::as_bool) == Some(true);
         let answers = self.ask(category, request, ACT, |got| got.iter().any(done)).await?;
         if answers.iter().any(done) {
@@ -355,12 +290,4 @@ async fn declare_exchange(ch: &Channel) -> Result<()> {
     )
     .await
     .map_err(amqp)
-}
-
-fn uuid_like() -> String {
-    use std::time::{SystemTime, UNIX_EPOCH};
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let t = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    format!("{t:x}-{}-{n}", std::process::id())
 }

@@ -42,7 +42,7 @@ use tokio::time::Instant;
 
 use crate::config::Topology;
 use crate::settle::{Held, RabbitSettle};
-use crate::topology::{amqp, Names};
+use crate::topology::{amqp, private_queue, Names};
 use crate::{confirm_channel, connect_uri, RabbitTransport, EPOCH_HEADER};
 
 type Arrival = (String, u64, Delivery);
@@ -208,20 +208,9 @@ impl Source {
             )
             .await
             .map_err(amqp)?;
-            let q = ch
-                .queue_declare(
-                    "".into(),
-                    QueueDeclareOptions {
-                        exclusive: true,
-                        auto_delete: true,
-                        ..Default::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(amqp)?;
+            let (queue, mut consumer) = private_queue(&ch).await?;
             ch.queue_bind(
-                q.name().clone(),
+                queue.as_str().into(),
                 self.names.presence().as_str().into(),
                 "".into(),
                 QueueBindOptions::default(),
@@ -229,18 +218,6 @@ impl Source {
             )
             .await
             .map_err(amqp)?;
-            let mut consumer = ch
-                .basic_consume(
-                    q.name().clone(),
-                    "".into(),
-                    BasicConsumeOptions {
-                        no_ack: true,
-                        ..Default::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(amqp)?;
             let seen = self.seen.clone();
             let joined = self.joined.clone();
             let task = tokio::spawn(async move {

@@ -10,9 +10,9 @@
 //! | `{c}.presence` | fanout exchange (transient) | instances announce themselves every heartbeat |
 
 use keyorder_core::{Error, Result};
-use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::options::{BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{Connection, ExchangeKind};
+use lapin::{Channel, Connection, Consumer, ExchangeKind};
 
 use crate::config::{QueueType, RabbitConfig, Topology};
 
@@ -220,4 +220,35 @@ pub(crate) async fn ensure(conn: &Connection, cfg: &RabbitConfig, n: &Names) -> 
         let _ = ch.close(200, "bound".into()).await;
     }
     Ok(())
+}
+
+/// A server-named, exclusive, auto-deleted queue on `ch` and a consumer of
+/// it without acknowledgements (presence announcements, operator requests
+/// and their answers); returns the queue's name and the consumer.
+pub(crate) async fn private_queue(ch: &Channel) -> Result<(String, Consumer)> {
+    let q = ch
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map_err(amqp)?;
+    let consumer = ch
+        .basic_consume(
+            q.name().clone(),
+            "".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map_err(amqp)?;
+    Ok((q.name().as_str().to_owned(), consumer))
 }

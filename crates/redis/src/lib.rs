@@ -309,7 +309,7 @@ impl fmt::Debug for RedisPublisher {
 #[async_trait]
 impl TransportPublisher for RedisPublisher {
     async fn publish(&self, message: Message) -> Result<()> {
-        self.append(message).await
+        self.append(message, None).await.map(|_| ())
     }
 
     fn fences_publishes(&self) -> bool {
@@ -320,39 +320,7 @@ impl TransportPublisher for RedisPublisher {
     /// [`TransportPublisher::publish`] would (the fence key is
     /// `{category}:__fence__:{scope}`).
     async fn publish_fenced(&self, message: Message, fence: &PublishFence) -> Result<()> {
-        let mut conn = self.t.conn.clone();
-        let n = &self.names;
-        let fence_key = n.fence(&fence.scope);
-        let token = fence.token.to_string();
-        let mut inv;
-        match (self.t.cfg.layout, message.key()) {
-            (Layout::Partitioned, Some(key)) => {
-                inv = scripts::PUBLISH_FENCED.prepare_invoke();
-                inv.key(n.stream(key.as_str()))
-                    .key(n.index())
-                    .key(&fence_key)
-                    .arg(key.as_str())
-                    .arg(n.wake())
-                    .arg(&token);
-                for f in fields(&message, false)? {
-                    inv.arg(f);
-                }
-            }
-            (layout, _) => {
-                let single = layout == Layout::Single;
-                inv = scripts::APPEND_FENCED.prepare_invoke();
-                inv.key(if single { n.single() } else { n.keyless() })
-                    .key(&fence_key)
-                    .arg(n.wake())
-                    .arg("")
-                    .arg(&token);
-                for f in fields(&message, single)? {
-                    inv.arg(f);
-                }
-            }
-        }
-        let stored: i64 = inv.invoke_async(&mut conn).await.map_err(broker)?;
-        if stored == 1 {
+        if self.append(message, Some(fence)).await? {
             Ok(())
         } else {
             Err(Error::Fenced {
@@ -364,38 +332,38 @@ impl TransportPublisher for RedisPublisher {
 }
 
 impl RedisPublisher {
-    async fn append(&self, message: Message) -> Result<()> {
+    /// Appends with one script: to the key's partition stream (recorded in
+    /// the index), or to the single or keyless stream; behind `fence` when
+    /// given. Returns whether it was stored (`false`: fenced).
+    async fn append(&self, message: Message, fence: Option<&PublishFence>) -> Result<bool> {
         let mut conn = self.t.conn.clone();
         let n = &self.names;
-        match (self.t.cfg.layout, message.key()) {
-            (Layout::Single, _) => {
-                let mut inv = scripts::APPEND.prepare_invoke();
-                inv.key(n.single()).arg(n.wake()).arg("");
-                for f in fields(&message, true)? {
-                    inv.arg(f);
-                }
-                inv.invoke_async::<Value>(&mut conn).await.map_err(broker)?;
-            }
-            (Layout::Partitioned, Some(key)) => {
-                let mut inv = scripts::PUBLISH.prepare_invoke();
-                inv.key(n.stream(key.as_str()))
-                    .key(n.index())
-                    .arg(key.as_str())
-                    .arg(n.wake());
-                for f in fields(&message, false)? {
-                    inv.arg(f);
-                }
-                inv.invoke_async::<Value>(&mut conn).await.map_err(broker)?;
-            }
-            (Layout::Partitioned, None) => {
-                let mut inv = scripts::APPEND.prepare_invoke();
-                inv.key(n.keyless()).arg(n.wake()).arg("");
-                for f in fields(&message, false)? {
-                    inv.arg(f);
-                }
-                inv.invoke_async::<Value>(&mut conn).await.map_err(broker)?;
-            }
+        let single = self.t.cfg.layout == Layout::Single;
+        let keyed = message.key().filter(|_| !single);
+        let mut inv = match (keyed.is_some(), fence.is_some()) {
+            (true, false) => scripts::PUBLISH.prepare_invoke(),
+            (true, true) => scripts::PUBLISH_FENCED.prepare_invoke(),
+            (false, false) => scripts::APPEND.prepare_invoke(),
+            (false, true) => scripts::APPEND_FENCED.prepare_invoke(),
+        };
+        match keyed {
+            Some(key) => inv.key(n.stream(key.as_str())).key(n.index()),
+            None => inv.key(if single { n.single() } else { n.keyless() }),
+        };
+        if let Some(f) = fence {
+            inv.key(n.fence(&f.scope));
         }
-        Ok(())
+        match keyed {
+            Some(key) => inv.arg(key.as_str()).arg(n.wake()),
+            None => inv.arg(n.wake()).arg(""),
+        };
+        if let Some(f) = fence {
+            inv.arg(f.token);
+        }
+        for f in fields(&message, single)? {
+            inv.arg(f);
+        }
+        let reply: Value = inv.invoke_async(&mut conn).await.map_err(broker)?;
+        Ok(fence.is_none() || reply == Value::Int(1))
     }
 }

@@ -41,7 +41,7 @@ use tokio::task::JoinHandle;
 use crate::checker::{check, Expectation, Published};
 use crate::eventlog::{EventLog, EventStart, MemoryEventLog};
 use crate::instance::{wait_until, Instance, Payload};
-use crate::worker::{Connector, WorkerProcess, HOLDING_LINE, RELEASED_LINE};
+use crate::worker::{run_from_env, Connector, WorkerProcess, HOLDING_LINE, RELEASED_LINE};
 use crate::Harness;
 
 type Outcome = std::result::Result<(), String>;
@@ -329,31 +329,9 @@ pub struct RelayWorkerConfig {
 /// If this process was spawned as an outbox relay, runs it and exits.
 /// [`crate::worker::run_if_worker`] calls it first.
 pub fn run_if_relay(connect: Connector) {
-    let Ok(raw) = std::env::var(RELAY_ENV) else { return };
-    let code = match serde_json::from_str::<RelayWorkerConfig>(&raw) {
-        Ok(cfg) => {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .expect("a tokio runtime");
-            match rt.block_on(relay_main(cfg, connect)) {
-                Ok(stats) => {
-                    println!("KEYORDER_WORKER_STATS {}", relay_stats_json(&stats));
-                    0
-                }
-                Err(e) => {
-                    eprintln!("relay failed: {e}");
-                    1
-                }
-            }
-        }
-        Err(e) => {
-            eprintln!("bad {RELAY_ENV}: {e}");
-            2
-        }
-    };
-    std::process::exit(code);
+    run_from_env(RELAY_ENV, "relay", |cfg: RelayWorkerConfig| async move {
+        relay_main(cfg, connect).await.map(|s| relay_stats_json(&s))
+    });
 }
 
 async fn relay_main(cfg: RelayWorkerConfig, connect: Connector) -> Result<RelayStatsSnapshot> {
@@ -907,15 +885,23 @@ async fn c2(t: &mut Trial<'_>) -> Outcome {
     t.judge(published, spread).await
 }
 
-/// C6: relay r1 is held right after the broker confirmed one of its
-/// records (published, not yet marked) and is killed there (`kill -9`).
-/// r2 takes r1's slots once the lease ends and publishes the rest, the
-/// held record again; the consumers drop that repeat. Nothing lost, order
-/// kept, nothing applied twice.
-async fn c6(t: &mut Trial<'_>) -> Outcome {
+/// C6 and C7's start: relays r1 (holding its first publish of a record
+/// with sequence 4 or more, before or after the broker confirmed it) and r2
+/// split the slots; two consumers; 6 keys of r1's slots and 6 of r2's, 8
+/// records each; returns once r1 holds.
+struct Held {
+    r1: RelayUnderTest,
+    r2: RelayUnderTest,
+    consumers: Vec<Instance>,
+    published: Vec<Published>,
+    /// The id of the record r1 holds.
+    held: String,
+}
+
+async fn held_by_r1(t: &mut Trial<'_>, after_publish: bool) -> std::result::Result<Held, String> {
     let hold = HoldRule {
         from_seq: 4,
-        after_publish: true,
+        after_publish,
     };
     let r1 = t.relay("r1", Some(hold)).await?;
     let r2 = t.relay("r2", None).await?;
@@ -923,11 +909,30 @@ async fn c6(t: &mut Trial<'_>) -> Outcome {
     let ks = t.keys_split(&split["r1"], 6);
     let consumers = t.consumers(2).await?;
     let published = t.stage(&ks, 8, 0).await?;
-    wait_until("r1 to hold a confirmed record", t.h.deadline(), || async {
-        r1.held().is_some()
-    })
-    .await?;
+    wait_until("r1 to hold a publish", t.h.deadline(), || async { r1.held().is_some() }).await?;
     let held = r1.held().unwrap_or_default();
+    Ok(Held {
+        r1,
+        r2,
+        consumers,
+        published,
+        held,
+    })
+}
+
+/// C6: relay r1 is held right after the broker confirmed one of its
+/// records (published, not yet marked) and is killed there (`kill -9`).
+/// r2 takes r1's slots once the lease ends and publishes the rest, the
+/// held record again; the consumers drop that repeat. Nothing lost, order
+/// kept, nothing applied twice.
+async fn c6(t: &mut Trial<'_>) -> Outcome {
+    let Held {
+        r1,
+        r2,
+        consumers,
+        published,
+        held,
+    } = held_by_r1(t, true).await?;
     r1.crash().await?;
     t.wait_applied(&published).await?;
     t.wait_dropped(1, "the consumers to drop the republished copy of the held record")
@@ -953,18 +958,13 @@ async fn c6(t: &mut Trial<'_>) -> Outcome {
 /// late confirmation. No stale record is applied; nothing lost or applied
 /// twice.
 async fn c7(t: &mut Trial<'_>) -> Outcome {
-    let hold = HoldRule {
-        from_seq: 4,
-        after_publish: false,
-    };
-    let r1 = t.relay("r1", Some(hold)).await?;
-    let r2 = t.relay("r2", None).await?;
-    let split = t.wait_split(&["r1", "r2"]).await?;
-    let ks = t.keys_split(&split["r1"], 6);
-    let consumers = t.consumers(2).await?;
-    let published = t.stage(&ks, 8, 0).await?;
-    wait_until("r1 to hold a publish", t.h.deadline(), || async { r1.held().is_some() }).await?;
-    let held = r1.held().unwrap_or_default();
+    let Held {
+        r1,
+        r2,
+        consumers,
+        published,
+        held,
+    } = held_by_r1(t, false).await?;
     r1.stall()?;
     let key = published
         .iter()

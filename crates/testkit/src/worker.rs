@@ -68,41 +68,55 @@ pub type Connector = fn(String) -> Pin<Box<dyn Future<Output = Result<Client>> +
 /// returns at once. Call it first in the runner's `main`.
 pub fn run_if_worker(connect: Connector) {
     crate::outbox::run_if_relay(connect);
-    let Ok(raw) = std::env::var(WORKER_ENV) else { return };
-    let code = match serde_json::from_str::<WorkerConfig>(&raw) {
+    run_from_env(WORKER_ENV, "worker", |cfg: WorkerConfig| async move {
+        worker_main(cfg, connect).await.map(|s| stats_json(&s))
+    });
+}
+
+/// If the environment variable `env` holds a configuration, runs `main`
+/// with it on a 2-thread runtime, prints its final counters as
+/// `KEYORDER_WORKER_STATS <json>` and exits (1 when `main` failed, 2 on a
+/// bad configuration); otherwise returns at once.
+pub(crate) fn run_from_env<C, F, Fut>(env: &str, what: &str, main: F)
+where
+    C: serde::de::DeserializeOwned,
+    F: FnOnce(C) -> Fut,
+    Fut: Future<Output = Result<serde_json::Value>>,
+{
+    let Ok(raw) = std::env::var(env) else { return };
+    let code = match serde_json::from_str::<C>(&raw) {
         Ok(cfg) => {
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()
                 .build()
                 .expect("a tokio runtime");
-            match rt.block_on(worker_main(cfg, connect)) {
+            match rt.block_on(main(cfg)) {
                 Ok(stats) => {
-                    println!("KEYORDER_WORKER_STATS {}", stats_json(&stats));
+                    println!("KEYORDER_WORKER_STATS {stats}");
                     0
                 }
                 Err(e) => {
-                    eprintln!("worker failed: {e}");
+                    eprintln!("{what} failed: {e}");
                     1
                 }
             }
         }
         Err(e) => {
-            eprintln!("bad {WORKER_ENV}: {e}");
+            eprintln!("bad {env}: {e}");
             2
         }
     };
     std::process::exit(code);
 }
 
-fn stats_json(s: &StatsSnapshot) -> String {
+fn stats_json(s: &StatsSnapshot) -> serde_json::Value {
     serde_json::json!({
         "applied": s.applied,
         "fence_rejections": s.fence_rejections,
         "self_fence_pauses": s.self_fence_pauses,
         "self_fence_discards": s.self_fence_discards,
     })
-    .to_string()
 }
 
 async fn worker_main(cfg: WorkerConfig, connect: Connector) -> Result<StatsSnapshot> {
