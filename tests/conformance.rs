@@ -297,7 +297,12 @@ struct RabbitHarness {
 #[cfg(feature = "rabbitmq")]
 impl RabbitHarness {
     fn url(&self, topology: &str) -> String {
-        format!("{}?{topology}&queue_type=classic&expires_ms=600000", self.base)
+        // `consumer_timeout_ms`: what `scripts/services` configures on both
+        // nodes (RabbitMQ 3.10 lets a client neither set nor read it).
+        format!(
+            "{}?{topology}&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000",
+            self.base
+        )
     }
 }
 
@@ -358,7 +363,7 @@ impl Harness for RabbitRestartHarness {
     }
     async fn client(&self) -> Result<Client> {
         keyorder::connect(&format!(
-            "{}?topology=hash&queues=8&queue_type=quorum&expires_ms=600000",
+            "{}?topology=hash&queues=8&queue_type=quorum&expires_ms=600000&consumer_timeout_ms=3600000",
             self.base
         ))
         .await

@@ -71,7 +71,7 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
     let url = if ordered {
         a.url.clone()
     } else {
-        run::baseline_url(&a.url)
+        run::baseline_url(&a.url, a.instances)
     };
     let clients = run::clients(&url, a.instances).await?;
     let category = format!("keyorder-bench-{label}-{}", &uuid_like()[..8]);

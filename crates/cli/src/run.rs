@@ -32,19 +32,34 @@ pub(crate) fn with_setup(url: &str) -> String {
 /// queue with competing consumers (`topology=plain`), PostgreSQL one table
 /// with `FOR UPDATE SKIP LOCKED` competing consumers (`layout=plain`); every
 /// other transport's unordered subscription is already its plain path.
-pub(crate) fn baseline_url(url: &str) -> String {
+///
+/// On RabbitMQ the baseline's `instances` consumers share the ordered side's
+/// total prefetch (its active queues' prefetch, summed), so both sides hold
+/// as many unacknowledged messages.
+pub(crate) fn baseline_url(url: &str, instances: usize) -> String {
     if url.starts_with("amqp://") || url.starts_with("amqps://") {
-        let mut u = match url::Url::parse(url) {
+        let mut u = match url::Url::parse(&with_setup(url)) {
             Ok(u) => u,
             Err(_) => return url.to_owned(),
         };
+        let opt = |name: &str| u.query_pairs().find(|(k, _)| k == name).map(|(_, v)| v.into_owned());
+        let prefetch: usize = opt("prefetch").and_then(|v| v.parse().ok()).unwrap_or(32);
+        let queues: usize = match opt("topology").as_deref() {
+            Some("sac") => 1,
+            Some("plain") => instances,
+            _ => opt("queues").and_then(|v| v.parse().ok()).unwrap_or(8),
+        };
+        let share = (prefetch * queues / instances.max(1)).clamp(1, usize::from(u16::MAX));
         let keep: Vec<(String, String)> = u
             .query_pairs()
-            .filter(|(k, _)| k != "topology" && k != "queues")
+            .filter(|(k, _)| k != "topology" && k != "queues" && k != "prefetch")
             .map(|(k, v)| (k.into_owned(), v.into_owned()))
             .collect();
         u.set_query(None);
-        u.query_pairs_mut().extend_pairs(keep).append_pair("topology", "plain");
+        u.query_pairs_mut()
+            .extend_pairs(keep)
+            .append_pair("topology", "plain")
+            .append_pair("prefetch", &share.to_string());
         return u.to_string();
     }
     let pg = url.starts_with("postgres://") || url.starts_with("postgresql://");
@@ -327,22 +342,41 @@ mod tests {
     #[test]
     fn the_baseline_of_postgres_is_the_plain_layout() {
         assert_eq!(
-            baseline_url("postgres://postgres@127.0.0.1:5432/test"),
+            baseline_url("postgres://postgres@127.0.0.1:5432/test", 2),
             "postgres://postgres@127.0.0.1:5432/test?layout=plain"
         );
         assert_eq!(
-            baseline_url("postgresql://h/db?migrate=true"),
+            baseline_url("postgresql://h/db?migrate=true", 2),
             "postgresql://h/db?migrate=true&layout=plain"
         );
         // An explicit layout is the caller's choice.
         assert_eq!(
-            baseline_url("postgres://h/db?layout=slots"),
+            baseline_url("postgres://h/db?layout=slots", 2),
             "postgres://h/db?layout=slots"
         );
         assert_eq!(
-            baseline_url("redis://127.0.0.1:6379"),
+            baseline_url("redis://127.0.0.1:6379", 2),
             "redis://127.0.0.1:6379/?layout=single"
         );
-        assert_eq!(baseline_url("memory://"), "memory://");
+        assert_eq!(baseline_url("memory://", 2), "memory://");
+    }
+
+    #[test]
+    fn the_rabbitmq_baseline_shares_the_ordered_total_prefetch() {
+        // 8 hash queues x 32 over 2 instances: 128 each.
+        assert_eq!(
+            baseline_url("amqp://h/%2f?topology=hash&queues=8&consumer_timeout_ms=off", 2),
+            "amqp://h/%2f?consumer_timeout_ms=off&topology=plain&prefetch=128"
+        );
+        // The default topology of bench is hash with 8 queues.
+        assert_eq!(
+            baseline_url("amqp://h/%2f", 4),
+            "amqp://h/%2f?topology=plain&prefetch=64"
+        );
+        // One single-active-consumer queue at prefetch 20 over 2 instances.
+        assert_eq!(
+            baseline_url("amqp://h/%2f?topology=sac&prefetch=20", 2),
+            "amqp://h/%2f?topology=plain&prefetch=10"
+        );
     }
 }

@@ -45,6 +45,38 @@ impl QueueType {
 /// at 32).
 pub const QUORUM_MAX_PREFETCH: u16 = 32;
 
+/// How long a delivery may stay unacknowledged before RabbitMQ closes its
+/// channel and redelivers it (`consumer_timeout`): a halted head stays
+/// unacknowledged for as long as the halt lasts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConsumerTimeout {
+    /// No timeout.
+    Off,
+    /// A timeout in milliseconds.
+    Ms(u32),
+}
+
+impl ConsumerTimeout {
+    /// The per-consumer `x-consumer-timeout` value (RabbitMQ 3.11.15 and
+    /// later): `Off` asks for the largest one the broker takes (2^31 - 1 ms,
+    /// about 24.8 days).
+    pub fn consumer_arg_ms(self) -> i64 {
+        match self {
+            ConsumerTimeout::Off => i64::from(i32::MAX),
+            ConsumerTimeout::Ms(ms) => i64::from(ms.min(i32::MAX as u32)),
+        }
+    }
+}
+
+impl std::fmt::Display for ConsumerTimeout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ConsumerTimeout::Off => f.write_str("off"),
+            ConsumerTimeout::Ms(ms) => write!(f, "{ms} ms"),
+        }
+    }
+}
+
 /// Configuration of the RabbitMQ transport.
 ///
 /// URL options (query string):
@@ -55,8 +87,19 @@ pub const QUORUM_MAX_PREFETCH: u16 = 32;
 /// | `queues` | `8` | queues of the `hash` topology (1..=1024) |
 /// | `queue_type` | `quorum` | `quorum` or `classic` |
 /// | `declare` | `true` | create the topology; `false` only verifies it (manual topology) |
-/// | `prefetch` | `32` | unacknowledged deliveries per queue and consumer (at most 32 on quorum queues) |
+/// | `prefetch` | `32` | unacknowledged deliveries per queue and consumer (at most 32 on quorum queues with `hash` or `sac`) |
 /// | `expires_ms` | none | delete a queue unused (no consumer) this long (`x-expires`; for tests and short-lived categories) |
+/// | `consumer_timeout_ms` | see below | how long a halted head may stay unacknowledged: a whole number of ms, or `off` |
+///
+/// `consumer_timeout_ms`: RabbitMQ closes the channel of a delivery left
+/// unacknowledged past its `consumer_timeout` (30 min by default) and
+/// redelivers it, and a halted head stays unacknowledged while it is
+/// halted. From RabbitMQ 3.11.15 on, every ordered consumer sets its own
+/// timeout (`x-consumer-timeout`) to this value, `off` by default (the
+/// largest the broker takes, about 24.8 days). Older brokers let a client
+/// neither set nor read it: there an ordered subscription refuses to start
+/// until this option states what the broker's `rabbitmq.conf` says (see the
+/// README's RabbitMQ section).
 ///
 /// ```
 /// use keyorder_rabbitmq::{RabbitConfig, Topology};
@@ -83,6 +126,11 @@ pub struct RabbitConfig {
     pub prefetch: u16,
     /// `x-expires` of every queue, if set.
     pub expires_ms: Option<u32>,
+    /// The `consumer_timeout` stated in the URL, if any.
+    pub consumer_timeout: Option<ConsumerTimeout>,
+    /// `host:port` to read the broker's version from (plain `amqp://` only;
+    /// `None` for TLS).
+    pub(crate) probe: Option<(String, u16)>,
 }
 
 impl RabbitConfig {
@@ -103,6 +151,13 @@ impl RabbitConfig {
             declare: true,
             prefetch: QUORUM_MAX_PREFETCH,
             expires_ms: None,
+            consumer_timeout: None,
+            probe: (url.scheme() == "amqp").then(|| {
+                (
+                    url.host_str().unwrap_or("127.0.0.1").to_owned(),
+                    url.port().unwrap_or(5672),
+                )
+            }),
         };
         let mut rest = Vec::new();
         for (k, v) in url.query_pairs() {
@@ -139,12 +194,25 @@ impl RabbitConfig {
                             .ok_or_else(|| bad("a whole number of ms >= 1000"))?,
                     )
                 }
+                "consumer_timeout_ms" => {
+                    cfg.consumer_timeout = Some(if v == "off" {
+                        ConsumerTimeout::Off
+                    } else {
+                        ConsumerTimeout::Ms(
+                            v.parse()
+                                .ok()
+                                .filter(|n| (1000..=i32::MAX as u32).contains(n))
+                                .ok_or_else(|| bad("`off` or a whole number of ms in 1000..=2147483647"))?,
+                        )
+                    })
+                }
                 "heartbeat" | "frame_max" | "channel_max" | "connection_timeout" => {
                     rest.push((k.into_owned(), v.into_owned()))
                 }
                 other => {
                     return Err(Error::Url(format!(
-                        "amqp: unknown option `{other}` (known: topology, queues, queue_type, declare, prefetch, expires_ms)"
+                        "amqp: unknown option `{other}` (known: topology, queues, queue_type, declare, prefetch, expires_ms, \
+                         consumer_timeout_ms)"
                     )))
                 }
             }
@@ -159,7 +227,9 @@ impl RabbitConfig {
                 )))
             }
         };
-        if cfg.queue_type == QueueType::Quorum && cfg.prefetch > QUORUM_MAX_PREFETCH {
+        // Plain competing consumers keep no order to lose.
+        if cfg.queue_type == QueueType::Quorum && cfg.topology != Topology::Plain && cfg.prefetch > QUORUM_MAX_PREFETCH
+        {
             return Err(Error::Url(format!(
                 "amqp: prefetch={} on quorum queues: at most {QUORUM_MAX_PREFETCH}. When a consumer's channel \
                  closes (a hand-over, a crash), RabbitMQ 3.10 quorum queues were seen returning more than 32 \

@@ -4,6 +4,7 @@
 mod admin;
 mod config;
 pub mod control;
+mod probe;
 mod settle;
 mod source;
 mod topology;
@@ -22,7 +23,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::Confirmation;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
-pub use crate::config::{QueueType, RabbitConfig, Topology, QUORUM_MAX_PREFETCH};
+pub use crate::config::{ConsumerTimeout, QueueType, RabbitConfig, Topology, QUORUM_MAX_PREFETCH};
 pub use crate::topology::Names;
 pub use lapin;
 
@@ -89,6 +90,8 @@ pub struct RabbitTransport {
     conn: Arc<tokio::sync::Mutex<Arc<Connection>>>,
     pub(crate) shared: Arc<Shared>,
     declared: Arc<Mutex<HashSet<String>>>,
+    /// What ordered consumers do about `consumer_timeout`, decided once.
+    timeout_arg: Arc<tokio::sync::OnceCell<Option<i64>>>,
 }
 
 impl fmt::Debug for RabbitTransport {
@@ -118,6 +121,7 @@ impl RabbitTransport {
             conn: Arc::new(tokio::sync::Mutex::new(Arc::new(conn))),
             shared: Arc::default(),
             declared: Arc::default(),
+            timeout_arg: Arc::default(),
         })
     }
 
@@ -159,6 +163,58 @@ impl RabbitTransport {
             .unwrap_or_else(|e| e.into_inner())
             .insert(names.category().to_owned());
         Ok(())
+    }
+
+    /// The broker's version from its `connection.start` (plain `amqp://`
+    /// only; `None` over TLS or when it does not answer in 5 s).
+    pub async fn broker_version(&self) -> Option<String> {
+        let (host, port) = self.cfg.probe.as_ref()?;
+        probe::server_version(host, *port).await
+    }
+
+    /// What an ordered consumer does about RabbitMQ's `consumer_timeout`,
+    /// which would redeliver a halted head (it stays unacknowledged):
+    /// `Some(ms)` to set on each consumer (`x-consumer-timeout`, RabbitMQ
+    /// 3.11.15 and later), `None` when the broker cannot take it but the URL
+    /// states its setting; otherwise an error that names the fix.
+    pub(crate) async fn consumer_timeout_arg(&self) -> Result<Option<i64>> {
+        self.timeout_arg
+            .get_or_try_init(|| async {
+                let version = self.broker_version().await;
+                if let Some(v) = version.as_deref().filter(|v| probe::per_consumer_timeout(v)) {
+                    let t = self.cfg.consumer_timeout.unwrap_or(ConsumerTimeout::Off);
+                    tracing::debug!(broker = %self.cfg.display, version = v, timeout = %t,
+                        "rabbitmq: ordered consumers set x-consumer-timeout");
+                    return Ok(Some(t.consumer_arg_ms()));
+                }
+                let runs = match &version {
+                    Some(v) => format!("runs RabbitMQ {v}, which"),
+                    None => {
+                        "did not tell its version (TLS, or no answer to a plain handshake); before 3.11.15 RabbitMQ"
+                            .to_owned()
+                    }
+                };
+                match self.cfg.consumer_timeout {
+                    Some(t) => {
+                        tracing::info!(broker = %self.cfg.display, timeout = %t,
+                            "rabbitmq: the broker's consumer_timeout as stated in the URL: a head halted longer \
+                             is redelivered (and halts again on its next consumer)");
+                        Ok(None)
+                    }
+                    None => Err(Error::Config(format!(
+                        "rabbitmq: {} {runs} closes the channel of a delivery left unacknowledged past its \
+                         `consumer_timeout` (30 min by default) and redelivers it, and lets no client set or read \
+                         that timeout: a halted head (kept unacknowledged) would be redelivered. Set \
+                         `consumer_timeout = <ms>` in rabbitmq.conf above the longest halt you tolerate (or disable \
+                         it: `{{rabbit, [{{consumer_timeout, undefined}}]}}` in advanced.config) and state it in the \
+                         URL with `consumer_timeout_ms=<ms>` (or `consumer_timeout_ms=off`), or upgrade to RabbitMQ \
+                         3.11.15 or later, where each ordered consumer sets its own",
+                        self.cfg.display
+                    ))),
+                }
+            })
+            .await
+            .copied()
     }
 
     pub(crate) fn epoch(&self) -> u32 {
@@ -206,9 +262,16 @@ impl Transport for RabbitTransport {
                 self.affinity_fix()
             )));
         }
+        let timeout_arg = if spec.ordered {
+            self.consumer_timeout_arg().await?
+        } else {
+            None
+        };
         let names = Names::new(&spec.category)?;
         self.ensure(&names).await?;
-        Ok(Box::new(source::Source::open(self.clone(), spec.clone(), names).await?))
+        Ok(Box::new(
+            source::Source::open(timeout_arg, self.clone(), spec.clone(), names).await?,
+        ))
     }
 
     fn admin(&self) -> Arc<dyn Admin> {

@@ -62,6 +62,8 @@ struct Link {
 }
 
 pub(crate) struct Source {
+    /// `x-consumer-timeout` for each consumer, where the broker takes it.
+    timeout_arg: Option<i64>,
     t: RabbitTransport,
     spec: SourceSpec,
     names: Names,
@@ -134,9 +136,15 @@ fn header_int(props: &BasicProperties, name: &str) -> Option<i64> {
 }
 
 impl Source {
-    pub(crate) async fn open(t: RabbitTransport, spec: SourceSpec, names: Names) -> Result<Self> {
+    pub(crate) async fn open(
+        timeout_arg: Option<i64>,
+        t: RabbitTransport,
+        spec: SourceSpec,
+        names: Names,
+    ) -> Result<Self> {
         let (tx, rx) = mpsc::unbounded_channel();
         let mut source = Source {
+            timeout_arg,
             queues: names.queues(t.cfg.topology),
             t,
             spec,
@@ -262,13 +270,13 @@ impl Source {
         self.generation = now_ms().max(self.generation + 1);
         let generation = self.generation;
         let tag = format!("{}-{generation}", self.spec.instance);
+        let mut args = FieldTable::default();
+        if let Some(ms) = self.timeout_arg {
+            // A halted head stays unacknowledged: no redelivery while halted.
+            args.insert("x-consumer-timeout".into(), AMQPValue::LongLongInt(ms));
+        }
         let mut consumer = ch
-            .basic_consume(
-                queue.into(),
-                tag.as_str().into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
+            .basic_consume(queue.into(), tag.as_str().into(), BasicConsumeOptions::default(), args)
             .await
             .map_err(amqp)?;
         let scope: Arc<str> = Arc::from(format!("{}/{queue}", self.names.category()));

@@ -16,7 +16,8 @@ use keyorder_rabbitmq::RabbitTransport;
 
 fn url() -> String {
     let base = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
-    format!("{base}?topology=hash&queues=2&queue_type=classic&expires_ms=600000")
+    // consumer_timeout_ms: what scripts/services configures.
+    format!("{base}?topology=hash&queues=2&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000")
 }
 
 async fn client() -> Client {
