@@ -191,6 +191,27 @@ pub fn check(events: &[Event], expect: &Expectation) -> Verdict {
             }
             last = Some(last.map_or(e.seq, |p| p.max(e.seq)));
         }
+        // Per instance, its runs' starts in order with the lowest generation
+        // of the runs from each on: "does this instance start a run after t
+        // under a generation <= g" is then a binary search.
+        let mut later: HashMap<&str, (Vec<u64>, Vec<u64>)> = HashMap::new();
+        for c in runs.iter() {
+            let (starts, gens) = later.entry(c.instance.as_str()).or_default();
+            starts.push(c.start);
+            gens.push(c.generation);
+        }
+        for (_, gens) in later.values_mut() {
+            for i in (0..gens.len().saturating_sub(1)).rev() {
+                gens[i] = gens[i].min(gens[i + 1]);
+            }
+        }
+        let starts_later_at_most = |instance: &str, t: u64, g: u64| {
+            later.get(instance).is_some_and(|(starts, min_gen)| {
+                let i = starts.partition_point(|s| *s <= t);
+                i < starts.len() && min_gen[i] <= g
+            })
+        };
+        let mut straggler_seen: HashSet<(u64, String, u64)> = HashSet::new();
         // Overlap: any two runs of one key whose intervals intersect.
         for (i, a) in runs.iter().enumerate() {
             let a_end = a.end.unwrap_or(u64::MAX);
@@ -207,12 +228,9 @@ pub fn check(events: &[Event], expect: &Expectation) -> Verdict {
                 // the key back later, under a newer one).
                 let straggler = a.generation < b.generation
                     && a.instance != b.instance
-                    && !runs
-                        .iter()
-                        .any(|c| c.instance == a.instance && c.start > b.start && c.generation <= b.generation);
+                    && !starts_later_at_most(&a.instance, b.start, b.generation);
                 if straggler {
-                    let seen = v.stragglers.iter().any(|s| s.key == pair.key && s.first == pair.first);
-                    if !seen {
+                    if straggler_seen.insert(pair.first.clone()) {
                         v.stragglers.push(pair);
                     }
                 } else {
