@@ -73,6 +73,15 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
     } else {
         run::baseline_url(&a.url, a.instances)
     };
+    // Each run makes categories of its own: on RabbitMQ their queues go
+    // once unused for a minute instead of piling up on the broker.
+    let amqp = url.starts_with("amqp://") || url.starts_with("amqps://");
+    let url = if amqp && !url.contains("expires_ms=") {
+        let sep = if url.contains('?') { '&' } else { '?' };
+        format!("{url}{sep}expires_ms=60000")
+    } else {
+        url
+    };
     let clients = run::clients(&url, a.instances).await?;
     let category = format!("keyorder-bench-{label}-{}", &uuid_like()[..8]);
     let keys: Vec<String> = (0..a.keys).map(|i| format!("key-{i}")).collect();
@@ -139,6 +148,23 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
             ..Default::default()
         },
     );
+    if ordered && !verdict.order.is_empty() {
+        // The bench's own keys (`key-N`), not user data.
+        for v in verdict.order.iter().take(5) {
+            eprintln!(
+                "{label}: ORDER VIOLATION key {} applied seq {} after seq {}",
+                v.key, v.after, v.before
+            );
+        }
+        if std::env::var_os("KEYORDER_BENCH_DUMP").is_some() {
+            for e in events.iter() {
+                eprintln!(
+                    "DUMP {} {} {} {} {} {:?} {}",
+                    e.key, e.seq, e.instance, e.generation, e.start, e.end, e.ok
+                );
+            }
+        }
+    }
     Ok(Side {
         msgs_per_s: target as f64 / secs.max(1e-9),
         p50_ms: rec.latency_ms(0.5),
