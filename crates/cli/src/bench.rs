@@ -128,8 +128,18 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
     for i in instances {
         let s = i.stats.snapshot();
         eprintln!(
-            "{label}: applied={} widened={} self_fence_pauses={} fence_rejections={} scopes_released={}",
-            s.applied, s.widened, s.self_fence_pauses, s.fence_rejections, s.scopes_released
+            "{label}: applied={} retries={} parked={} halts={} widened={} self_fence_pauses={} \
+             self_fence_discards={} fence_rejections={} scopes_released={} handed_back={}",
+            s.applied,
+            s.retries,
+            s.parked,
+            s.halts,
+            s.widened,
+            s.self_fence_pauses,
+            s.self_fence_discards,
+            s.fence_rejections,
+            s.scopes_released,
+            s.handed_back
         );
         i.stop().await?;
     }
