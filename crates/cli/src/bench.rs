@@ -75,10 +75,8 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
     };
     // Each run makes categories of its own: on RabbitMQ their queues go
     // once unused for a minute instead of piling up on the broker.
-    let amqp = url.starts_with("amqp://") || url.starts_with("amqps://");
-    let url = if amqp && !url.contains("expires_ms=") {
-        let sep = if url.contains('?') { '&' } else { '?' };
-        format!("{url}{sep}expires_ms=60000")
+    let url = if run::is_amqp(&url) {
+        run::with_default(&url, "expires_ms", "60000")
     } else {
         url
     };

@@ -11,17 +11,33 @@ use keyorder_testkit::{EventLog, EventStart, MemoryEventLog, Published};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+/// Whether `url` names RabbitMQ (`amqp://` or `amqps://`).
+pub(crate) fn is_amqp(url: &str) -> bool {
+    url.starts_with("amqp://") || url.starts_with("amqps://")
+}
+
+fn is_pg(url: &str) -> bool {
+    url.starts_with("postgres://") || url.starts_with("postgresql://")
+}
+
+/// `url` with the query option `name=value` added, unless it already sets
+/// `name`.
+pub(crate) fn with_default(url: &str, name: &str, value: &str) -> String {
+    if url.contains(&format!("{name}=")) {
+        return url.to_owned();
+    }
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}{name}={value}")
+}
+
 /// The URL with the set-up `demo` and `bench` do themselves: PostgreSQL
 /// migrations (`migrate=true`) unless the URL says otherwise.
 pub(crate) fn with_setup(url: &str) -> String {
-    let pg = url.starts_with("postgres://") || url.starts_with("postgresql://");
-    let amqp = url.starts_with("amqp://") || url.starts_with("amqps://");
-    let sep = if url.contains('?') { '&' } else { '?' };
-    if pg && !url.contains("migrate=") {
-        format!("{url}{sep}migrate=true")
-    } else if amqp && !url.contains("topology=") {
+    if is_pg(url) {
+        with_default(url, "migrate", "true")
+    } else if is_amqp(url) {
         // The consistent-hash topology is what demo and bench run by default.
-        format!("{url}{sep}topology=hash&queues=8")
+        with_default(url, "topology", "hash&queues=8")
     } else {
         url.to_owned()
     }
@@ -37,7 +53,7 @@ pub(crate) fn with_setup(url: &str) -> String {
 /// total prefetch (its active queues' prefetch, summed), so both sides hold
 /// as many unacknowledged messages.
 pub(crate) fn baseline_url(url: &str, instances: usize) -> String {
-    if url.starts_with("amqp://") || url.starts_with("amqps://") {
+    if is_amqp(url) {
         let mut u = match url::Url::parse(&with_setup(url)) {
             Ok(u) => u,
             Err(_) => return url.to_owned(),
@@ -62,10 +78,8 @@ pub(crate) fn baseline_url(url: &str, instances: usize) -> String {
             .append_pair("prefetch", &share.to_string());
         return u.to_string();
     }
-    let pg = url.starts_with("postgres://") || url.starts_with("postgresql://");
-    if pg && !url.contains("layout=") {
-        let sep = if url.contains('?') { '&' } else { '?' };
-        return format!("{url}{sep}layout=plain");
+    if is_pg(url) {
+        return with_default(url, "layout", "plain");
     }
     let redis = url.starts_with("redis://") || url.starts_with("rediss://");
     if redis && !url.contains("layout=") {
