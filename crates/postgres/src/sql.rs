@@ -161,6 +161,10 @@ impl Sql {
             // attempts recorded for it; the statement also moves the slot's
             // read mark to the last row read, durably before any of them is
             // delivered (monotonic, so a stale owner's late mark is harmless).
+            // The final order names `got`'s columns: a bare `txid` would be
+            // the output column `txid::text`, and text order puts
+            // transaction id 100000 before 99999 (a key's events came out
+            // of order whenever one read spanned a change in digit count).
             read: f(
                 "with r as (select * from unnest($3::int[], $4::bigint[], $5::text[], $6::bigint[], $8::int[]) \
                   as r(slot, gen, rtx, rid, lim)), \
@@ -183,7 +187,7 @@ impl Sql {
                   set read_txid = excluded.read_txid, read_id = excluded.read_id \
                   where (excluded.read_txid, excluded.read_id) > ({s}.read_marks.read_txid, {s}.read_marks.read_id)) \
                  select slot, id, txid::text, key, message_id, correlation_id, headers::text, payload, \
-                 coalesce(recorded, 0) from got order by slot, txid, id",
+                 coalesce(recorded, 0) from got order by got.slot, got.txid, got.id",
             ),
             read_mark: f(
                 "select read_txid::text, read_id from {s}.read_marks where queue = $1 and grp = $2 and slot = $3",

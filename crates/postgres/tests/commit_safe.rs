@@ -119,3 +119,77 @@ async fn a_late_commit_with_a_lower_id_is_not_skipped() {
         "the late commit was skipped: {applied:?}"
     );
 }
+
+/// Transaction ids are ordered as numbers, never as their text: a read
+/// that spans a change in digit count (99999 -> 100000, as every cluster
+/// passes in time) keeps a key's events in order. The events carry chosen
+/// transaction ids (below the snapshot's xmin, so they are committed and
+/// readable) whose text order differs from their numeric order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transaction_ids_of_different_lengths_keep_a_keys_order() {
+    let cfg = PgConfig::from_url(
+        &format!("{}?schema=keyorder_commit_safe&slots=1&migrate=true", url())
+            .parse()
+            .unwrap(),
+    )
+    .unwrap();
+    let transport = PgTransport::connect(cfg.clone())
+        .await
+        .expect("PostgreSQL must be reachable");
+    let queue = format!("digits-{}", uuid::Uuid::new_v4().simple());
+    let client = Client::new(Arc::new(transport));
+    let _ = client.publisher(&queue).await.unwrap();
+    let pool = sqlx::PgPool::connect(&cfg.url).await.unwrap();
+    let (xmin,): (String,) = sqlx::query_as("select pg_snapshot_xmin(pg_current_snapshot())::text")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(
+        xmin.parse::<u64>().unwrap() > 1000,
+        "the cluster has passed transaction id 1000"
+    );
+    // In numeric order 8, 9, 10, 99, 100; as text "10" < "100" < "8" < "9" < "99".
+    let txids = ["8", "9", "10", "99", "100"];
+    for (i, txid) in txids.iter().enumerate() {
+        sqlx::query(
+            "insert into keyorder_commit_safe.events (queue, slot, key, message_id, headers, payload, txid) \
+             values ($1, 0, 'k', $2, '{\"keyorder-key\":\"k\"}'::jsonb, 'x', $3::text::xid8)",
+        )
+        .bind(&queue)
+        .bind(format!("m-{i}"))
+        .bind(txid)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    let applied = Arc::new(Mutex::new(Vec::<String>::new()));
+    let subscription = client
+        .subscribe(&queue, "g")
+        .ordered_by(KeySource::routing_key())
+        .lease(LeaseConfig {
+            ttl: Duration::from_secs(15),
+            heartbeat: Duration::from_millis(500),
+            margin: Duration::from_secs(5),
+        })
+        .build()
+        .await
+        .unwrap();
+    let seen = applied.clone();
+    let handler = move |d: Delivery| {
+        let seen = seen.clone();
+        async move {
+            seen.lock().unwrap().push(d.id().to_owned());
+            HandlerResult::Ok(())
+        }
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(subscription.run(handler, async move {
+        let _ = stopped.await;
+    }));
+    until("every event applied", || applied.lock().unwrap().len() >= txids.len()).await;
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+    let applied = applied.lock().unwrap().clone();
+    let expected: Vec<String> = (0..txids.len()).map(|i| format!("m-{i}")).collect();
+    assert_eq!(applied, expected, "the key's events in transaction-id order, each once");
+}
