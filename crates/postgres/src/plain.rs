@@ -73,19 +73,31 @@ impl PlainSql {
                  attempts = p.attempts + 1 from c where p.id = c.id \
                  returning p.id, p.attempts, p.key, p.message_id, p.correlation_id, p.headers::text, p.payload",
             ),
+            // Acknowledgements, renewals and releases of one consumer touch
+            // the same rows from concurrent statements: each locks its rows
+            // in id order first (`l`), so two of them never deadlock (in
+            // unnest order they did, and a deadlock stalls both for
+            // `deadlock_timeout`).
             ack: f(
-                "delete from {s}.plain_events p using unnest($2::bigint[], $3::int[]) as r(id, att) \
-                 where p.id = r.id and p.locked_by = $1 and p.attempts = r.att returning p.id",
+                "with l as materialized (select p.id from {s}.plain_events p \
+                 join unnest($2::bigint[], $3::int[]) as r(id, att) on p.id = r.id and p.attempts = r.att \
+                 where p.locked_by = $1 order by p.id for update of p) \
+                 delete from {s}.plain_events p using l where p.id = l.id returning p.id",
             ),
-            renew: f("update {s}.plain_events p \
+            renew: f("with l as materialized (select p.id from {s}.plain_events p \
+                 join unnest($3::bigint[], $4::int[]) as r(id, att) on p.id = r.id and p.attempts = r.att \
+                 where p.locked_by = $1 order by p.id for update of p) \
+                 update {s}.plain_events p \
                  set locked_until = clock_timestamp() + make_interval(secs => $2::float8 / 1000) \
-                 from unnest($3::bigint[], $4::int[]) as r(id, att) \
-                 where p.id = r.id and p.locked_by = $1 and p.attempts = r.att returning p.id, p.attempts"),
+                 from l where p.id = l.id returning p.id, p.attempts"),
             // A row handed back unstarted does not count the claim's attempt.
-            release: f("update {s}.plain_events p set locked_by = null, locked_until = null, \
-                 attempts = p.attempts - case when r.started then 0 else 1 end \
-                 from unnest($2::bigint[], $3::int[], $4::bool[]) as r(id, att, started) \
-                 where p.id = r.id and p.locked_by = $1 and p.attempts = r.att"),
+            release: f("with l as materialized (select p.id, r.started from {s}.plain_events p \
+                 join unnest($2::bigint[], $3::int[], $4::bool[]) as r(id, att, started) \
+                 on p.id = r.id and p.attempts = r.att \
+                 where p.locked_by = $1 order by p.id for update of p) \
+                 update {s}.plain_events p set locked_by = null, locked_until = null, \
+                 attempts = p.attempts - case when l.started then 0 else 1 end \
+                 from l where p.id = l.id"),
             park: f(
                 "with d as (delete from {s}.plain_events where id = $1 and locked_by = $2 and attempts = $3 \
                  returning queue, id, message_id, key) \
