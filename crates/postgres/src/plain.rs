@@ -78,12 +78,10 @@ impl PlainSql {
             // in id order first (`l`), so two of them never deadlock (in
             // unnest order they did, and a deadlock stalls both for
             // `deadlock_timeout`).
-            ack: f(
-                "with l as materialized (select p.id from {s}.plain_events p \
+            ack: f("with l as materialized (select p.id from {s}.plain_events p \
                  join unnest($2::bigint[], $3::int[]) as r(id, att) on p.id = r.id and p.attempts = r.att \
                  where p.locked_by = $1 order by p.id for update of p) \
-                 delete from {s}.plain_events p using l where p.id = l.id returning p.id",
-            ),
+                 delete from {s}.plain_events p using l where p.id = l.id returning p.id"),
             renew: f("with l as materialized (select p.id from {s}.plain_events p \
                  join unnest($3::bigint[], $4::int[]) as r(id, att) on p.id = r.id and p.attempts = r.att \
                  where p.locked_by = $1 order by p.id for update of p) \
@@ -91,13 +89,15 @@ impl PlainSql {
                  set locked_until = clock_timestamp() + make_interval(secs => $2::float8 / 1000) \
                  from l where p.id = l.id returning p.id, p.attempts"),
             // A row handed back unstarted does not count the claim's attempt.
-            release: f("with l as materialized (select p.id, r.started from {s}.plain_events p \
+            release: f(
+                "with l as materialized (select p.id, r.started from {s}.plain_events p \
                  join unnest($2::bigint[], $3::int[], $4::bool[]) as r(id, att, started) \
                  on p.id = r.id and p.attempts = r.att \
                  where p.locked_by = $1 order by p.id for update of p) \
                  update {s}.plain_events p set locked_by = null, locked_until = null, \
                  attempts = p.attempts - case when l.started then 0 else 1 end \
-                 from l where p.id = l.id"),
+                 from l where p.id = l.id",
+            ),
             park: f(
                 "with d as (delete from {s}.plain_events where id = $1 and locked_by = $2 and attempts = $3 \
                  returning queue, id, message_id, key) \

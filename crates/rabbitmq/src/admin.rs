@@ -77,12 +77,24 @@ impl Admin for RabbitAdmin {
         Ok(out)
     }
 
-    async fn hot_keys(&self, _category: &str, _group: &str, _limit: usize) -> Result<Vec<HotKey>> {
-        Err(Error::Unsupported {
-            transport: "rabbitmq".into(),
-            capability: "hot_keys",
-            fix: "RabbitMQ keeps no per-key backlog; `keyorder scopes` shows each queue's depth".into(),
-        })
+    /// RabbitMQ keeps no per-key backlog and a queue cannot be browsed
+    /// without taking its messages, so the hot keys are the consumers':
+    /// per key, the deliveries every live process holds (delivered, not yet
+    /// settled; at most the consumers' prefetch). This process counts its
+    /// own and asks the others through the control exchange. The queues'
+    /// undelivered depth is in `scopes`.
+    async fn hot_keys(&self, category: &str, _group: &str, limit: usize) -> Result<Vec<HotKey>> {
+        let mut counts: std::collections::HashMap<String, u64> = self.local_hot(category).into_iter().collect();
+        for (label, n) in self.t.remote_hot(category).await? {
+            *counts.entry(label).or_default() += n;
+        }
+        let mut hot: Vec<HotKey> = counts
+            .into_iter()
+            .map(|(label, backlog)| HotKey { label, backlog })
+            .collect();
+        hot.sort_by(|a, b| b.backlog.cmp(&a.backlog).then_with(|| a.label.cmp(&b.label)));
+        hot.truncate(limit);
+        Ok(hot)
     }
 
     async fn dead_letters(&self, category: &str, _group: &str) -> Result<Vec<DeadLetter>> {
@@ -120,6 +132,15 @@ impl Admin for RabbitAdmin {
 }
 
 impl RabbitAdmin {
+    /// `(label, deliveries held)` of every key this process holds
+    /// deliveries of in `category`.
+    pub(crate) fn local_hot(&self, category: &str) -> Vec<(String, u64)> {
+        let map = self.t.shared.held_keys.lock().unwrap_or_else(|e| e.into_inner());
+        map.get(category)
+            .map(|keys| keys.iter().map(|(k, n)| (label(k), *n)).collect())
+            .unwrap_or_default()
+    }
+
     /// The halted heads this process holds in `category`.
     pub(crate) fn local_halted(&self, category: &str) -> Vec<HaltedKey> {
         let map = self.t.shared.halted.lock().unwrap_or_else(|e| e.into_inner());

@@ -1,14 +1,16 @@
-//! Halted heads across processes. A RabbitMQ halt lives in the consumer
-//! that halted the key (its head stays unacknowledged on that consumer's
-//! channel), so an operator in another process (`keyorder head ...`) asks
-//! the owners: requests go to the topic exchange [`CONTROL_EXCHANGE`] with
-//! the category as routing key; every process holding a halt in that
-//! category has an exclusive queue bound there (from its first halt on) and
-//! answers on the request's `reply_to` queue. `show` gathers the answers
-//! for a short window; `skip`, `dlq` and `resume` run in the process that
-//! holds the head and return once it answered. A request that no process
-//! is bound to receive comes back unroutable at once (nothing halted
-//! anywhere). Keys travel in requests (as the operator typed them, or a
+//! Halted heads and hot keys across processes. A RabbitMQ halt lives in
+//! the consumer that halted the key (its head stays unacknowledged on that
+//! consumer's channel), and a key's held deliveries live in the consumers
+//! that hold them, so an operator in another process (`keyorder head ...`,
+//! `keyorder hot-keys`) asks the consumers: requests go to the topic
+//! exchange [`CONTROL_EXCHANGE`] with the category as routing key; every
+//! process consuming the category (from its first source on) or holding a
+//! halt in it has an exclusive queue bound there and answers on the
+//! request's `reply_to` queue. `show` and `hot` gather the answers for a
+//! short window; `skip`, `dlq` and `resume` run in the process that holds
+//! the head and return once it answered. A request that no process is
+//! bound to receive comes back unroutable at once (nobody consumes the
+//! category). Keys travel in requests (as the operator typed them, or a
 //! label); answers carry labels and redacted previews only.
 
 use std::collections::HashSet;
@@ -171,7 +173,15 @@ impl RabbitTransport {
         match text("op").as_str() {
             "show" => {
                 let list: Vec<Value> = admin.local_halted(&category).iter().map(halted_json).collect();
-                json!({ "halted": list })
+                json!({ "halted": list, "from": self.shared.id })
+            }
+            "hot" => {
+                let list: Vec<Value> = admin
+                    .local_hot(&category)
+                    .into_iter()
+                    .map(|(label, held)| json!({ "label": label, "held": held }))
+                    .collect();
+                json!({ "hot": list, "from": self.shared.id })
             }
             "act" => {
                 let Some(action) = HeadAction::from_name(&text("action")) else {
@@ -247,11 +257,39 @@ impl RabbitTransport {
         Ok(out)
     }
 
+    /// The answers to `op` from every process but this one.
+    async fn gather(&self, category: &str, op: &str) -> Result<Vec<Value>> {
+        let answers = self
+            .ask(category, json!({"op": op, "category": category}), GATHER, |_| false)
+            .await?;
+        Ok(answers
+            .into_iter()
+            .filter(|a| a.get("from").and_then(Value::as_str) != Some(self.shared.id.as_str()))
+            .collect())
+    }
+
+    /// `(label, deliveries held)` per key in other processes, summed over them.
+    pub(crate) async fn remote_hot(&self, category: &str) -> Result<Vec<(String, u64)>> {
+        let answers = self.gather(category, "hot").await?;
+        let mut sum: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
+        for entry in answers
+            .iter()
+            .filter_map(|a| a.get("hot").and_then(Value::as_array))
+            .flatten()
+        {
+            if let (Some(label), Some(n)) = (
+                entry.get("label").and_then(Value::as_str),
+                entry.get("held").and_then(Value::as_u64),
+            ) {
+                *sum.entry(label.to_owned()).or_default() += n;
+            }
+        }
+        Ok(sum.into_iter().collect())
+    }
+
     /// Halted heads held by other processes in `category`.
     pub(crate) async fn remote_halted(&self, category: &str) -> Result<Vec<HaltedKey>> {
-        let answers = self
-            .ask(category, json!({"op": "show", "category": category}), GATHER, |_| false)
-            .await?;
+        let answers = self.gather(category, "show").await?;
         Ok(answers
             .iter()
             .filter_map(|a| a.get("halted").and_then(Value::as_array))

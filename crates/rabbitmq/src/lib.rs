@@ -73,7 +73,6 @@ pub(crate) struct Halted {
 }
 
 /// State the sources of this transport share with its admin view.
-#[derive(Default)]
 pub(crate) struct Shared {
     /// (category, key) -> halted head.
     pub(crate) halted: Mutex<HashMap<(String, String), Halted>>,
@@ -81,6 +80,56 @@ pub(crate) struct Shared {
     pub(crate) resolved: Mutex<HashMap<String, Vec<SourceEvent>>>,
     /// Answers other processes' operator requests about these halts.
     pub(crate) responder: control::Responder,
+    /// category -> key -> deliveries this process holds (delivered by the
+    /// broker, not yet settled: in a source's buffer, waiting in the
+    /// dispatcher or running), for `hot_keys`. Entries go at zero, so it
+    /// is bounded by the consumers' prefetch.
+    pub(crate) held_keys: Mutex<HashMap<String, HashMap<String, u64>>>,
+    /// This transport's id in operator answers (an answer from itself is
+    /// not counted twice).
+    pub(crate) id: String,
+}
+
+impl Shared {
+    fn new() -> Shared {
+        Shared {
+            halted: Mutex::default(),
+            resolved: Mutex::default(),
+            responder: control::Responder::default(),
+            held_keys: Mutex::default(),
+            id: uuid::Uuid::new_v4().simple().to_string(),
+        }
+    }
+
+    /// One more delivery of `key` held here.
+    pub(crate) fn hold(&self, category: &str, key: &str) {
+        let mut map = self.held_keys.lock().unwrap_or_else(|e| e.into_inner());
+        let keys = match map.get_mut(category) {
+            Some(keys) => keys,
+            None => map.entry(category.to_owned()).or_default(),
+        };
+        match keys.get_mut(key) {
+            Some(n) => *n += 1,
+            None => {
+                keys.insert(key.to_owned(), 1);
+            }
+        }
+    }
+
+    /// A delivery of `key` settled or dropped.
+    pub(crate) fn unhold(&self, category: &str, key: &str) {
+        let mut map = self.held_keys.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(keys) = map.get_mut(category) else { return };
+        if let Some(n) = keys.get_mut(key) {
+            *n -= 1;
+            if *n == 0 {
+                keys.remove(key);
+            }
+        }
+        if keys.is_empty() {
+            map.remove(category);
+        }
+    }
 }
 
 /// The RabbitMQ transport (`amqp://`).
@@ -119,7 +168,7 @@ impl RabbitTransport {
         Ok(RabbitTransport {
             cfg: Arc::new(cfg),
             conn: Arc::new(tokio::sync::Mutex::new(Arc::new(conn))),
-            shared: Arc::default(),
+            shared: Arc::new(Shared::new()),
             declared: Arc::default(),
             timeout_arg: Arc::default(),
         })
@@ -269,6 +318,9 @@ impl Transport for RabbitTransport {
         };
         let names = Names::new(&spec.category)?;
         self.ensure(&names).await?;
+        // Operators in other processes ask the consumers themselves for
+        // their hot keys and halted heads (see `control`).
+        self.answer_for(&spec.category);
         Ok(Box::new(
             source::Source::open(timeout_arg, self.clone(), spec.clone(), names).await?,
         ))

@@ -65,6 +65,14 @@ impl fmt::Debug for RabbitSettle {
     }
 }
 
+impl Drop for RabbitSettle {
+    fn drop(&mut self) {
+        if let Some(key) = &self.key {
+            self.t.shared.unhold(&self.category, key);
+        }
+    }
+}
+
 impl RabbitSettle {
     fn fenced(&self) -> Error {
         metrics::counter!("keyorder_rabbitmq_fence_rejections_total").increment(1);

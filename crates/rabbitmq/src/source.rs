@@ -442,6 +442,11 @@ impl Source {
             .map(|n| n.clamp(0, i64::from(u32::MAX / 2)) as u32)
             .unwrap_or(u32::from(d.redelivered));
         let message_id = msg.id().to_owned();
+        let key = key.map(|k| k.as_str().to_owned());
+        if let Some(k) = &key {
+            // Counted until the settle handle goes (`RabbitSettle::drop`).
+            self.t.shared.hold(self.names.category(), k);
+        }
         Some(Inbound {
             message: msg,
             lease: o.lease.clone(),
@@ -450,7 +455,7 @@ impl Source {
                 dlq_channel: link.dlq_channel.clone(),
                 category: self.names.category().to_owned(),
                 dlq: self.names.dlq(),
-                key: key.map(|k| k.as_str().to_owned()),
+                key,
                 scope: o.lease.scope().clone(),
                 generation,
                 message_id,

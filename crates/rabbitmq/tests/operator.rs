@@ -148,3 +148,100 @@ async fn another_process_lists_and_skips_a_halted_head() {
     let _ = stop.send(());
     run.await.unwrap().unwrap();
 }
+
+/// Hot keys from another process: the consumers count, per key, the
+/// deliveries they hold (delivered, not yet settled), and another
+/// transport gathers them through the control exchange. A key whose
+/// handler is stuck holds all its messages; a flowing key holds none once
+/// applied; nothing is counted once everything is settled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_process_sees_the_keys_the_consumers_hold() {
+    let category = format!("hot-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let owner = client().await;
+    let operator = client().await;
+    let subscription = owner
+        .subscribe(&category, "g")
+        .ordered_by(KeySource::routing_key())
+        .lease(LeaseConfig {
+            ttl: Duration::from_secs(4),
+            heartbeat: Duration::from_millis(500),
+            margin: Duration::from_millis(1500),
+        })
+        .build()
+        .await
+        .unwrap();
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (log, wait) = (seen.clone(), gate.clone());
+    let handler = move |d: Delivery| {
+        let (log, wait) = (log.clone(), wait.clone());
+        async move {
+            let body = String::from_utf8_lossy(d.payload()).into_owned();
+            if body.starts_with("stuck-") {
+                // Held until the test opens the gate.
+                wait.acquire().await.unwrap().forget();
+            }
+            log.lock().unwrap().push(body);
+            HandlerResult::Ok(())
+        }
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(subscription.run(handler, async move {
+        let _ = stopped.await;
+    }));
+    let publisher = owner.publisher(&category).await.unwrap();
+    for i in 0..10 {
+        publisher
+            .publish(Message::new(format!("stuck-{i}")).with_key("stuck").unwrap())
+            .await
+            .unwrap();
+    }
+    for i in 0..3 {
+        publisher
+            .publish(Message::new(format!("flow-{i}")).with_key("flow").unwrap())
+            .await
+            .unwrap();
+    }
+    until("the flowing key to be applied", || async {
+        seen.lock().unwrap().iter().filter(|s| s.starts_with("flow-")).count() == 3
+    })
+    .await;
+    let admin = operator.admin();
+    let stuck = keyorder_core::key::label("stuck");
+    // The stuck key's ten messages are delivered (one running, nine
+    // waiting behind it); the flowing key's are settled.
+    until("the other transport to see the stuck key's ten deliveries", || async {
+        admin
+            .hot_keys(&category, "g", 10)
+            .await
+            .map(|h| h.len() == 1 && h[0].label == stuck && h[0].backlog == 10)
+            .unwrap_or(false)
+    })
+    .await;
+    // The label, never the key itself.
+    let hot = admin.hot_keys(&category, "g", 10).await.unwrap();
+    assert!(hot.iter().all(|h| h.label != "stuck"), "{hot:?}");
+    gate.add_permits(10);
+    until("the stuck key to be applied", || async {
+        seen.lock().unwrap().iter().filter(|s| s.starts_with("stuck-")).count() == 10
+    })
+    .await;
+    until("nothing held anywhere", || async {
+        admin
+            .hot_keys(&category, "g", 10)
+            .await
+            .map(|h| h.is_empty())
+            .unwrap_or(false)
+    })
+    .await;
+    let stuck_order: Vec<String> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|s| s.starts_with("stuck-"))
+        .cloned()
+        .collect();
+    assert_eq!(stuck_order, (0..10).map(|i| format!("stuck-{i}")).collect::<Vec<_>>());
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+}
