@@ -11,13 +11,29 @@
 //! flag; it stays small because only unfinished messages are listed, and
 //! those are bounded by the in-flight budget.
 //!
-//! Format (version 1): `ko1;n=<partitions>;hw=<hw>;u=<entries>` where each
-//! entry is `<delta>[a<attempts>][h]` in base 36, the delta counted from the
-//! committed offset for the first entry and from the previous entry after;
-//! `;r<offset>=<reason>` records a halt reason.
+//! Format (version 2): `ko2;n=<partitions>;hw=<hw>;u=<entries>` where each
+//! entry is `<delta>[:<attempts>][!]`, numbers in lower-case base 36, the
+//! delta counted from the committed offset for the first entry and from the
+//! previous entry after; `;r<offset>=<reason>` records a halt reason. The
+//! markers `:` and `!` are not base-36 digits.
+//!
+//! Version 1 (`ko1`) marked attempts and halts with `a` and `h`, which are
+//! base-36 digits too: a delta of 10 (`a`), 17 (`h`) or 46 (`1a`) was read
+//! back wrong, so an unfinished offset could be taken for done (skipped)
+//! and a done one for unfinished (run again after a later one of its key).
+//! Its entries cannot be read safely, so a `ko1` record restores only its
+//! partition count: the new owner delivers everything from the committed
+//! offset again (repeats, never skips).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+
+/// The metadata's format version.
+const VERSION: &str = "ko2";
+/// Marks an entry's attempt count (not a base-36 digit).
+const ATTEMPTS: char = ':';
+/// Marks an entry's halt (not a base-36 digit).
+const HALTED: char = '!';
 
 /// The most bytes of a halt reason kept in commit metadata.
 const REASON_BYTES: usize = 120;
@@ -74,7 +90,7 @@ fn clean_reason(reason: &str) -> String {
 
 /// Encodes the metadata of a commit at `committed`.
 pub(crate) fn encode(partitions: i32, committed: i64, hw: i64, unfinished: &BTreeMap<i64, Entry>) -> String {
-    let mut s = format!("ko1;n={partitions};hw=");
+    let mut s = format!("{VERSION};n={partitions};hw=");
     b36(hw.max(0) as u64, &mut s);
     s.push_str(";u=");
     let mut prev = committed;
@@ -86,11 +102,11 @@ pub(crate) fn encode(partitions: i32, committed: i64, hw: i64, unfinished: &BTre
         b36((off - prev) as u64, &mut s);
         prev = *off;
         if e.attempts > 0 {
-            s.push('a');
+            s.push(ATTEMPTS);
             b36(u64::from(e.attempts), &mut s);
         }
         if let Some(r) = &e.halted {
-            s.push('h');
+            s.push(HALTED);
             let _ = write!(reasons, ";r{off}={}", clean_reason(r));
         }
     }
@@ -106,8 +122,14 @@ pub(crate) fn decode(committed: i64, meta: &str) -> Restored {
         ..Restored::default()
     };
     let mut parts = meta.split(';');
-    if parts.next() != Some("ko1") {
-        return r;
+    match parts.next() {
+        Some(VERSION) => {}
+        Some("ko1") => {
+            // Entries unreadable (see the module doc): replay from `committed`.
+            r.partitions = parts.find_map(|p| p.strip_prefix("n=")).and_then(|n| n.parse().ok());
+            return r;
+        }
+        _ => return r,
     }
     let mut reasons = BTreeMap::new();
     for part in parts {
@@ -118,17 +140,25 @@ pub(crate) fn decode(committed: i64, meta: &str) -> Restored {
         } else if let Some(list) = part.strip_prefix("u=") {
             let mut prev = committed;
             for item in list.split(',').filter(|s| !s.is_empty()) {
-                let end = item.find(['a', 'h']).unwrap_or(item.len());
-                let Ok(delta) = i64::from_str_radix(&item[..end], 36) else {
-                    continue;
+                let end = item.find([ATTEMPTS, HALTED]).unwrap_or(item.len());
+                let Some(delta) = i64::from_str_radix(&item[..end], 36).ok().filter(|d| *d >= 0) else {
+                    // An entry not read is an offset not known: everything
+                    // after it would be misplaced, and an unlisted offset
+                    // below the high-water mark counts as done. Restore
+                    // nothing instead (replay from `committed`).
+                    return Restored {
+                        partitions: r.partitions,
+                        hw: committed,
+                        unfinished: BTreeMap::new(),
+                    };
                 };
                 let off = prev + delta;
                 prev = off;
                 let rest = &item[end..];
-                let halted = rest.contains('h');
+                let halted = rest.contains(HALTED);
                 let attempts = rest
-                    .strip_prefix('a')
-                    .map(|a| a.split('h').next().unwrap_or(""))
+                    .strip_prefix(ATTEMPTS)
+                    .map(|a| a.split(HALTED).next().unwrap_or(""))
                     .and_then(|a| u32::from_str_radix(a, 36).ok())
                     .unwrap_or(0);
                 r.unfinished.insert(
@@ -330,6 +360,70 @@ mod tests {
         assert!(t.done(101));
         assert!(t.done(104));
         assert_eq!(t.commit(4).0, 105);
+    }
+
+    /// Every gap between unfinished offsets and every attempt count comes
+    /// back as written, whatever its base-36 digits (in version 1, gaps of
+    /// 10, 17 and 46 and 17 attempts were read back wrong).
+    #[test]
+    fn every_gap_and_attempt_count_round_trips() {
+        for gap in 1..=1300i64 {
+            let mut t = Track::new(100, Restored::default());
+            for o in 100..=100 + gap {
+                t.admit(o);
+            }
+            for o in 101..100 + gap {
+                t.done(o);
+            }
+            let attempts = (gap % 50) as u32;
+            for _ in 0..attempts {
+                t.begin(100 + gap);
+            }
+            if gap % 3 == 0 {
+                t.halt(100 + gap, "stuck");
+            }
+            let (c, _, meta) = t.commit(4);
+            assert_eq!(c, 100);
+            let r = decode(c, &meta);
+            assert_eq!(r.hw, 101 + gap, "gap {gap}: {meta}");
+            assert_eq!(
+                r.unfinished.keys().copied().collect::<Vec<_>>(),
+                vec![100, 100 + gap],
+                "gap {gap}: {meta}"
+            );
+            let last = &r.unfinished[&(100 + gap)];
+            assert_eq!(last.attempts, attempts, "gap {gap}: {meta}");
+            assert_eq!(last.halted.is_some(), gap % 3 == 0, "gap {gap}: {meta}");
+            let mut next = Track::new(c, r);
+            assert!(matches!(next.admit(100), Admit::Deliver { .. }));
+            assert!(
+                matches!(next.admit(100 + gap), Admit::Deliver { .. }),
+                "gap {gap}: {meta}"
+            );
+            if gap > 1 {
+                assert_eq!(next.admit(101), Admit::Skip, "gap {gap}: {meta}");
+            }
+        }
+    }
+
+    /// Version 1 entries cannot be read safely: such a record restores its
+    /// partition count only, and the new owner delivers everything from
+    /// the committed offset (repeats, never skips).
+    #[test]
+    fn a_version_1_record_replays_from_its_committed_offset() {
+        let r = decode(100, "ko1;n=4;hw=3n;u=0,a");
+        assert_eq!(r.partitions, Some(4));
+        assert_eq!(r.hw, 100);
+        assert!(r.unfinished.is_empty());
+        let mut next = Track::new(100, r);
+        for o in 100..131 {
+            assert!(matches!(next.admit(o), Admit::Deliver { .. }), "{o}");
+        }
+        // An unreadable entry of the current version restores nothing either.
+        for bad in ["ko2;n=4;hw=3n;u=0,#!", "ko2;n=4;hw=3n;u=0,-5", "ko2;n=4;hw=3n;u=0,,:3"] {
+            let r = decode(100, bad);
+            assert_eq!((r.partitions, r.hw, r.unfinished.len()), (Some(4), 100, 0), "{bad}");
+        }
     }
 
     #[test]
