@@ -15,7 +15,18 @@
 //! new owner reads the state partition from that pointer to its end and
 //! takes the record with the highest generation (the latest of those): a
 //! failed commit loses nothing, and a stale owner's late record (a lower
-//! generation) is ignored. The new owner's generation is one more.
+//! generation) is ignored. The new owner's generation is one more than
+//! the highest claimed before its marker (see below).
+//!
+//! Each read appends a *marker* record (the group and partition) and reads
+//! up to it. A marker is also a claim: the owner that appended it took the
+//! generation one above everything before it, whether or not it saved a
+//! record afterwards. So a reader counts every earlier marker of its group
+//! and partition as a generation of its own: an owner that lost a
+//! partition before saving anything still had a generation, and a late
+//! record of it (a stalled owner's, landing after the next owner's
+//! marker) ranks below the next owner's records instead of tying with
+//! them.
 //!
 //! Kafka's own commit metadata could carry the same text, but not every
 //! Kafka-protocol broker keeps it (the test broker, tansu 0.6, drops it), and
@@ -46,7 +57,8 @@ pub(crate) struct Saved {
     pub(crate) committed: i64,
     /// Whether anything was saved.
     pub(crate) known: bool,
-    /// The generation of the owner that saved it (0: none).
+    /// The highest generation claimed before this read: the saved
+    /// record's, or one per owner that appended a marker since (0: none).
     pub(crate) generation: u64,
     pub(crate) meta: String,
 }
@@ -130,6 +142,9 @@ pub(crate) fn load<C: ConsumerContext>(
     reader.assign(&read)?;
     let deadline = std::time::Instant::now() + timeout;
     let mut best: HashMap<i32, (u64, i64)> = HashMap::new();
+    // The highest generation claimed so far per partition: saved records'
+    // generations, and one more for each earlier marker of this group.
+    let mut claimed: HashMap<i32, u64> = HashMap::new();
     while !ends.is_empty() {
         if std::time::Instant::now() > deadline {
             let _ = reader.unassign();
@@ -149,12 +164,21 @@ pub(crate) fn load<C: ConsumerContext>(
         if m.offset() >= end {
             ends.remove(&p);
         }
+        if m.key() == Some(MARKER_KEY) {
+            if m.offset() < end && m.payload() == Some(format!("{group_id}/{p}").as_bytes()) {
+                let c = claimed.entry(p).or_default();
+                *c += 1;
+            }
+            continue;
+        }
         if m.key() != Some(group_id.as_bytes()) {
             continue;
         }
         let Some((generation, committed, meta)) = m.payload().and_then(decode) else {
             continue;
         };
+        let c = claimed.entry(p).or_default();
+        *c = (*c).max(generation);
         let rank = (generation, m.offset());
         if best.get(&p).is_some_and(|b| *b > rank) {
             continue;
@@ -175,6 +199,11 @@ pub(crate) fn load<C: ConsumerContext>(
         }
     }
     reader.unassign()?;
+    for (p, c) in claimed {
+        if let Some(s) = saved.get_mut(&p) {
+            s.generation = s.generation.max(c);
+        }
+    }
     let mut out: Vec<Saved> = saved.into_values().collect();
     out.sort_by_key(|s| s.partition);
     Ok(out)
