@@ -38,11 +38,13 @@ impl QueueType {
     }
 }
 
-/// The largest prefetch allowed on quorum queues: with more unacknowledged
-/// messages per consumer, RabbitMQ 3.10 quorum queues were seen returning
-/// them out of order when the consumer's channel closed (a per-key reorder
-/// after a hand-over in one bench run of four at prefetch 256; none in six
-/// at 32).
+/// The largest prefetch allowed on quorum queues: a quorum queue's channel
+/// keeps at most 32 commands (acknowledgements among them) pending at the
+/// queue and buffers the rest, and a channel closed while it buffers
+/// acknowledgements drops them (rabbitmq-server issue #10327), so after a
+/// hand-over the next consumer would run already applied messages again.
+/// With at most 32 deliveries unacknowledged per channel nothing is
+/// buffered (see the README's RabbitMQ section).
 pub const QUORUM_MAX_PREFETCH: u16 = 32;
 
 /// How long a delivery may stay unacknowledged before RabbitMQ closes its
@@ -231,9 +233,10 @@ impl RabbitConfig {
         if cfg.queue_type == QueueType::Quorum && cfg.topology != Topology::Plain && cfg.prefetch > QUORUM_MAX_PREFETCH
         {
             return Err(Error::Url(format!(
-                "amqp: prefetch={} on quorum queues: at most {QUORUM_MAX_PREFETCH}. When a consumer's channel \
-                 closes (a hand-over, a crash), RabbitMQ 3.10 quorum queues were seen returning more than 32 \
-                 unacknowledged messages out of order, which reorders a key; use prefetch<=32 or queue_type=classic",
+                "amqp: prefetch={} on quorum queues: at most {QUORUM_MAX_PREFETCH}. A quorum queue's channel \
+                 buffers acknowledgements beyond 32 pending ones and drops them when it closes (a hand-over; \
+                 rabbitmq-server issue #10327), so the next consumer would run applied messages again; use \
+                 prefetch<=32 or queue_type=classic",
                 cfg.prefetch
             )));
         }

@@ -541,11 +541,19 @@ impl TransportSource for Source {
         let Some(q) = self.scopes.get(scope).cloned() else {
             return Ok(());
         };
-        if let Some(o) = self.drop_owned(&q) {
-            // Closing the channel returns anything unacknowledged (nothing
-            // in flight: the subscription drained the scope) to the queue and
-            // activates the next consumer.
+        // Close the channel while its consumer is still registered, and only
+        // then end the consumer task: lapin cancels a consumer whose stream
+        // is dropped (`basic.cancel`), and a cancel before the close lets
+        // RabbitMQ activate the next single active consumer at once, while
+        // this one still holds its prefetched, unacknowledged deliveries;
+        // those come back only at the close, after the next consumer was
+        // given later messages of their keys. A close alone returns them
+        // first, in order, and then activates the next consumer (nothing is
+        // in flight: the subscription drained the scope).
+        if let Some(o) = self.owned.get(&q) {
             let _ = o.channel.close(200, "handed over".into()).await;
+        }
+        if self.drop_owned(&q).is_some() {
             metrics::counter!("keyorder_rabbitmq_queues_released_total").increment(1);
         }
         Ok(())
