@@ -866,13 +866,7 @@ impl Admin for MemoryAdmin {
                     }
                 }
             }
-            let mut hot: Vec<HotKey> = counts
-                .into_iter()
-                .map(|(label, backlog)| HotKey { label, backlog })
-                .collect();
-            hot.sort_by(|a, b| b.backlog.cmp(&a.backlog).then_with(|| a.label.cmp(&b.label)));
-            hot.truncate(limit);
-            Ok(hot)
+            Ok(HotKey::top(counts, limit))
         })
     }
 

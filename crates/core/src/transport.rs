@@ -278,6 +278,20 @@ pub struct HotKey {
     pub backlog: u64,
 }
 
+impl HotKey {
+    /// The `limit` largest of `(label, backlog)` counts, largest first
+    /// (ties by label).
+    pub fn top(counts: impl IntoIterator<Item = (String, u64)>, limit: usize) -> Vec<HotKey> {
+        let mut hot: Vec<HotKey> = counts
+            .into_iter()
+            .map(|(label, backlog)| HotKey { label, backlog })
+            .collect();
+        hot.sort_by(|a, b| b.backlog.cmp(&a.backlog).then_with(|| a.label.cmp(&b.label)));
+        hot.truncate(limit);
+        hot
+    }
+}
+
 /// A dead-lettered message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeadLetter {

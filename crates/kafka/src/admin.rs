@@ -317,16 +317,8 @@ impl Admin for KafkaAdmin {
             },
         )
         .await?;
-        let mut all: Vec<(String, u64)> = counts.lock().unwrap_or_else(|e| e.into_inner()).drain().collect();
-        all.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
-        Ok(all
-            .into_iter()
-            .take(limit)
-            .map(|(k, backlog)| HotKey {
-                label: label(&k),
-                backlog,
-            })
-            .collect())
+        let all: Vec<(String, u64)> = counts.lock().unwrap_or_else(|e| e.into_inner()).drain().collect();
+        Ok(HotKey::top(all.into_iter().map(|(k, n)| (label(&k), n)), limit))
     }
 
     async fn dead_letters(&self, category: &str, group: &str) -> Result<Vec<DeadLetter>> {

@@ -27,8 +27,8 @@ fn topic(prefix: &str) -> String {
     format!("{prefix}-{}", &uuid::Uuid::new_v4().simple().to_string()[..10])
 }
 
-/// Reads every record of `topic` (partitions 0..n): (partition, key).
-fn read_all(topic: &str, n: i32, want: usize) -> Vec<(i32, String)> {
+/// A consumer outside any group reading `partitions` of `topic` from the start.
+fn reader(topic: &str, partitions: std::ops::Range<i32>) -> BaseConsumer {
     let c: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers())
         .set("group.id", "keyorder-test-reader")
@@ -36,10 +36,16 @@ fn read_all(topic: &str, n: i32, want: usize) -> Vec<(i32, String)> {
         .create()
         .unwrap();
     let mut tpl = TopicPartitionList::new();
-    for p in 0..n {
+    for p in partitions {
         tpl.add_partition_offset(topic, p, Offset::Beginning).unwrap();
     }
     c.assign(&tpl).unwrap();
+    c
+}
+
+/// Reads every record of `topic` (partitions 0..n): (partition, key).
+fn read_all(topic: &str, n: i32, want: usize) -> Vec<(i32, String)> {
+    let c = reader(topic, 0..n);
     let mut out = Vec::new();
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while out.len() < want && std::time::Instant::now() < deadline {
@@ -96,15 +102,7 @@ async fn publishing_is_acknowledged_in_order_per_key() {
 /// How many markers of `group_id` partition `p` of `state_topic` holds
 /// (each owner reading the partition's saved state appends one).
 fn markers(state_topic: &str, p: i32, group_id: &str) -> usize {
-    let c: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .set("group.id", "keyorder-test-reader")
-        .set("fetch.wait.max.ms", "1")
-        .create()
-        .unwrap();
-    let mut tpl = TopicPartitionList::new();
-    tpl.add_partition_offset(state_topic, p, Offset::Beginning).unwrap();
-    c.assign(&tpl).unwrap();
+    let c = reader(state_topic, p..p + 1);
     let want = format!("{group_id}/{p}");
     let mut n = 0;
     let deadline = std::time::Instant::now() + Duration::from_secs(2);
@@ -140,8 +138,9 @@ async fn an_owner_that_saved_nothing_still_raises_the_next_generation() {
         let (s, g) = (state.clone(), group_id.clone());
         async move { tokio::task::spawn_blocking(move || markers(&s, p, &g)).await.unwrap() }
     };
-    // (instance, body, token) of every delivery.
-    let seen: Arc<Mutex<Vec<(&'static str, String, u64)>>> = Arc::default();
+    /// (instance, body, token) of every delivery.
+    type Seen = Arc<Mutex<Vec<(&'static str, String, u64)>>>;
+    let seen: Seen = Arc::default();
     let start = |name: &'static str, client: Client| {
         let (topic, seen) = (topic.clone(), seen.clone());
         async move {

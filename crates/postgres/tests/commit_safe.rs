@@ -21,8 +21,9 @@ async fn until(what: &str, cond: impl Fn() -> bool) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_late_commit_with_a_lower_id_is_not_skipped() {
+/// A transport on this file's schema (one slot), a client, a fresh queue
+/// (created with its slot count) and a plain pool for raw statements.
+async fn fresh(prefix: &str) -> (Client, String, sqlx::PgPool) {
     let cfg = PgConfig::from_url(
         &format!("{}?schema=keyorder_commit_safe&slots=1&migrate=true", url())
             .parse()
@@ -32,11 +33,48 @@ async fn a_late_commit_with_a_lower_id_is_not_skipped() {
     let transport = PgTransport::connect(cfg.clone())
         .await
         .expect("PostgreSQL must be reachable");
-    let queue = format!("late-{}", uuid::Uuid::new_v4().simple());
+    let queue = format!("{prefix}-{}", uuid::Uuid::new_v4().simple());
     let client = Client::new(Arc::new(transport));
-    // Creates the queue row (1 slot) so raw inserts below are valid.
+    // Creates the queue row (1 slot) so raw inserts are valid.
     let _ = client.publisher(&queue).await.unwrap();
     let pool = sqlx::PgPool::connect(&cfg.url).await.unwrap();
+    (client, queue, pool)
+}
+
+type Running = tokio::task::JoinHandle<keyorder_core::Result<keyorder_core::RunReport>>;
+
+/// An ordered subscription to `queue` that records the ids it applies.
+async fn consume(client: &Client, queue: &str) -> (Arc<Mutex<Vec<String>>>, tokio::sync::oneshot::Sender<()>, Running) {
+    let applied = Arc::new(Mutex::new(Vec::<String>::new()));
+    let subscription = client
+        .subscribe(queue, "g")
+        .ordered_by(KeySource::routing_key())
+        .lease(LeaseConfig {
+            ttl: Duration::from_secs(15),
+            heartbeat: Duration::from_millis(500),
+            margin: Duration::from_secs(5),
+        })
+        .build()
+        .await
+        .unwrap();
+    let seen = applied.clone();
+    let handler = move |d: Delivery| {
+        let seen = seen.clone();
+        async move {
+            seen.lock().unwrap().push(d.id().to_owned());
+            HandlerResult::Ok(())
+        }
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(subscription.run(handler, async move {
+        let _ = stopped.await;
+    }));
+    (applied, stop, run)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_commit_with_a_lower_id_is_not_skipped() {
+    let (client, queue, pool) = fresh("late").await;
     let insert = "insert into keyorder_commit_safe.events (queue, slot, key, message_id, headers, payload) \
                   values ($1, $2, $3, $4, $5::jsonb, $6) returning id, txid::text";
 
@@ -76,30 +114,7 @@ async fn a_late_commit_with_a_lower_id_is_not_skipped() {
     );
     other.commit().await.unwrap();
 
-    let applied = Arc::new(Mutex::new(Vec::<String>::new()));
-    let subscription = client
-        .subscribe(&queue, "g")
-        .ordered_by(KeySource::routing_key())
-        .lease(LeaseConfig {
-            ttl: Duration::from_secs(15),
-            heartbeat: Duration::from_millis(500),
-            margin: Duration::from_secs(5),
-        })
-        .build()
-        .await
-        .unwrap();
-    let seen = applied.clone();
-    let handler = move |d: Delivery| {
-        let seen = seen.clone();
-        async move {
-            seen.lock().unwrap().push(d.id().to_owned());
-            HandlerResult::Ok(())
-        }
-    };
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(subscription.run(handler, async move {
-        let _ = stopped.await;
-    }));
+    let (applied, stop, run) = consume(&client, &queue).await;
     // The other (committed) event is applied while the late transaction is
     // still open: the consumer's position is now past the late event's id ...
     until("the committed event to be applied", || {
@@ -127,19 +142,7 @@ async fn a_late_commit_with_a_lower_id_is_not_skipped() {
 /// readable) whose text order differs from their numeric order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transaction_ids_of_different_lengths_keep_a_keys_order() {
-    let cfg = PgConfig::from_url(
-        &format!("{}?schema=keyorder_commit_safe&slots=1&migrate=true", url())
-            .parse()
-            .unwrap(),
-    )
-    .unwrap();
-    let transport = PgTransport::connect(cfg.clone())
-        .await
-        .expect("PostgreSQL must be reachable");
-    let queue = format!("digits-{}", uuid::Uuid::new_v4().simple());
-    let client = Client::new(Arc::new(transport));
-    let _ = client.publisher(&queue).await.unwrap();
-    let pool = sqlx::PgPool::connect(&cfg.url).await.unwrap();
+    let (client, queue, pool) = fresh("digits").await;
     let (xmin,): (String,) = sqlx::query_as("select pg_snapshot_xmin(pg_current_snapshot())::text")
         .fetch_one(&pool)
         .await
@@ -162,30 +165,7 @@ async fn transaction_ids_of_different_lengths_keep_a_keys_order() {
         .await
         .unwrap();
     }
-    let applied = Arc::new(Mutex::new(Vec::<String>::new()));
-    let subscription = client
-        .subscribe(&queue, "g")
-        .ordered_by(KeySource::routing_key())
-        .lease(LeaseConfig {
-            ttl: Duration::from_secs(15),
-            heartbeat: Duration::from_millis(500),
-            margin: Duration::from_secs(5),
-        })
-        .build()
-        .await
-        .unwrap();
-    let seen = applied.clone();
-    let handler = move |d: Delivery| {
-        let seen = seen.clone();
-        async move {
-            seen.lock().unwrap().push(d.id().to_owned());
-            HandlerResult::Ok(())
-        }
-    };
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(subscription.run(handler, async move {
-        let _ = stopped.await;
-    }));
+    let (applied, stop, run) = consume(&client, &queue).await;
     until("every event applied", || applied.lock().unwrap().len() >= txids.len()).await;
     let _ = stop.send(());
     run.await.unwrap().unwrap();

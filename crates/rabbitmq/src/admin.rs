@@ -88,13 +88,7 @@ impl Admin for RabbitAdmin {
         for (label, n) in self.t.remote_hot(category).await? {
             *counts.entry(label).or_default() += n;
         }
-        let mut hot: Vec<HotKey> = counts
-            .into_iter()
-            .map(|(label, backlog)| HotKey { label, backlog })
-            .collect();
-        hot.sort_by(|a, b| b.backlog.cmp(&a.backlog).then_with(|| a.label.cmp(&b.label)));
-        hot.truncate(limit);
-        Ok(hot)
+        Ok(HotKey::top(counts, limit))
     }
 
     async fn dead_letters(&self, category: &str, _group: &str) -> Result<Vec<DeadLetter>> {
