@@ -156,6 +156,7 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
             ..Default::default()
         },
     );
+    eprintln!("{label}: {}", timeline(&events));
     if ordered && !verdict.order.is_empty() {
         // The bench's own keys (`key-N`), not user data.
         for v in verdict.order.iter().take(5) {
@@ -251,4 +252,34 @@ pub(crate) async fn run(a: BenchArgs) -> anyhow::Result<()> {
         anyhow::bail!("ordering or loss defects found");
     }
     Ok(())
+}
+
+/// Per instance: when it started its first handler and ended its last,
+/// relative to the run's first start, and how many it applied in each tenth
+/// of the run: shows an instance that idled while the other still worked
+/// (a join, a hand-over, an uneven share of the keys).
+fn timeline(events: &[keyorder_testkit::eventlog::Event]) -> String {
+    let Some(t0) = events.iter().map(|e| e.start).min() else {
+        return "no events".into();
+    };
+    let t1 = events.iter().filter_map(|e| e.end).max().unwrap_or(t0).max(t0 + 1);
+    let tenth = ((t1 - t0) / 10).max(1);
+    let mut per: std::collections::BTreeMap<&str, (u64, u64, [u64; 10])> = Default::default();
+    for e in events.iter().filter(|e| e.ok) {
+        let s = per.entry(e.instance.as_str()).or_insert((u64::MAX, 0, [0; 10]));
+        s.0 = s.0.min(e.start);
+        s.1 = s.1.max(e.end.unwrap_or(e.start));
+        s.2[(((e.start - t0) / tenth) as usize).min(9)] += 1;
+    }
+    per.iter()
+        .map(|(i, (a, b, bins))| {
+            format!(
+                "{i} {:.2}-{:.2} s [{}]",
+                (*a - t0) as f64 / 1e6,
+                (*b - t0) as f64 / 1e6,
+                bins.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(" ")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }

@@ -4,6 +4,7 @@
 mod admin;
 mod config;
 pub mod control;
+mod plan;
 mod probe;
 mod settle;
 mod source;

@@ -41,6 +41,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::config::Topology;
+use crate::plan::{Plan, PLAN_HEADER};
 use crate::settle::{Held, RabbitSettle};
 use crate::topology::{amqp, private_queue, Names};
 use crate::{confirm_channel, connect_uri, RabbitTransport, EPOCH_HEADER};
@@ -72,8 +73,13 @@ pub(crate) struct Source {
     /// Live instances: last announcement (local clock) and start time.
     seen: Arc<Mutex<HashMap<String, (Instant, u64)>>>,
     started_ms: u64,
-    /// Set by the presence listener when an instance appears: rebalance now.
+    /// Set by the presence listener when an instance appears or a leader
+    /// announces another plan: rebalance now.
     joined: Arc<AtomicBool>,
+    /// The newest plan each instance announced (see `plan`).
+    plans: Arc<Mutex<HashMap<String, Plan>>>,
+    /// This instance's own plan, while it is the oldest live one.
+    plan: Option<Plan>,
     owned: HashMap<String, Owned>,
     scopes: HashMap<Arc<str>, String>,
     tx: mpsc::UnboundedSender<Arrival>,
@@ -153,6 +159,8 @@ impl Source {
             seen: Arc::default(),
             started_ms: now_ms(),
             joined: Arc::default(),
+            plans: Arc::default(),
+            plan: None,
             owned: HashMap::new(),
             scopes: HashMap::new(),
             tx,
@@ -228,6 +236,8 @@ impl Source {
             .map_err(amqp)?;
             let seen = self.seen.clone();
             let joined = self.joined.clone();
+            let plans = self.plans.clone();
+            let queues = self.queues.len();
             let task = tokio::spawn(async move {
                 while let Some(Ok(d)) = consumer.next().await {
                     let text = String::from_utf8_lossy(&d.data).into_owned();
@@ -240,7 +250,15 @@ impl Source {
                         .unwrap_or_else(|e| e.into_inner())
                         .insert(who.to_owned(), (Instant::now(), started))
                         .is_none();
-                    if fresh {
+                    let plan = header_text(&d.properties, PLAN_HEADER).and_then(|p| Plan::parse(&p, queues));
+                    let changed = match plan {
+                        Some(p) => {
+                            let mut plans = plans.lock().unwrap_or_else(|e| e.into_inner());
+                            plans.insert(who.to_owned(), p.clone()).as_ref() != Some(&p)
+                        }
+                        None => false,
+                    };
+                    if fresh || changed {
                         joined.store(true, std::sync::atomic::Ordering::SeqCst);
                     }
                 }
@@ -342,17 +360,6 @@ impl Source {
         }
         let me = self.spec.instance.clone();
         let mine: HashSet<String> = if self.spreads() {
-            if let Some((ch, _)) = self.link.as_ref().and_then(|l| l.presence.as_ref()) {
-                ch.basic_publish(
-                    self.names.presence().as_str().into(),
-                    "".into(),
-                    BasicPublishOptions::default(),
-                    format!("{}:{me}", self.started_ms).as_bytes(),
-                    BasicProperties::default(),
-                )
-                .await
-                .map_err(amqp)?;
-            }
             let ttl = self.spec.lease.ttl;
             let mut live: Vec<(u64, String)> = {
                 let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
@@ -365,11 +372,48 @@ impl Source {
             live.push((self.started_ms, me.clone()));
             live.sort();
             let members: Vec<String> = live.into_iter().map(|(_, m)| m).collect();
-            assign(&members, &self.queues)
-                .into_iter()
-                .filter(|(_, m)| *m == me.as_str())
-                .map(|(q, _)| q.to_owned())
-                .collect()
+            let plan = if members.first() == Some(&me) {
+                if self.plan.as_ref().is_none_or(|p| p.members != members) {
+                    // Alone, every queue is this instance's: no depths needed.
+                    let depths = if members.len() > 1 {
+                        self.depths().await
+                    } else {
+                        Vec::new()
+                    };
+                    let floor = u64::from(self.t.cfg.prefetch) * self.queues.len() as u64;
+                    let plan = Plan::make(&members, &self.queues, &depths, floor);
+                    tracing::debug!(members = members.len(), owners = ?plan.owners, ?depths, "rabbitmq: queue plan");
+                    self.plan = Some(plan);
+                }
+                self.plan.clone()
+            } else {
+                self.plan = None;
+                let plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+                plans.get(&members[0]).filter(|p| p.members == members).cloned()
+            };
+            if let Some((ch, _)) = self.link.as_ref().and_then(|l| l.presence.as_ref()) {
+                let mut props = BasicProperties::default();
+                if let Some(p) = &self.plan {
+                    props = props.with_headers(p.header());
+                }
+                ch.basic_publish(
+                    self.names.presence().as_str().into(),
+                    "".into(),
+                    BasicPublishOptions::default(),
+                    format!("{}:{me}", self.started_ms).as_bytes(),
+                    props,
+                )
+                .await
+                .map_err(amqp)?;
+            }
+            match plan {
+                Some(p) => p.mine(&me, &self.queues).into_iter().cloned().collect(),
+                None => assign(&members, &self.queues)
+                    .into_iter()
+                    .filter(|(_, m)| *m == me.as_str())
+                    .map(|(q, _)| q.to_owned())
+                    .collect(),
+            }
         } else {
             self.queues.iter().cloned().collect()
         };
@@ -395,6 +439,32 @@ impl Source {
         self.events.extend(resolved.unwrap_or_default());
         self.last_maintain = Some(sent);
         Ok(())
+    }
+
+    /// Every queue's ready messages, read on a channel of its own (a
+    /// failed passive declaration closes its channel); empty when any read
+    /// fails (the plan then falls back to the count share).
+    async fn depths(&self) -> Vec<u64> {
+        let Some(link) = &self.link else { return Vec::new() };
+        let Ok(ch) = link.conn.create_channel().await else {
+            return Vec::new();
+        };
+        let mut depths = Vec::with_capacity(self.queues.len());
+        for q in &self.queues {
+            let passive = QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            };
+            match ch
+                .queue_declare(q.as_str().into(), passive, FieldTable::default())
+                .await
+            {
+                Ok(d) => depths.push(u64::from(d.message_count())),
+                Err(_) => return Vec::new(),
+            }
+        }
+        let _ = ch.close(200, "depths read".into()).await;
+        depths
     }
 
     fn inbound(&self, queue: &str, generation: u64, d: Delivery) -> Option<Inbound> {
