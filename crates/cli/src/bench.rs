@@ -51,6 +51,11 @@ pub(crate) struct BenchArgs {
     /// Print one JSON object as the last line on stdout.
     #[arg(long)]
     json: bool,
+    /// Rounds of ordered-then-baseline, each reported; with more than one
+    /// the median ratio is reported too (a shared machine's noise moves
+    /// single runs of either side by 10-30%).
+    #[arg(long, default_value_t = 1)]
+    rounds: u32,
 }
 
 struct Side {
@@ -193,10 +198,46 @@ pub(crate) async fn run(a: BenchArgs) -> anyhow::Result<()> {
         .await?
         .transport_name()
         .to_owned();
-    let ordered = side(&a, true, a.concurrency).await?;
-    let baseline = side(&a, false, a.concurrency).await?;
+    anyhow::ensure!(a.rounds >= 1, "rounds must be >= 1");
+    let mut ratios = Vec::new();
+    let mut defects = false;
+    for round in 1..=a.rounds {
+        if a.rounds > 1 {
+            println!("round {round} of {}", a.rounds);
+        }
+        let (ratio, bad) = round_trip(&a, &transport).await?;
+        ratios.push(ratio);
+        defects |= bad;
+    }
+    if a.rounds > 1 {
+        let mut sorted = ratios.clone();
+        sorted.sort_by(f64::total_cmp);
+        let median = sorted[sorted.len() / 2];
+        let each: Vec<String> = ratios.iter().map(|r| format!("{r:.2}")).collect();
+        println!(
+            "ratios (ordered/baseline) by round: {}; median {median:.2}",
+            each.join(" ")
+        );
+        if a.json {
+            println!(
+                "{}",
+                json!({"rounds": a.rounds, "ratios": ratios, "median_ratio": median})
+            );
+        }
+    }
+    if defects {
+        anyhow::bail!("ordering or loss defects found");
+    }
+    Ok(())
+}
+
+/// One round: ordered, then the baseline (then partition order if asked);
+/// prints the round and returns its ratio and whether it found a defect.
+async fn round_trip(a: &BenchArgs, transport: &str) -> anyhow::Result<(f64, bool)> {
+    let ordered = side(a, true, a.concurrency).await?;
+    let baseline = side(a, false, a.concurrency).await?;
     let partition = if a.partition_order {
-        Some(side(&a, true, 1).await?)
+        Some(side(a, true, 1).await?)
     } else {
         None
     };
@@ -248,10 +289,8 @@ pub(crate) async fn run(a: BenchArgs) -> anyhow::Result<()> {
         );
     }
     let partition_bad = partition.as_ref().is_some_and(|p| p.violations > 0 || p.lost > 0);
-    if ordered.violations > 0 || ordered.lost > 0 || baseline.lost > 0 || partition_bad {
-        anyhow::bail!("ordering or loss defects found");
-    }
-    Ok(())
+    let bad = ordered.violations > 0 || ordered.lost > 0 || baseline.lost > 0 || partition_bad;
+    Ok((ratio, bad))
 }
 
 /// Per instance: when it started its first handler and ended its last,
@@ -271,7 +310,25 @@ fn timeline(events: &[keyorder_testkit::eventlog::Event]) -> String {
         s.1 = s.1.max(e.end.unwrap_or(e.start));
         s.2[(((e.start - t0) / tenth) as usize).min(9)] += 1;
     }
-    per.iter()
+    // When each key's last message ended: keys that finish early leave
+    // handlers idle at the end (the tail).
+    let mut last: std::collections::HashMap<&str, u64> = Default::default();
+    for e in events.iter().filter(|e| e.ok) {
+        let t = last.entry(e.key.as_str()).or_default();
+        *t = (*t).max(e.end.unwrap_or(e.start));
+    }
+    let mut done: Vec<u64> = last.into_values().collect();
+    done.sort_unstable();
+    let at = |q: f64| (done[((done.len() - 1) as f64 * q) as usize] - t0) as f64 / 1e6;
+    let keys = format!(
+        "keys done at p10 {:.2} p50 {:.2} p90 {:.2} max {:.2} s",
+        at(0.1),
+        at(0.5),
+        at(0.9),
+        at(1.0)
+    );
+    let each = per
+        .iter()
         .map(|(i, (a, b, bins))| {
             format!(
                 "{i} {:.2}-{:.2} s [{}]",
@@ -281,5 +338,6 @@ fn timeline(events: &[keyorder_testkit::eventlog::Event]) -> String {
             )
         })
         .collect::<Vec<_>>()
-        .join("; ")
+        .join("; ");
+    format!("{each}; {keys}")
 }
