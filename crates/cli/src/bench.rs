@@ -100,9 +100,14 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
     let published = run::produce(&clients, &category, &keys, a.messages, sleep, 4, None).await?;
     let rec = run::Recorder::new();
     let mut instances = Vec::new();
+    // When each later instance's subscription was up (the store's clock).
+    let mut joins = Vec::new();
     for (i, client) in clients.iter().enumerate() {
         let b = run::builder(client, &category, ordered, concurrency);
         instances.push(run::start(b, format!("{label}-{i}"), rec.clone()).await?);
+        if i > 0 {
+            joins.push((format!("{label}-{i}"), rec.log.now().await?));
+        }
     }
     let target = published.len() as u64;
     let per_msg = a.handler_max_ms.unwrap_or(a.handler_ms) + 1;
@@ -162,6 +167,10 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
         },
     );
     eprintln!("{label}: {}", timeline(&events));
+    // Unordered consumers compete for every message: no key is taken over.
+    for (who, at) in joins.iter().filter(|_| ordered) {
+        eprintln!("{label}: {}", join_report(&events, who, *at));
+    }
     if ordered && !verdict.order.is_empty() {
         // The bench's own keys (`key-N`), not user data.
         for v in verdict.order.iter().take(5) {
@@ -291,6 +300,26 @@ async fn round_trip(a: &BenchArgs, transport: &str) -> anyhow::Result<(f64, bool
     let partition_bad = partition.as_ref().is_some_and(|p| p.violations > 0 || p.lost > 0);
     let bad = ordered.violations > 0 || ordered.lost > 0 || baseline.lost > 0 || partition_bad;
     Ok((ratio, bad))
+}
+
+/// How long a join took to settle, from the event log: from the joining
+/// instance's subscription being up to its first handler, and to the first
+/// handler of the last key it took over (every key it ran at all).
+fn join_report(events: &[keyorder_testkit::eventlog::Event], who: &str, at: u64) -> String {
+    let mut first: std::collections::HashMap<&str, u64> = Default::default();
+    for e in events.iter().filter(|e| e.instance == who) {
+        let t = first.entry(e.key.as_str()).or_insert(u64::MAX);
+        *t = (*t).min(e.start);
+    }
+    let (Some(a), Some(b)) = (first.values().min(), first.values().max()) else {
+        return format!("join of {who}: it ran nothing");
+    };
+    format!(
+        "join of {who}: first handler {:.0} ms after its subscription was up, the last of the {} keys it took over {:.0} ms after",
+        a.saturating_sub(at) as f64 / 1e3,
+        first.len(),
+        b.saturating_sub(at) as f64 / 1e3
+    )
 }
 
 /// Per instance: when it started its first handler and ended its last,
