@@ -81,10 +81,16 @@ impl Plan {
             .collect()
     }
 
-    /// The plan as a presence header.
-    pub(crate) fn header(&self) -> FieldTable {
+    /// The presence header: the plan, or empty from an instance that
+    /// follows plans but makes none. A leader makes a plan by depth only
+    /// when every live instance sends the header: one that does not (an
+    /// older version) computes the count share and would never consume a
+    /// queue a depth plan gave it.
+    pub(crate) fn header(plan: Option<&Plan>) -> FieldTable {
         let mut t = FieldTable::default();
-        let text = json!({"members": self.members, "owners": self.owners}).to_string();
+        let text = plan.map_or_else(String::new, |p| {
+            json!({"members": p.members, "owners": p.owners}).to_string()
+        });
         t.insert(PLAN_HEADER.into(), AMQPValue::LongString(text.into()));
         t
     }
@@ -166,7 +172,7 @@ mod tests {
         let members = names(2, "instance:");
         let queues = names(4, "q");
         let plan = Plan::make(&members, &queues, &[500, 100, 100, 100], 10);
-        let h = plan.header();
+        let h = Plan::header(Some(&plan));
         let text = match h.inner().get(super::PLAN_HEADER) {
             Some(lapin::types::AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
             other => panic!("header {other:?}"),
@@ -175,6 +181,13 @@ mod tests {
         assert_eq!(Plan::parse(&text, 5), None, "another queue count");
         assert_eq!(Plan::parse(r#"{"members":["a"],"owners":[0,1]}"#, 2), None);
         assert_eq!(Plan::parse("not json", 2), None);
+        let follower = Plan::header(None);
+        let empty = matches!(
+            follower.inner().get(super::PLAN_HEADER),
+            Some(lapin::types::AMQPValue::LongString(s)) if s.as_bytes().is_empty()
+        );
+        assert!(empty, "a follower's header is empty");
+        assert_eq!(Plan::parse("", 2), None);
         assert_eq!(Plan::parse(r#"{"members":[1],"owners":[0]}"#, 1), None);
     }
 }

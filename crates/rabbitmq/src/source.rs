@@ -76,8 +76,9 @@ pub(crate) struct Source {
     /// Set by the presence listener when an instance appears or a leader
     /// announces another plan: rebalance now.
     joined: Arc<AtomicBool>,
-    /// The newest plan each instance announced (see `plan`).
-    plans: Arc<Mutex<HashMap<String, Plan>>>,
+    /// Instances that follow plans (their presence carries the plan
+    /// header), with the newest plan each announced (see `plan`).
+    plans: Arc<Mutex<HashMap<String, Option<Plan>>>>,
     /// This instance's own plan, while it is the oldest live one.
     plan: Option<Plan>,
     owned: HashMap<String, Owned>,
@@ -250,11 +251,13 @@ impl Source {
                         .unwrap_or_else(|e| e.into_inner())
                         .insert(who.to_owned(), (Instant::now(), started))
                         .is_none();
-                    let plan = header_text(&d.properties, PLAN_HEADER).and_then(|p| Plan::parse(&p, queues));
-                    let changed = match plan {
-                        Some(p) => {
+                    // No header: an instance that does not follow plans (an
+                    // older version); empty: one that follows but makes none.
+                    let changed = match header_text(&d.properties, PLAN_HEADER) {
+                        Some(text) => {
+                            let plan = Plan::parse(&text, queues);
                             let mut plans = plans.lock().unwrap_or_else(|e| e.into_inner());
-                            plans.insert(who.to_owned(), p.clone()).as_ref() != Some(&p)
+                            plans.insert(who.to_owned(), plan.clone()) != Some(plan)
                         }
                         None => false,
                     };
@@ -364,6 +367,10 @@ impl Source {
             let mut live: Vec<(u64, String)> = {
                 let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
                 seen.retain(|_, (at, _)| at.elapsed() < ttl * 4);
+                self.plans
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .retain(|m, _| seen.contains_key(m));
                 seen.iter()
                     .filter(|(m, (at, _))| at.elapsed() < ttl && **m != me)
                     .map(|(m, (_, started))| (*started, m.clone()))
@@ -375,7 +382,13 @@ impl Source {
             let plan = if members.first() == Some(&me) {
                 if self.plan.as_ref().is_none_or(|p| p.members != members) {
                     // Alone, every queue is this instance's: no depths needed.
-                    let depths = if members.len() > 1 {
+                    // With an instance that does not follow plans, the count
+                    // share, which it computes too.
+                    let follow = {
+                        let plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+                        members.iter().all(|m| *m == me || plans.contains_key(m))
+                    };
+                    let depths = if members.len() > 1 && follow {
                         self.depths().await
                     } else {
                         Vec::new()
@@ -389,13 +402,14 @@ impl Source {
             } else {
                 self.plan = None;
                 let plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
-                plans.get(&members[0]).filter(|p| p.members == members).cloned()
+                plans
+                    .get(&members[0])
+                    .cloned()
+                    .flatten()
+                    .filter(|p| p.members == members)
             };
             if let Some((ch, _)) = self.link.as_ref().and_then(|l| l.presence.as_ref()) {
-                let mut props = BasicProperties::default();
-                if let Some(p) = &self.plan {
-                    props = props.with_headers(p.header());
-                }
+                let props = BasicProperties::default().with_headers(Plan::header(self.plan.as_ref()));
                 ch.basic_publish(
                     self.names.presence().as_str().into(),
                     "".into(),
