@@ -151,6 +151,12 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
         );
         i.stop().await?;
     }
+    #[cfg(feature = "all-adapters")]
+    if run::is_amqp(&url) {
+        if let Err(e) = run::delete_amqp_queues(&url, &category).await {
+            eprintln!("{label}: could not delete the side's queues ({e}); they expire in a minute");
+        }
+    }
     res?;
     let events: Vec<_> = rec
         .log
