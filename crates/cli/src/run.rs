@@ -349,6 +349,27 @@ where
     Ok(())
 }
 
+/// Deletes a finished bench side's queues on RabbitMQ. Left to expire
+/// (`expires_ms`), a run's quorum queues were deleted a minute later, in
+/// the middle of a later side's run, and deleting a quorum queue that
+/// carried a backlog is work for the broker: that side ran slower.
+#[cfg(feature = "all-adapters")]
+pub(crate) async fn delete_amqp_queues(url: &str, category: &str) -> anyhow::Result<()> {
+    use keyorder::rabbitmq::lapin::options::QueueDeleteOptions;
+    use keyorder::rabbitmq::lapin::{Connection, ConnectionProperties};
+    use keyorder::rabbitmq::{Names, RabbitConfig};
+    let cfg = RabbitConfig::from_url(&url.parse()?)?;
+    let names = Names::new(category)?;
+    let conn = Connection::connect(&cfg.uri, ConnectionProperties::default()).await?;
+    let ch = conn.create_channel().await?;
+    for q in names.queues(cfg.topology).into_iter().chain([names.dlq()]) {
+        ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await?;
+    }
+    let _ = conn.close(200, "bench queues deleted".into()).await;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::baseline_url;
@@ -393,25 +414,4 @@ mod tests {
             "amqp://h/%2f?topology=plain&prefetch=10"
         );
     }
-}
-
-/// Deletes a finished bench side's queues on RabbitMQ. Left to expire
-/// (`expires_ms`), a run's quorum queues were deleted a minute later, in
-/// the middle of a later side's run, and deleting a quorum queue that
-/// carried a backlog is work for the broker: that side ran slower.
-#[cfg(feature = "all-adapters")]
-pub(crate) async fn delete_amqp_queues(url: &str, category: &str) -> anyhow::Result<()> {
-    use keyorder::rabbitmq::lapin::options::QueueDeleteOptions;
-    use keyorder::rabbitmq::lapin::{Connection, ConnectionProperties};
-    use keyorder::rabbitmq::{Names, RabbitConfig};
-    let cfg = RabbitConfig::from_url(&url.parse()?)?;
-    let names = Names::new(category)?;
-    let conn = Connection::connect(&cfg.uri, ConnectionProperties::default()).await?;
-    let ch = conn.create_channel().await?;
-    for q in names.queues(cfg.topology).into_iter().chain([names.dlq()]) {
-        ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-            .await?;
-    }
-    let _ = conn.close(200, "bench queues deleted".into()).await;
-    Ok(())
 }
