@@ -339,18 +339,17 @@ fn timeline(events: &[keyorder_testkit::eventlog::Event]) -> String {
     let t1 = events.iter().filter_map(|e| e.end).max().unwrap_or(t0).max(t0 + 1);
     let tenth = ((t1 - t0) / 10).max(1);
     let mut per: std::collections::BTreeMap<&str, (u64, u64, [u64; 10])> = Default::default();
-    for e in events.iter().filter(|e| e.ok) {
-        let s = per.entry(e.instance.as_str()).or_insert((u64::MAX, 0, [0; 10]));
-        s.0 = s.0.min(e.start);
-        s.1 = s.1.max(e.end.unwrap_or(e.start));
-        s.2[(((e.start - t0) / tenth) as usize).min(9)] += 1;
-    }
     // When each key's last message ended: keys that finish early leave
     // handlers idle at the end (the tail).
     let mut last: std::collections::HashMap<&str, u64> = Default::default();
     for e in events.iter().filter(|e| e.ok) {
+        let end = e.end.unwrap_or(e.start);
+        let s = per.entry(e.instance.as_str()).or_insert((u64::MAX, 0, [0; 10]));
+        s.0 = s.0.min(e.start);
+        s.1 = s.1.max(end);
+        s.2[(((e.start - t0) / tenth) as usize).min(9)] += 1;
         let t = last.entry(e.key.as_str()).or_default();
-        *t = (*t).max(e.end.unwrap_or(e.start));
+        *t = (*t).max(end);
     }
     let mut done: Vec<u64> = last.into_values().collect();
     done.sort_unstable();

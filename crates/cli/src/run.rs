@@ -349,10 +349,9 @@ where
     Ok(())
 }
 
-/// Deletes a finished bench side's queues on RabbitMQ. Left to expire
-/// (`expires_ms`), a run's quorum queues were deleted a minute later, in
-/// the middle of a later side's run, and deleting a quorum queue that
-/// carried a backlog is work for the broker: that side ran slower.
+/// Deletes a finished bench side's queues on RabbitMQ, so that they neither
+/// pile up on the broker nor expire (`expires_ms`, the fallback) in the
+/// middle of a later side's run.
 #[cfg(feature = "all-adapters")]
 pub(crate) async fn delete_amqp_queues(url: &str, category: &str) -> anyhow::Result<()> {
     use keyorder::rabbitmq::lapin::options::QueueDeleteOptions;

@@ -27,7 +27,6 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::StreamExt;
-use keyorder_core::assign::assign;
 use keyorder_core::{
     Inbound, Message, OrderingKey, Result, ScopeLease, SourceEvent, SourceSpec, TransportSource, KEY_HEADER,
 };
@@ -380,33 +379,38 @@ impl Source {
             live.sort();
             let members: Vec<String> = live.into_iter().map(|(_, m)| m).collect();
             let plan = if members.first() == Some(&me) {
-                if self.plan.as_ref().is_none_or(|p| p.members != members) {
-                    // Alone, every queue is this instance's: no depths needed.
-                    // With an instance that does not follow plans, the count
-                    // share, which it computes too.
-                    let follow = {
-                        let plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
-                        members.iter().all(|m| *m == me || plans.contains_key(m))
-                    };
-                    let depths = if members.len() > 1 && follow {
-                        self.depths().await
-                    } else {
-                        Vec::new()
-                    };
-                    let floor = u64::from(self.t.cfg.prefetch) * self.queues.len() as u64;
-                    let plan = Plan::make(&members, &self.queues, &depths, floor);
-                    tracing::debug!(members = members.len(), owners = ?plan.owners, ?depths, "rabbitmq: queue plan");
-                    self.plan = Some(plan);
+                match &self.plan {
+                    Some(p) if p.members == members => p.clone(),
+                    _ => {
+                        // Alone, every queue is this instance's: no depths
+                        // needed. With an instance that does not follow
+                        // plans, the count share, which it computes too.
+                        let follow = {
+                            let plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+                            members.iter().all(|m| *m == me || plans.contains_key(m))
+                        };
+                        let depths = if members.len() > 1 && follow {
+                            self.depths().await
+                        } else {
+                            Vec::new()
+                        };
+                        let floor = u64::from(self.t.cfg.prefetch) * self.queues.len() as u64;
+                        let plan = Plan::make(&members, &self.queues, &depths, floor);
+                        tracing::debug!(members = members.len(), owners = ?plan.owners, ?depths, "rabbitmq: queue plan");
+                        self.plan = Some(plan.clone());
+                        plan
+                    }
                 }
-                self.plan.clone()
             } else {
                 self.plan = None;
+                // The leader's plan for this member list, else the count share.
                 let plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
                 plans
                     .get(&members[0])
                     .cloned()
                     .flatten()
                     .filter(|p| p.members == members)
+                    .unwrap_or_else(|| Plan::make(&members, &self.queues, &[], 0))
             };
             if let Some((ch, _)) = self.link.as_ref().and_then(|l| l.presence.as_ref()) {
                 let props = BasicProperties::default().with_headers(Plan::header(self.plan.as_ref()));
@@ -420,14 +424,7 @@ impl Source {
                 .await
                 .map_err(amqp)?;
             }
-            match plan {
-                Some(p) => p.mine(&me, &self.queues).into_iter().cloned().collect(),
-                None => assign(&members, &self.queues)
-                    .into_iter()
-                    .filter(|(_, m)| *m == me.as_str())
-                    .map(|(q, _)| q.to_owned())
-                    .collect(),
-            }
+            plan.mine(&me, &self.queues).into_iter().cloned().collect()
         } else {
             self.queues.iter().cloned().collect()
         };
@@ -463,12 +460,12 @@ impl Source {
         let Ok(ch) = link.conn.create_channel().await else {
             return Vec::new();
         };
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
         let mut depths = Vec::with_capacity(self.queues.len());
         for q in &self.queues {
-            let passive = QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            };
             match ch
                 .queue_declare(q.as_str().into(), passive, FieldTable::default())
                 .await
