@@ -173,6 +173,21 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
         },
     );
     eprintln!("{label}: {}", timeline(&events));
+    // A diagnostic: every applied event as CSV, for analysis outside.
+    if let Some(path) = std::env::var_os("KEYORDER_BENCH_EVENTS") {
+        let mut out = String::from("key,seq,instance,generation,start,end\n");
+        for e in &events {
+            let end = e.end.map(|v| v.to_string()).unwrap_or_default();
+            out.push_str(&format!(
+                "{},{},{},{},{},{end}\n",
+                e.key, e.seq, e.instance, e.generation, e.start
+            ));
+        }
+        let path = format!("{}.{label}.csv", path.to_string_lossy());
+        if let Err(err) = std::fs::write(&path, out) {
+            eprintln!("{label}: could not write {path}: {err}");
+        }
+    }
     // Unordered consumers compete for every message: no key is taken over.
     for (who, at) in joins.iter().filter(|_| ordered) {
         eprintln!("{label}: {}", join_report(&events, who, *at));

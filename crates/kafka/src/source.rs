@@ -531,6 +531,8 @@ pub(crate) struct Source {
     events: Vec<SourceEvent>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     last_report: Option<Instant>,
+    /// Where the next `take` starts its turn over the partitions.
+    turn: usize,
 }
 
 impl fmt::Debug for Source {
@@ -587,6 +589,7 @@ impl Source {
             events: Vec::new(),
             tasks: Vec::new(),
             last_report: None,
+            turn: 0,
         };
         source.start_member()?;
         source.tasks.push(tokio::spawn(shared.clone().committer()));
@@ -894,21 +897,38 @@ impl Source {
         }
     }
 
+    /// Hands out up to `max` held messages, one partition at a time in
+    /// turn, starting one partition further each call. Draining partitions
+    /// in map order gave the dispatcher's whole room to the first ones: their
+    /// few keys ran while the keys of the others waited for them to finish
+    /// (one partition of eight started 2.6 s into a 3.5 s run).
     fn take(&mut self, max: usize, paused: &HashSet<Arc<str>>, out: &mut Vec<Inbound>) {
-        for local in self.local.values_mut() {
-            if out.len() >= max {
+        let mut order: Vec<i32> = self
+            .local
+            .iter()
+            .filter(|(_, l)| l.held.front().is_some_and(|f| !paused.contains(f.lease.scope())))
+            .map(|(p, _)| *p)
+            .collect();
+        if order.is_empty() {
+            return;
+        }
+        order.sort_unstable();
+        self.turn = self.turn.wrapping_add(1);
+        let start = self.turn % order.len();
+        order.rotate_left(start);
+        while out.len() < max {
+            let mut took = false;
+            for p in &order {
+                if out.len() >= max {
+                    break;
+                }
+                if let Some(i) = self.local.get_mut(p).and_then(|l| l.held.pop_front()) {
+                    out.push(i);
+                    took = true;
+                }
+            }
+            if !took {
                 break;
-            }
-            if let Some(first) = local.held.front() {
-                if paused.contains(first.lease.scope()) {
-                    continue;
-                }
-            }
-            while out.len() < max {
-                match local.held.pop_front() {
-                    Some(i) => out.push(i),
-                    None => break,
-                }
             }
         }
     }
