@@ -1,6 +1,8 @@
 //! The Kafka adapter against the real test broker (`KAFKA_BROKERS`,
 //! started by `scripts/services`).
 
+mod common;
+
 use std::time::Duration;
 
 use keyorder_core::{Message, Transport};
@@ -8,9 +10,7 @@ use keyorder_kafka::{partition_for, KafkaTransport};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{ClientConfig, Message as _, Offset, TopicPartitionList};
 
-fn brokers() -> String {
-    std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
-}
+use common::brokers;
 
 async fn transport(partitions: i32) -> KafkaTransport {
     let url = url::Url::parse(&format!(
@@ -124,7 +124,7 @@ fn markers(state_topic: &str, p: i32, group_id: &str) -> usize {
 /// partition is then delivered by its owner.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_owner_that_saved_nothing_still_raises_the_next_generation() {
-    use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig};
+    use keyorder_core::{Client, Delivery, HandlerResult, KeySource};
     use std::sync::{Arc, Mutex};
 
     // KEYORDER_LOG=keyorder_kafka=debug shows assignments and generations.
@@ -148,11 +148,7 @@ async fn an_owner_that_saved_nothing_still_raises_the_next_generation() {
                 .subscribe(&topic, "g")
                 .ordered_by(KeySource::routing_key())
                 .instance_id(name)
-                .lease(LeaseConfig {
-                    ttl: Duration::from_secs(6),
-                    heartbeat: Duration::from_millis(500),
-                    margin: Duration::from_secs(2),
-                })
+                .lease(common::lease())
                 .build()
                 .await
                 .unwrap();

@@ -7,17 +7,18 @@
 //! messages start only when its previous one is durable, so both must run
 //! side by side.
 
+mod common;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig, Message};
+use keyorder_core::{Client, Delivery, HandlerResult, KeySource, Message};
 use keyorder_kafka::{partition_for, KafkaTransport};
 
 const PER_KEY: usize = 300;
 
 fn url() -> String {
-    let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
-    format!("kafka://{brokers}?partitions=2&fetch_wait_ms=10")
+    format!("kafka://{}?partitions=2&fetch_wait_ms=10", common::brokers())
 }
 
 async fn until(what: &str, mut cond: impl FnMut() -> bool) {
@@ -67,11 +68,7 @@ async fn keys_of_two_partitions_run_side_by_side_when_the_room_is_smaller_than_e
         .ordered_by(KeySource::routing_key())
         .concurrency(4)
         .budget(32)
-        .lease(LeaseConfig {
-            ttl: Duration::from_secs(6),
-            heartbeat: Duration::from_millis(500),
-            margin: Duration::from_secs(2),
-        })
+        .lease(common::lease())
         .build()
         .await
         .unwrap();

@@ -4,19 +4,19 @@
 //! head through the committed state and skips it through the control topic;
 //! the owner then runs the key's later messages.
 
+mod common;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{
-    Client, Delivery, Error, HandlerError, HandlerResult, HeadAction, KeySource, LeaseConfig, Message, PoisonPolicy,
-    RetryPolicy,
+    Client, Delivery, Error, HandlerError, HandlerResult, HeadAction, KeySource, Message, PoisonPolicy, RetryPolicy,
 };
 use keyorder_kafka::KafkaTransport;
 
 fn url() -> String {
-    let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
-    format!("kafka://{brokers}?partitions=2&fetch_wait_ms=10")
+    format!("kafka://{}?partitions=2&fetch_wait_ms=10", common::brokers())
 }
 
 async fn client() -> Client {
@@ -54,11 +54,7 @@ async fn another_process_lists_and_skips_a_halted_head() {
             initial_backoff: Duration::from_millis(20),
             max_backoff: Duration::from_millis(100),
         })
-        .lease(LeaseConfig {
-            ttl: Duration::from_secs(6),
-            heartbeat: Duration::from_millis(500),
-            margin: Duration::from_secs(2),
-        })
+        .lease(common::lease())
         .build()
         .await
         .unwrap();
