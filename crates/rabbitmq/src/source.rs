@@ -45,6 +45,9 @@ use crate::settle::{Held, RabbitSettle};
 use crate::topology::{amqp, private_queue, Names};
 use crate::{confirm_channel, connect_uri, RabbitTransport, EPOCH_HEADER};
 
+/// How long a shutdown or hand-over waits for the broker's close-ok.
+const CLOSE_WAIT: Duration = Duration::from_secs(5);
+
 type Arrival = (String, u64, Delivery);
 
 struct Owned {
@@ -632,7 +635,14 @@ impl TransportSource for Source {
         // first, in order, and then activates the next consumer (nothing is
         // in flight: the subscription drained the scope).
         if let Some(o) = self.owned.get(&q) {
-            let _ = o.channel.close(200, "handed over".into()).await;
+            // The close frame is sent before the wait: a broker that does not
+            // answer (a connection it already dropped) cannot hold this up.
+            if tokio::time::timeout(CLOSE_WAIT, o.channel.close(200, "handed over".into()))
+                .await
+                .is_err()
+            {
+                tracing::warn!(scope = %scope, "rabbitmq: no close-ok for a released queue's channel within 5 s");
+            }
         }
         if self.drop_owned(&q).is_some() {
             metrics::counter!("keyorder_rabbitmq_queues_released_total").increment(1);
@@ -642,14 +652,26 @@ impl TransportSource for Source {
 
     async fn close(&mut self) -> Result<()> {
         let scopes: Vec<Arc<str>> = self.scopes.keys().cloned().collect();
+        // On a connection that is gone there is no channel to close (the
+        // broker already returned the deliveries): only forget them.
+        let connected = self.link.as_ref().is_some_and(|l| l.conn.status().connected());
         for s in scopes {
-            self.release(&s).await?;
+            if connected {
+                self.release(&s).await?;
+            } else if let Some(q) = self.scopes.get(&s).cloned() {
+                self.drop_owned(&q);
+            }
         }
         if let Some(link) = self.link.take() {
             if let Some((_, h)) = &link.presence {
                 h.abort();
             }
-            let _ = link.conn.close(200, "closing".into()).await;
+            if tokio::time::timeout(CLOSE_WAIT, link.conn.close(200, "closing".into()))
+                .await
+                .is_err()
+            {
+                tracing::warn!("rabbitmq: no close-ok for the connection within 5 s");
+            }
         }
         Ok(())
     }
