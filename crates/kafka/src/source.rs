@@ -205,11 +205,28 @@ impl Part {
     }
 }
 
-/// What the source shares with its settles, committer and heartbeat.
 /// State rounds in flight at once (each waits for its records' delivery
-/// reports; acknowledgements wait for the round that carries them).
-const MAX_ROUNDS: usize = 4;
+/// reports; acknowledgements wait for the round that carries them). Fewer,
+/// larger rounds cost the broker less: measured on tansu at 100 keys and a
+/// 1 ms handler, 8 in flight ran 6,500-7,000 msg/s, 4 about 7,800, 2 about
+/// 9,000 (before the pointer commits were spaced out).
+const MAX_ROUNDS: usize = 2;
 
+/// The pointer commits (see [`state`]) go out at most this often. A new
+/// owner reads the state partition from the pointer to its end, so a late
+/// pointer only lengthens that read; an acknowledgement waits for its state
+/// record, never for a pointer. One commit per round cost the broker a
+/// group-coordinator request per round.
+const POINTER_EVERY: Duration = Duration::from_millis(250);
+
+/// Pointer commits not yet sent: partition -> (committed offset, offset of
+/// the newest state record).
+struct Pointers {
+    last: Instant,
+    pending: HashMap<i32, (i64, i64)>,
+}
+
+/// What the source shares with its settles, committer and heartbeat.
 pub(crate) struct Shared {
     pub(crate) t: KafkaTransport,
     pub(crate) names: Names,
@@ -231,6 +248,7 @@ pub(crate) struct Shared {
     /// Operator actions for the owner (in-process admin).
     pub(crate) events: Mutex<Vec<SourceEvent>>,
     closed: AtomicBool,
+    pointers: Mutex<Pointers>,
 }
 
 impl fmt::Debug for Shared {
@@ -361,6 +379,9 @@ impl Shared {
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             };
+            if ticked {
+                self.commit_pointers(&member, false);
+            }
             let parts = self.owned();
             let mut dirty = Vec::new();
             for p in &parts {
@@ -414,27 +435,56 @@ impl Shared {
             }
         });
         let written = futures::future::join_all(writes).await;
-        let mut tpl = TopicPartitionList::new();
         let mut ok = true;
-        for (w, r) in dirty.iter().zip(written) {
-            match r {
-                Ok((_, at)) => {
-                    let _ = tpl.add_partition_offset(self.names.topic(), w.part.partition, Offset::Offset(w.committed));
-                    let _ = tpl.add_partition_offset(&state_topic, w.part.partition, Offset::Offset(at));
-                }
-                Err(e) => {
-                    ok = false;
-                    metrics::counter!("keyorder_kafka_state_write_errors_total").increment(1);
-                    tracing::warn!(error = %e, "kafka: writing partition state failed; retrying");
+        {
+            let mut pointers = self.pointers.lock().unwrap_or_else(|e| e.into_inner());
+            for (w, r) in dirty.iter().zip(written) {
+                match r {
+                    Ok((_, at)) => {
+                        let e = pointers.pending.entry(w.part.partition).or_insert((w.committed, at));
+                        if at >= e.1 {
+                            *e = (w.committed, at);
+                        }
+                    }
+                    Err(e) => {
+                        ok = false;
+                        metrics::counter!("keyorder_kafka_state_write_errors_total").increment(1);
+                        tracing::warn!(error = %e, "kafka: writing partition state failed; retrying");
+                    }
                 }
             }
+        }
+        self.commit_pointers(member, false);
+        ok
+    }
+
+    /// Sends the pending pointer commits (the topic partitions' committed
+    /// offsets and the state partitions' pointers), without waiting, if
+    /// [`POINTER_EVERY`] passed since the last (or `now`). Only partitions
+    /// still owned are committed.
+    fn commit_pointers(&self, member: &Member, now: bool) {
+        let pending = {
+            let mut pointers = self.pointers.lock().unwrap_or_else(|e| e.into_inner());
+            if pointers.pending.is_empty() || (!now && pointers.last.elapsed() < POINTER_EVERY) {
+                return;
+            }
+            pointers.last = Instant::now();
+            std::mem::take(&mut pointers.pending)
+        };
+        let state_topic = self.names.state();
+        let mut tpl = TopicPartitionList::new();
+        for (partition, (committed, at)) in pending {
+            if self.part(partition).is_none_or(|p| p.lease.is_lost()) {
+                continue;
+            }
+            let _ = tpl.add_partition_offset(self.names.topic(), partition, Offset::Offset(committed));
+            let _ = tpl.add_partition_offset(&state_topic, partition, Offset::Offset(at));
         }
         if tpl.count() > 0 {
             if let Err(e) = member.commit(&tpl, CommitMode::Async) {
                 tracing::debug!(error = %e, "kafka: offset commit not sent");
             }
         }
-        ok
     }
 
     /// A round completed (in order).
@@ -574,6 +624,10 @@ impl Source {
             gap: ttl.saturating_sub(spec.lease.heartbeat),
             events: Mutex::default(),
             closed: AtomicBool::new(false),
+            pointers: Mutex::new(Pointers {
+                last: Instant::now(),
+                pending: HashMap::new(),
+            }),
         });
         check_partition_count(&t, &shared.names, &spec.group, partitions).await?;
         let (_, rx) = mpsc::unbounded_channel();
@@ -1053,6 +1107,9 @@ impl TransportSource for Source {
                 .is_err()
             {
                 tracing::warn!(scope = %scope, "kafka: final state write before hand-over timed out");
+            }
+            if let Some(member) = self.shared.member() {
+                self.shared.commit_pointers(&member, true);
             }
             metrics::counter!("keyorder_kafka_partitions_released_total").increment(1);
             tracing::debug!(instance = %self.spec.instance, scope = %scope, "kafka: released");

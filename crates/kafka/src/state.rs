@@ -9,9 +9,10 @@
 //! above it with their attempts and halts (see `track`). A step is durable
 //! once its record is acknowledged by the broker (`acks=all`).
 //!
-//! After each record the owner commits two offsets, without waiting: the
-//! topic partition's committed offset (for lag and other tools), and the
-//! group's offset on the state partition, pointing at its newest record. A
+//! After its records the owner commits two offsets, without waiting, at
+//! most every 250 ms and at every hand-over: the topic partition's
+//! committed offset (for lag and other tools), and the group's offset on
+//! the state partition, pointing at its newest record. A
 //! new owner reads the state partition from that pointer to its end and
 //! takes the record with the highest generation (the latest of those): a
 //! failed commit loses nothing, and a stale owner's late record (a lower
