@@ -740,6 +740,14 @@ impl Source {
         }
         self.local.remove(&partition);
         self.scopes.retain(|_, v| *v != partition);
+        // A pointer of a partition gone is not sent (it would be the next
+        // owner's to move).
+        self.shared
+            .pointers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pending
+            .remove(&partition);
         self.settle_pending(partition);
     }
 
