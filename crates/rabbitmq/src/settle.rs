@@ -37,6 +37,9 @@ impl Held {
     }
 }
 
+/// The longest an acknowledgement's frame may take to be written.
+const ACK_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The header a dead letter carries its reason in.
 pub(crate) const REASON_HEADER: &str = "x-keyorder-reason";
 
@@ -83,9 +86,21 @@ impl RabbitSettle {
     }
 
     async fn ack_now(&self) -> Result<()> {
-        match self.held.acker.ack(BasicAckOptions::default()).await {
-            Ok(true) => Ok(()),
-            Ok(false) | Err(_) => Err(self.fenced()),
+        // lapin writes the frame through its connection task; on a
+        // connection that died while the process was stopped the write may
+        // never be answered, and an unbounded wait here held a worker's
+        // graceful shutdown forever. The delivery stays unacknowledged
+        // (the broker requeues it with the channel), as a fenced one does.
+        match tokio::time::timeout(ACK_WAIT, self.held.acker.ack(BasicAckOptions::default())).await {
+            Ok(Ok(true)) => Ok(()),
+            Ok(Ok(false) | Err(_)) => Err(self.fenced()),
+            Err(_) => {
+                tracing::warn!(
+                    scope = %self.scope,
+                    "rabbitmq: acknowledgement not written within 10 s; treating the channel as lost"
+                );
+                Err(self.fenced())
+            }
         }
     }
 }

@@ -84,6 +84,14 @@ where
     Fut: Future<Output = Result<serde_json::Value>>,
 {
     let Ok(raw) = std::env::var(env) else { return };
+    // `KEYORDER_LOG` (an `EnvFilter`, e.g. `keyorder_rabbitmq=debug`) logs
+    // the worker to stderr, which the test process passes through.
+    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_env("KEYORDER_LOG") {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
     let code = match serde_json::from_str::<C>(&raw) {
         Ok(cfg) => {
             let rt = tokio::runtime::Builder::new_multi_thread()
