@@ -11,7 +11,7 @@ use keyorder_core::{Admin, DeadLetter, Error, HaltedKey, HeadAction, HotKey, Res
 use lapin::options::{BasicGetOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 
-use crate::settle::REASON_HEADER;
+use crate::settle::{Held, ACK_WAIT, REASON_HEADER};
 use crate::source::header_text;
 use crate::topology::{amqp, Names};
 use crate::{confirm_channel, RabbitTransport};
@@ -170,7 +170,7 @@ impl RabbitAdmin {
         };
         let drop_head = match action {
             HeadAction::Skip => {
-                held.acker.ack(Default::default()).await.map_err(amqp)?;
+                operator_ack(&held).await?;
                 tracing::warn!(key = %label(&found), "operator skipped a halted head");
                 true
             }
@@ -179,7 +179,7 @@ impl RabbitAdmin {
                 let ch = confirm_channel(&*self.t.connection().await?).await?;
                 held.dead_letter(&ch, &n.dlq(), "moved to the dead-letter queue by an operator")
                     .await?;
-                held.acker.ack(Default::default()).await.map_err(amqp)?;
+                operator_ack(&held).await?;
                 true
             }
             HeadAction::Resume => {
@@ -202,5 +202,17 @@ impl RabbitAdmin {
             .or_default()
             .push(SourceEvent::Resolved { key: found, drop_head });
         Ok(true)
+    }
+}
+
+/// An operator's acknowledgement of a halted head, bounded like every
+/// other (see [`Held::ack`]).
+async fn operator_ack(held: &Held) -> Result<()> {
+    match held.ack().await {
+        Some(r) => r.map(|_| ()).map_err(amqp),
+        None => Err(Error::Broker(format!(
+            "rabbitmq: the head's acknowledgement was not written within {} s (the connection looks dead); retry once the owner reconnected",
+            ACK_WAIT.as_secs()
+        ))),
     }
 }

@@ -27,6 +27,18 @@ pub(crate) struct Held {
 }
 
 impl Held {
+    /// Acknowledges the delivery, waiting at most [`ACK_WAIT`] for the frame
+    /// to be written: `None` past it. lapin writes the frame through its
+    /// connection task; on a connection that died while the process was
+    /// stopped the write may never be answered, and an unbounded wait held a
+    /// worker's graceful shutdown forever. Unwritten, the delivery stays
+    /// unacknowledged and the broker requeues it with the channel.
+    pub(crate) async fn ack(&self) -> Option<lapin::Result<bool>> {
+        tokio::time::timeout(ACK_WAIT, self.acker.ack(BasicAckOptions::default()))
+            .await
+            .ok()
+    }
+
     /// Publishes a copy of the message to the dead-letter queue `dlq` with
     /// `reason` in `x-keyorder-reason`, and waits for the broker's confirm.
     pub(crate) async fn dead_letter(&self, ch: &Channel, dlq: &str, reason: &str) -> Result<()> {
@@ -38,7 +50,7 @@ impl Held {
 }
 
 /// The longest an acknowledgement's frame may take to be written.
-const ACK_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+pub(crate) const ACK_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The header a dead letter carries its reason in.
 pub(crate) const REASON_HEADER: &str = "x-keyorder-reason";
@@ -86,18 +98,15 @@ impl RabbitSettle {
     }
 
     async fn ack_now(&self) -> Result<()> {
-        // lapin writes the frame through its connection task; on a
-        // connection that died while the process was stopped the write may
-        // never be answered, and an unbounded wait here held a worker's
-        // graceful shutdown forever. The delivery stays unacknowledged
-        // (the broker requeues it with the channel), as a fenced one does.
-        match tokio::time::timeout(ACK_WAIT, self.held.acker.ack(BasicAckOptions::default())).await {
-            Ok(Ok(true)) => Ok(()),
-            Ok(Ok(false) | Err(_)) => Err(self.fenced()),
-            Err(_) => {
+        // Unwritten in time, it is left to the broker as a fenced one is.
+        match self.held.ack().await {
+            Some(Ok(true)) => Ok(()),
+            Some(Ok(false) | Err(_)) => Err(self.fenced()),
+            None => {
                 tracing::warn!(
                     scope = %self.scope,
-                    "rabbitmq: acknowledgement not written within 10 s; treating the channel as lost"
+                    wait_s = ACK_WAIT.as_secs(),
+                    "rabbitmq: acknowledgement not written in time; treating the channel as lost"
                 );
                 Err(self.fenced())
             }

@@ -641,7 +641,7 @@ impl TransportSource for Source {
                 .await
                 .is_err()
             {
-                tracing::warn!(scope = %scope, "rabbitmq: no close-ok for a released queue's channel within 5 s");
+                tracing::warn!(scope = %scope, wait_s = CLOSE_WAIT.as_secs(), "rabbitmq: no close-ok for a released queue's channel in time");
             }
         }
         if self.drop_owned(&q).is_some() {
@@ -670,7 +670,10 @@ impl TransportSource for Source {
                 .await
                 .is_err()
             {
-                tracing::warn!("rabbitmq: no close-ok for the connection within 5 s");
+                tracing::warn!(
+                    wait_s = CLOSE_WAIT.as_secs(),
+                    "rabbitmq: no close-ok for the connection in time"
+                );
             }
         }
         Ok(())
