@@ -40,8 +40,13 @@ pub(crate) struct Req {
 /// The most requests one statement carries.
 const MAX_BATCH: usize = 256;
 
-/// Batch statements running at once per transport.
-const IN_FLIGHT: usize = 4;
+/// Batch statements running at once per transport. One: every request that
+/// arrives while a statement runs rides in the next one, so a busy
+/// transport commits settlements in groups as large as its load (measured
+/// on 2 cores, 100 keys, 1 ms handler: 15 per statement and 0.68 of the
+/// unordered baseline with one in flight, 8.5 and 0.62 with two, 5.5 and
+/// 0.57 with four).
+const IN_FLIGHT: usize = 1;
 
 /// Waits for one request, then takes whatever else is already queued, up
 /// to `max` in all (`None` once every sender is gone).
@@ -67,7 +72,23 @@ impl Batcher {
         let (tx, mut rx) = mpsc::unbounded_channel::<Req>();
         let in_flight = Arc::new(Semaphore::new(IN_FLIGHT));
         tokio::spawn(async move {
-            while let Some(batch) = next_batch(&mut rx, MAX_BATCH).await {
+            loop {
+                // Wait for a request, then for room for a statement, and only
+                // then take what is queued: requests that arrived while the
+                // statements in flight ran ride in this one (group commit),
+                // instead of waiting behind a batch formed before they came.
+                let Some(first) = rx.recv().await else { return };
+                let Ok(permit) = in_flight.clone().acquire_owned().await else {
+                    return;
+                };
+                let mut permit = Some(permit);
+                let mut batch = vec![first];
+                while batch.len() < MAX_BATCH {
+                    match rx.try_recv() {
+                        Ok(req) => batch.push(req),
+                        Err(_) => break,
+                    }
+                }
                 let mut groups: HashMap<(Kind, String, String, String), Vec<Req>> = HashMap::new();
                 for req in batch {
                     groups
@@ -76,11 +97,14 @@ impl Batcher {
                         .push(req);
                 }
                 for ((kind, queue, grp, me), reqs) in groups {
-                    // Statements overlap (up to `IN_FLIGHT`), so their
-                    // commits can share a WAL flush; requests that arrive
-                    // meanwhile form the next batch.
-                    let Ok(permit) = in_flight.clone().acquire_owned().await else {
-                        return;
+                    // Requests of another kind or subscription are a
+                    // statement of their own, after this one.
+                    let permit = match permit.take() {
+                        Some(p) => p,
+                        None => match in_flight.clone().acquire_owned().await {
+                            Ok(p) => p,
+                            Err(_) => return,
+                        },
                     };
                     let (db, attempt_sql, ack_sql) = (db.clone(), attempt_sql.clone(), ack_sql.clone());
                     tokio::spawn(async move {
