@@ -579,7 +579,24 @@ struct Owned {
     prior_mark: Pos,
     track: Arc<Mutex<Track>>,
     revoking: bool,
+    /// When a read last returned fewer rows than it asked of this slot (it
+    /// had read to the end of what was readable), if it has not read more
+    /// since: see `PgSource::read`.
+    dry: Option<Instant>,
 }
+
+impl Owned {
+    /// Read to its end within the last [`DRY_FOR`], with no notification since.
+    fn is_dry(&self, now: Instant) -> bool {
+        self.dry.is_some_and(|t| now.duration_since(t) < DRY_FOR)
+    }
+}
+
+/// How long a slot that was read to its end gets no share of the read room
+/// (unless a publish is noticed first): the polling fallback's wait, so an
+/// event held back by the commit-safe horizon (which sends no notification
+/// when it becomes readable) waits no longer than it would when idle.
+const DRY_FOR: Duration = Duration::from_millis(100);
 
 fn lock(track: &Mutex<Track>) -> std::sync::MutexGuard<'_, Track> {
     track.lock().unwrap_or_else(|e| e.into_inner())
@@ -660,6 +677,9 @@ impl PgSource {
     fn noticed(&mut self, payload: &str) {
         if payload.starts_with("members\n") && payload == self.members_payload() {
             self.last_maintain = None;
+        } else if payload == self.spec.category {
+            // A publish to this queue: any slot may have more.
+            self.owned.values_mut().for_each(|o| o.dry = None);
         }
     }
 
@@ -772,6 +792,7 @@ impl PgSource {
                     // again from there (what is settled or in flight is
                     // skipped). The cursor never passed the head.
                     o.read = o.read.min(head);
+                    o.dry = None;
                     if drop_head {
                         // Settled at the database by the operator: the cursor may pass it.
                         lock(&o.track).unsettled.remove(&head);
@@ -833,6 +854,7 @@ impl PgSource {
                     prior_mark,
                     track: Arc::default(),
                     revoking: false,
+                    dry: None,
                 },
             );
             return Ok(true);
@@ -924,6 +946,18 @@ impl PgSource {
         if readable.is_empty() || max == 0 {
             return Ok(out);
         }
+        // Slots that a recent read took to their end get no share while
+        // others may have more: at 64 slots, the slots that had run out took
+        // nearly all the room, those with a backlog got none once the room
+        // was smaller than the slot count, the read came back empty, and
+        // the fetch waited for a notification (100 ms gaps in a key's run).
+        let now = Instant::now();
+        let wet: Vec<(u32, i64, Pos, usize)> = readable
+            .iter()
+            .filter(|r| !self.owned.get(&r.0).is_some_and(|o| o.is_dry(now)))
+            .copied()
+            .collect();
+        let readable = if wet.is_empty() { readable } else { wet };
         // The room goes to the slots holding the least (water-filling), not
         // in even shares: a slot of few keys consumes slowly, and even
         // shares let its backlog fill the budget while a slot of many keys
@@ -956,6 +990,15 @@ impl PgSource {
             )
             .await
             .map_err(db)?;
+        let mut got: HashMap<u32, i32> = HashMap::new();
+        for r in &rows {
+            *got.entry(r.get::<i32, _>(0) as u32).or_default() += 1;
+        }
+        for (slot, _, _, lim) in &readable {
+            if let Some(o) = self.owned.get_mut(slot) {
+                o.dry = (got.get(slot).copied().unwrap_or(0) < *lim).then_some(now);
+            }
+        }
         for r in rows {
             let slot = r.get::<i32, _>(0) as u32;
             let Some(o) = self.owned.get_mut(&slot) else { continue };
@@ -1025,6 +1068,8 @@ impl TransportSource for PgSource {
             Ok(Err(e)) => tracing::warn!(error = %e, "LISTEN connection failed; polling"),
             Err(_) => {}
         }
+        // The polling fallback reads every slot (a notification may be lost).
+        self.owned.values_mut().for_each(|o| o.dry = None);
         self.read(max, paused).await
     }
 
