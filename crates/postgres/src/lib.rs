@@ -404,6 +404,7 @@ impl Transport for PgTransport {
             events: Vec::new(),
             listener,
             last_maintain: None,
+            skipped_dry: false,
             waiting: false,
             rotate: 0,
         };
@@ -593,10 +594,12 @@ impl Owned {
 }
 
 /// How long a slot that was read to its end gets no share of the read room
-/// (unless a publish is noticed first): the polling fallback's wait, so an
-/// event held back by the commit-safe horizon (which sends no notification
-/// when it becomes readable) waits no longer than it would when idle.
-const DRY_FOR: Duration = Duration::from_millis(100);
+/// while other slots have events (unless a publish to it is noticed first).
+/// Short, because an event held back by the commit-safe horizon sends no
+/// notification when it becomes readable: under load it waits at most this
+/// much longer than before; when idle, a read that comes back empty reads
+/// the dry slots at once (see `fetch`).
+const DRY_FOR: Duration = Duration::from_millis(20);
 
 fn lock(track: &Mutex<Track>) -> std::sync::MutexGuard<'_, Track> {
     track.lock().unwrap_or_else(|e| e.into_inner())
@@ -610,10 +613,12 @@ struct PgSource {
     events: Vec<SourceEvent>,
     listener: PgListener,
     last_maintain: Option<Instant>,
+    /// The last read left out slots with a dry mark.
+    skipped_dry: bool,
     /// A slot this member should own is still held by another: retry soon
     /// rather than at the next heartbeat.
     waiting: bool,
-    /// Where the next read shorter than the slot count starts.
+    /// The slot number where the next read's ties start (modulo the slot count).
     rotate: usize,
 }
 
@@ -677,8 +682,16 @@ impl PgSource {
     fn noticed(&mut self, payload: &str) {
         if payload.starts_with("members\n") && payload == self.members_payload() {
             self.last_maintain = None;
+        } else if let Some(slot) = payload
+            .strip_prefix(self.spec.category.as_str())
+            .and_then(|rest| rest.strip_prefix('\n'))
+        {
+            // A publish to this queue's slot: that slot may have more.
+            if let Some(o) = slot.parse().ok().and_then(|slot: u32| self.owned.get_mut(&slot)) {
+                o.dry = None;
+            }
         } else if payload == self.spec.category {
-            // A publish to this queue: any slot may have more.
+            // A publisher of an earlier version names only the queue.
             self.owned.values_mut().for_each(|o| o.dry = None);
         }
     }
@@ -957,13 +970,17 @@ impl PgSource {
             .filter(|r| !self.owned.get(&r.0).is_some_and(|o| o.is_dry(now)))
             .copied()
             .collect();
+        self.skipped_dry = !wet.is_empty() && wet.len() < readable.len();
         let readable = if wet.is_empty() { readable } else { wet };
         // The room goes to the slots holding the least (water-filling), not
         // in even shares: a slot of few keys consumes slowly, and even
         // shares let its backlog fill the budget while a slot of many keys
-        // starved. Ties start where the last read stopped, so every slot
-        // gets its turn when there is less room than slots.
-        let limits = fill_levels(&readable.iter().map(|r| r.3).collect::<Vec<_>>(), max, self.rotate);
+        // starved. Ties start at the slot after the last read's start (by
+        // slot number, whichever slots are readable), so every slot gets its
+        // turn when there is less room than slots.
+        let from = (self.rotate % self.slots.max(1) as usize) as u32;
+        let start = readable.iter().position(|r| r.0 >= from).unwrap_or(0);
+        let limits = fill_levels(&readable.iter().map(|r| r.3).collect::<Vec<_>>(), max, start);
         self.rotate = self.rotate.wrapping_add(1);
         let readable: Vec<(u32, i64, Pos, i32)> = readable
             .iter()
@@ -1053,7 +1070,13 @@ impl TransportSource for PgSource {
         while let Some(Ok(n)) = self.listener.recv().now_or_never() {
             self.noticed(n.payload());
         }
-        let batch = self.read(max, paused).await?;
+        let mut batch = self.read(max, paused).await?;
+        if batch.is_empty() && self.skipped_dry {
+            // Only the slots with no dry mark were read, and they had
+            // nothing: read the others before waiting.
+            self.owned.values_mut().for_each(|o| o.dry = None);
+            batch = self.read(max, paused).await?;
+        }
         if !batch.is_empty() {
             return Ok(batch);
         }

@@ -103,10 +103,12 @@ impl Sql {
                 "insert into {s}.slots (queue, grp, slot) select $1, $2, g from generate_series(0, $3 - 1) g \
                  on conflict do nothing",
             ),
+            // The notification names the queue and the slot (`queue\nslot`),
+            // so a consumer gives read room back to that slot only.
             publish: f(
                 "with ins as (insert into {s}.events (queue, slot, key, message_id, correlation_id, headers, payload) \
                  values ($1, $2, $3, $4, $5, $6::jsonb, $7) returning 1) \
-                 select pg_notify($8, $1) from ins",
+                 select pg_notify($8, $1 || chr(10) || $2::int::text) from ins",
             ),
             // The fence row and the event in one statement: no event (and no
             // row back) when the scope's fence holds a higher token.
@@ -119,7 +121,7 @@ impl Sql {
                 "with f as (select 1 from {s}.publish_fences where queue = $1 and scope = $9 and token = $10 for share), \
                  ins as (insert into {s}.events (queue, slot, key, message_id, correlation_id, headers, payload) \
                  select $1, $2::int, $3::text, $4::text, $5::text, $6::jsonb, $7::bytea from f returning 1) \
-                 select pg_notify($8, $1) from ins",
+                 select pg_notify($8, $1 || chr(10) || $2::int::text) from ins",
             ),
             publish_fenced: f(
                 "with f as (insert into {s}.publish_fences (queue, scope, token) values ($1, $9, $10) \
@@ -127,7 +129,7 @@ impl Sql {
                  where {s}.publish_fences.token <= excluded.token returning 1), \
                  ins as (insert into {s}.events (queue, slot, key, message_id, correlation_id, headers, payload) \
                  select $1, $2::int, $3::text, $4::text, $5::text, $6::jsonb, $7::bytea from f returning 1) \
-                 select pg_notify($8, $1) from ins",
+                 select pg_notify($8, $1 || chr(10) || $2::int::text) from ins",
             ),
             heartbeat: Arc::from(lease.heartbeat.as_str()),
             live_members: Arc::from(lease.live_members.as_str()),
