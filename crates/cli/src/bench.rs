@@ -240,9 +240,7 @@ pub(crate) async fn run(a: BenchArgs) -> anyhow::Result<()> {
         defects |= bad;
     }
     if a.rounds > 1 {
-        let mut sorted = ratios.clone();
-        sorted.sort_by(f64::total_cmp);
-        let median = sorted[sorted.len() / 2];
+        let median = median(&ratios);
         let each: Vec<String> = ratios.iter().map(|r| format!("{r:.2}")).collect();
         println!(
             "ratios (ordered/baseline) by round: {}; median {median:.2}",
@@ -389,4 +387,28 @@ fn timeline(events: &[keyorder_testkit::eventlog::Event]) -> String {
         .collect::<Vec<_>>()
         .join("; ");
     format!("{each}; {keys}")
+}
+
+/// The median (the mean of the middle two of an even count).
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let n = sorted.len();
+    match n {
+        0 => f64::NAN,
+        _ if n % 2 == 1 => sorted[n / 2],
+        _ => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+    }
+}
+
+#[cfg(test)]
+mod median_tests {
+    #[test]
+    fn an_even_count_takes_the_mean_of_the_middle_two() {
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        assert!(close(super::median(&[0.70, 0.55]), 0.625));
+        assert!(close(super::median(&[0.4, 0.9, 0.5]), 0.5));
+        assert!(close(super::median(&[0.3, 0.1, 0.4, 0.2]), 0.25));
+        assert!(super::median(&[]).is_nan());
+    }
 }

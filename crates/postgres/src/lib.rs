@@ -661,6 +661,17 @@ fn scope_name(queue: &str, slot: u32) -> Arc<str> {
     Arc::from(format!("{queue}/s{slot}"))
 }
 
+/// What a publish notification says about `queue`: `Some(Some(slot))` for
+/// `queue\nslot`, `Some(None)` for a bare `queue` (a publisher of an earlier
+/// version: any slot may have more), `None` for anything else.
+fn published_to(payload: &str, queue: &str) -> Option<Option<u32>> {
+    let rest = payload.strip_prefix(queue)?;
+    if rest.is_empty() {
+        return Some(None);
+    }
+    rest.strip_prefix('\n')?.parse().ok().map(Some)
+}
+
 fn parse_scope(scope: &str) -> Option<u32> {
     scope.rsplit_once("/s").and_then(|(_, n)| n.parse().ok())
 }
@@ -682,17 +693,16 @@ impl PgSource {
     fn noticed(&mut self, payload: &str) {
         if payload.starts_with("members\n") && payload == self.members_payload() {
             self.last_maintain = None;
-        } else if let Some(slot) = payload
-            .strip_prefix(self.spec.category.as_str())
-            .and_then(|rest| rest.strip_prefix('\n'))
-        {
-            // A publish to this queue's slot: that slot may have more.
-            if let Some(o) = slot.parse().ok().and_then(|slot: u32| self.owned.get_mut(&slot)) {
-                o.dry = None;
+        } else {
+            match published_to(payload, &self.spec.category) {
+                Some(Some(slot)) => {
+                    if let Some(o) = self.owned.get_mut(&slot) {
+                        o.dry = None;
+                    }
+                }
+                Some(None) => self.owned.values_mut().for_each(|o| o.dry = None),
+                None => {}
             }
-        } else if payload == self.spec.category {
-            // A publisher of an earlier version names only the queue.
-            self.owned.values_mut().for_each(|o| o.dry = None);
         }
     }
 
@@ -1450,7 +1460,16 @@ impl Admin for PgAdmin {
 
 #[cfg(test)]
 mod fill_tests {
-    use super::fill_levels;
+    use super::{fill_levels, published_to};
+
+    #[test]
+    fn a_publish_notification_names_its_slot() {
+        assert_eq!(published_to("orders\n7", "orders"), Some(Some(7)));
+        assert_eq!(published_to("orders", "orders"), Some(None));
+        assert_eq!(published_to("orders-eu\n7", "orders"), None);
+        assert_eq!(published_to("orders\nx", "orders"), None);
+        assert_eq!(published_to("members\norders\ng", "orders"), None);
+    }
 
     #[test]
     fn the_room_lifts_the_lowest_slots_first() {
