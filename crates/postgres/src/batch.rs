@@ -110,10 +110,9 @@ impl Batcher {
                         Kind::Attempt => attempt_sql.clone(),
                         Kind::Ack => ack_sql.clone(),
                     };
-                    let (db, free) = (db.clone(), Free(done_tx.clone(), Some(l.clone())));
+                    let (db, free) = (db.clone(), Free(done_tx.clone(), l));
                     tokio::spawn(async move {
-                        settle(&db, sql, &l, reqs).await;
-                        drop(free);
+                        settle(&db, sql, &free.1, reqs).await;
                     });
                 }
             }
@@ -136,13 +135,11 @@ impl Batcher {
 }
 
 /// Frees its lane when dropped, even if the statement's task panicked.
-struct Free(mpsc::UnboundedSender<Lane>, Option<Lane>);
+struct Free(mpsc::UnboundedSender<Lane>, Lane);
 
 impl Drop for Free {
     fn drop(&mut self) {
-        if let Some(lane) = self.1.take() {
-            let _ = self.0.send(lane);
-        }
+        let _ = self.0.send(self.1.clone());
     }
 }
 

@@ -404,7 +404,6 @@ impl Transport for PgTransport {
             events: Vec::new(),
             listener,
             last_maintain: None,
-            skipped_dry: false,
             waiting: false,
             rotate: 0,
         };
@@ -598,7 +597,7 @@ impl Owned {
 /// Short, because an event held back by the commit-safe horizon sends no
 /// notification when it becomes readable: under load it waits at most this
 /// much longer than before; when idle, a read that comes back empty reads
-/// the dry slots at once (see `fetch`).
+/// the dry slots at once (see `PgSource::read`).
 const DRY_FOR: Duration = Duration::from_millis(20);
 
 fn lock(track: &Mutex<Track>) -> std::sync::MutexGuard<'_, Track> {
@@ -613,8 +612,6 @@ struct PgSource {
     events: Vec<SourceEvent>,
     listener: PgListener,
     last_maintain: Option<Instant>,
-    /// The last read left out slots with a dry mark.
-    skipped_dry: bool,
     /// A slot this member should own is still held by another: retry soon
     /// rather than at the next heartbeat.
     waiting: bool,
@@ -700,7 +697,7 @@ impl PgSource {
                         o.dry = None;
                     }
                 }
-                Some(None) => self.owned.values_mut().for_each(|o| o.dry = None),
+                Some(None) => self.all_wet(),
                 None => {}
             }
         }
@@ -955,7 +952,25 @@ impl PgSource {
         Ok(())
     }
 
+    /// Reads the readable owned slots. When only slots with no dry mark
+    /// were read and they had nothing, the dry ones are read at once.
     async fn read(&mut self, max: usize, paused: &HashSet<Arc<str>>) -> Result<Vec<Inbound>> {
+        let (batch, skipped_dry) = self.read_once(max, paused).await?;
+        if !batch.is_empty() || !skipped_dry {
+            return Ok(batch);
+        }
+        self.all_wet();
+        Ok(self.read_once(max, paused).await?.0)
+    }
+
+    /// Every owned slot may have more (its dry mark goes).
+    fn all_wet(&mut self) {
+        self.owned.values_mut().for_each(|o| o.dry = None);
+    }
+
+    /// One read statement; also says whether slots with a dry mark were
+    /// left out.
+    async fn read_once(&mut self, max: usize, paused: &HashSet<Arc<str>>) -> Result<(Vec<Inbound>, bool)> {
         let mut out = Vec::new();
         // Every readable owned slot in one round trip (one statement per
         // slot cost a round trip each on every fetch: milliseconds of
@@ -967,7 +982,7 @@ impl PgSource {
             .map(|(slot, o)| (*slot, o.generation, o.read, lock(&o.track).unsettled.len()))
             .collect();
         if readable.is_empty() || max == 0 {
-            return Ok(out);
+            return Ok((out, false));
         }
         // Slots that a recent read took to their end get no share while
         // others may have more: at 64 slots, the slots that had run out took
@@ -980,7 +995,7 @@ impl PgSource {
             .filter(|r| !self.owned.get(&r.0).is_some_and(|o| o.is_dry(now)))
             .copied()
             .collect();
-        self.skipped_dry = !wet.is_empty() && wet.len() < readable.len();
+        let skipped_dry = !wet.is_empty() && wet.len() < readable.len();
         let readable = if wet.is_empty() { readable } else { wet };
         // The room goes to the slots holding the least (water-filling), not
         // in even shares: a slot of few keys consumes slowly, and even
@@ -999,7 +1014,7 @@ impl PgSource {
             .map(|(r, lim)| (r.0, r.1, r.2, *lim as i32))
             .collect();
         if readable.is_empty() {
-            return Ok(out);
+            return Ok((out, skipped_dry));
         }
         let rows = self
             .t
@@ -1067,7 +1082,7 @@ impl PgSource {
                 });
             }
         }
-        Ok(out)
+        Ok((out, skipped_dry))
     }
 }
 
@@ -1080,13 +1095,7 @@ impl TransportSource for PgSource {
         while let Some(Ok(n)) = self.listener.recv().now_or_never() {
             self.noticed(n.payload());
         }
-        let mut batch = self.read(max, paused).await?;
-        if batch.is_empty() && self.skipped_dry {
-            // Only the slots with no dry mark were read, and they had
-            // nothing: read the others before waiting.
-            self.owned.values_mut().for_each(|o| o.dry = None);
-            batch = self.read(max, paused).await?;
-        }
+        let batch = self.read(max, paused).await?;
         if !batch.is_empty() {
             return Ok(batch);
         }
@@ -1102,7 +1111,7 @@ impl TransportSource for PgSource {
             Err(_) => {}
         }
         // The polling fallback reads every slot (a notification may be lost).
-        self.owned.values_mut().for_each(|o| o.dry = None);
+        self.all_wet();
         self.read(max, paused).await
     }
 
