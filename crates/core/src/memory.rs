@@ -160,6 +160,10 @@ impl GroupPart {
     fn is_acked(&self, offset: u64) -> bool {
         offset < self.acked_upto || self.acked.contains(&offset)
     }
+    /// Delivered to the owner and not settled yet.
+    fn unsettled(&self) -> usize {
+        (self.next.saturating_sub(self.acked_upto) as usize).saturating_sub(self.acked.len())
+    }
     fn hand_back(&mut self) {
         self.owner = None;
         self.revoking = false;
@@ -590,24 +594,37 @@ impl MemorySource {
                 }
             }
         }
-        // Round-robin over partitions so one busy partition does not starve the rest.
-        for i in 0..partitions {
+        // The readable partitions, starting one further each fetch.
+        let readable: Vec<u32> = (0..partitions)
+            .map(|i| (self.cursor + i) % partitions)
+            .filter(|p| {
+                self.leases.get(p).is_some_and(|l| !paused.contains(l.scope()))
+                    && !group.parts[*p as usize].revoking
+                    && group.parts[*p as usize].next < logs[*p as usize].end()
+            })
+            .collect();
+        // Ordered, the room goes to the partitions holding the fewest
+        // unsettled deliveries (water-filling, `fill_levels`): a partition
+        // of many keys consumes fastest and gets the most, so its keys do
+        // not run dry while a partition of few keys fills the budget. The
+        // baseline (unordered) takes even shares.
+        let n = readable.len();
+        let levels = self.ordered.then(|| {
+            let held: Vec<usize> = readable.iter().map(|p| group.parts[*p as usize].unsettled()).collect();
+            crate::transport::fill_levels(&held, max - out.len(), 0)
+        });
+        for (i, p) in readable.into_iter().enumerate() {
             if out.len() >= max {
                 break;
             }
-            let p = (self.cursor + i) % partitions;
-            let Some(lease) = self.leases.get(&p) else { continue };
-            if paused.contains(lease.scope()) {
-                continue;
-            }
+            let limit = match &levels {
+                Some(levels) => levels[i],
+                None => (max - out.len()).div_ceil(n - i),
+            };
             let part = &mut group.parts[p as usize];
-            if part.revoking {
-                continue;
-            }
             let log = &logs[p as usize];
-            let share = (max - out.len()).div_ceil((partitions - i) as usize).max(1);
             let mut taken = 0;
-            while taken < share && part.next < log.end() {
+            while taken < limit && out.len() < max && part.next < log.end() {
                 let off = part.next;
                 part.next += 1;
                 if part.is_acked(off) {
@@ -915,5 +932,77 @@ impl Admin for MemoryAdmin {
         })?;
         self.broker.notify.notify_waiters();
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod room_tests {
+    use std::collections::HashSet;
+    use std::time::Duration;
+
+    use super::MemoryTransport;
+    use crate::key::{KeyRules, OrderingKey};
+    use crate::lease::LeaseConfig;
+    use crate::message::Message;
+    use crate::transport::{Inbound, SourceSpec, Transport, TransportSource};
+
+    /// The partition a delivery came from (`category/pN`).
+    fn part(i: &Inbound) -> u32 {
+        super::parse_scope(i.lease.scope()).expect("a partition scope")
+    }
+
+    async fn fetch(src: &mut Box<dyn TransportSource>, max: usize) -> Vec<Inbound> {
+        src.fetch(max, &HashSet::new(), Duration::ZERO).await.expect("fetch")
+    }
+
+    /// A fetch lifts the partitions holding the fewest unsettled deliveries
+    /// first, instead of splitting its room evenly: the partition whose keys
+    /// consumed what they had gets the most.
+    #[tokio::test]
+    async fn the_room_goes_to_the_partitions_holding_least() {
+        let t = MemoryTransport::with_partitions(2);
+        let key_in = |p: u64| {
+            (0..)
+                .map(|i| format!("k{i}"))
+                .find(|k| OrderingKey::new(k.as_str()).unwrap().stable_hash() % 2 == p)
+                .unwrap()
+        };
+        let (k0, k1) = (key_in(0), key_in(1));
+        let publisher = t.publisher("room").await.unwrap();
+        for i in 0..20 {
+            for k in [&k0, &k1] {
+                publisher
+                    .publish(Message::new(format!("{i}")).with_key(k).unwrap())
+                    .await
+                    .unwrap();
+            }
+        }
+        let spec = SourceSpec {
+            category: "room".into(),
+            correlated: Vec::new(),
+            group: "g".into(),
+            instance: "a".into(),
+            ordered: true,
+            lease: LeaseConfig::default(),
+            key_rules: KeyRules::default(),
+        };
+        let mut src = t.open(&spec).await.unwrap();
+        let first = fetch(&mut src, 8).await;
+        let count = |batch: &[Inbound], p: u32| batch.iter().filter(|i| part(i) == p).count();
+        assert_eq!(
+            (count(&first, 0), count(&first, 1)),
+            (4, 4),
+            "both hold nothing: even shares"
+        );
+        // Partition 1's deliveries are settled; partition 0 still holds 4.
+        for i in first.iter().filter(|i| part(i) == 1) {
+            i.settle.ack().await.unwrap();
+        }
+        let second = fetch(&mut src, 8).await;
+        assert_eq!(
+            (count(&second, 0), count(&second, 1)),
+            (2, 6),
+            "partition 1 (holding 0) is lifted to partition 0's 4 first, then both by 2"
+        );
     }
 }

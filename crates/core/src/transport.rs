@@ -358,3 +358,78 @@ pub trait Admin: Send + Sync + fmt::Debug {
     /// - An unknown or not-halted key is [`crate::Error::NotFound`].
     async fn resolve(&self, category: &str, group: &str, key: &str, action: HeadAction) -> Result<()>;
 }
+
+/// Splits a fetch's `room` over scopes that already hold `held` delivered,
+/// unsettled messages each, lifting the lowest first (water-filling), so
+/// what every scope holds evens out; ties go first to the scopes from
+/// `start` on. A source that reads many scopes at once uses it to share the
+/// dispatcher's room: even shares let a scope of few keys (which consumes
+/// slowly) fill the budget while the keys of a crowded scope ran dry, and
+/// those keys then finished their backlog last.
+///
+/// ```
+/// use keyorder_core::transport::fill_levels;
+/// assert_eq!(fill_levels(&[0, 10, 3], 5, 0), vec![4, 0, 1]);
+/// ```
+pub fn fill_levels(held: &[usize], room: usize, start: usize) -> Vec<usize> {
+    let n = held.len();
+    if n == 0 {
+        return Vec::new();
+    }
+    let cost = |level: usize| held.iter().map(|&h| level.saturating_sub(h)).sum::<usize>();
+    // The highest level every scope can be lifted to within `room`.
+    let (mut lo, mut hi) = (0, held.iter().max().copied().unwrap_or(0) + room);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if cost(mid) <= room {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    let mut give: Vec<usize> = held.iter().map(|&h| lo.saturating_sub(h)).collect();
+    // What is left (less than one each at the level) goes one each to
+    // scopes at the level, from `start` on.
+    let mut left = room - cost(lo);
+    for i in (0..n).map(|i| (start + i) % n) {
+        if left == 0 {
+            break;
+        }
+        if held[i] + give[i] == lo {
+            give[i] += 1;
+            left -= 1;
+        }
+    }
+    give
+}
+
+#[cfg(test)]
+mod fill_tests {
+    use super::fill_levels;
+
+    #[test]
+    fn the_room_lifts_the_lowest_slots_first() {
+        assert_eq!(fill_levels(&[0, 10, 3], 5, 0), vec![4, 0, 1]);
+        assert_eq!(fill_levels(&[5, 5, 5], 2, 1), vec![0, 1, 1]);
+        assert_eq!(fill_levels(&[5, 5, 5], 2, 2), vec![1, 0, 1]);
+        assert_eq!(fill_levels(&[0, 0], 0, 0), vec![0, 0]);
+        assert_eq!(fill_levels(&[], 7, 3), Vec::<usize>::new());
+        for (held, room) in [
+            (vec![1usize, 7, 2, 9], 13usize),
+            (vec![0; 64], 256),
+            (vec![300, 0], 256),
+        ] {
+            let give = fill_levels(&held, room, 5);
+            assert_eq!(give.iter().sum::<usize>(), room, "all the room is used");
+            let after: Vec<usize> = held.iter().zip(&give).map(|(h, g)| h + g).collect();
+            let lifted_max = after.iter().zip(&give).filter(|(_, g)| **g > 0).map(|(a, _)| *a).max();
+            let unlifted_min = after.iter().zip(&give).filter(|(_, g)| **g == 0).map(|(a, _)| *a).min();
+            if let (Some(l), Some(u)) = (lifted_max, unlifted_min) {
+                assert!(
+                    l <= u + 1,
+                    "no scope is lifted above one left behind: {held:?} {give:?}"
+                );
+            }
+        }
+    }
+}

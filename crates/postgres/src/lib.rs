@@ -510,41 +510,6 @@ impl PgPublisher {
 /// A read position: `(transaction id, event id)`.
 type Pos = (u64, i64);
 
-/// Splits `room` rows over slots that already hold `held` unsettled
-/// events each, lifting the lowest first (water-filling), so what every
-/// slot holds evens out. Ties go first to the slots from `start` on.
-fn fill_levels(held: &[usize], room: usize, start: usize) -> Vec<usize> {
-    let n = held.len();
-    if n == 0 {
-        return Vec::new();
-    }
-    let cost = |level: usize| held.iter().map(|&h| level.saturating_sub(h)).sum::<usize>();
-    // The highest level every slot can be lifted to within `room`.
-    let (mut lo, mut hi) = (0, held.iter().max().copied().unwrap_or(0) + room);
-    while lo < hi {
-        let mid = lo + (hi - lo).div_ceil(2);
-        if cost(mid) <= room {
-            lo = mid;
-        } else {
-            hi = mid - 1;
-        }
-    }
-    let mut give: Vec<usize> = held.iter().map(|&h| lo.saturating_sub(h)).collect();
-    // What is left (fewer rows than slots at the level) goes one each to
-    // slots at the level, from `start` on.
-    let mut left = room - cost(lo);
-    for i in (0..n).map(|i| (start + i) % n) {
-        if left == 0 {
-            break;
-        }
-        if held[i] + give[i] == lo {
-            give[i] += 1;
-            left -= 1;
-        }
-    }
-    give
-}
-
 /// The delivered, not yet settled events of one owned slot, by read position
 /// (bounded by what the dispatcher holds, whatever the slot's throughput).
 #[derive(Debug, Default)]
@@ -1005,7 +970,8 @@ impl PgSource {
         // turn when there is less room than slots.
         let from = (self.rotate % self.slots.max(1) as usize) as u32;
         let start = readable.iter().position(|r| r.0 >= from).unwrap_or(0);
-        let limits = fill_levels(&readable.iter().map(|r| r.3).collect::<Vec<_>>(), max, start);
+        let limits =
+            keyorder_core::transport::fill_levels(&readable.iter().map(|r| r.3).collect::<Vec<_>>(), max, start);
         self.rotate = self.rotate.wrapping_add(1);
         let readable: Vec<(u32, i64, Pos, i32)> = readable
             .iter()
@@ -1468,8 +1434,8 @@ impl Admin for PgAdmin {
 }
 
 #[cfg(test)]
-mod fill_tests {
-    use super::{fill_levels, published_to};
+mod notify_tests {
+    use super::published_to;
 
     #[test]
     fn a_publish_notification_names_its_slot() {
@@ -1478,28 +1444,5 @@ mod fill_tests {
         assert_eq!(published_to("orders-eu\n7", "orders"), None);
         assert_eq!(published_to("orders\nx", "orders"), None);
         assert_eq!(published_to("members\norders\ng", "orders"), None);
-    }
-
-    #[test]
-    fn the_room_lifts_the_lowest_slots_first() {
-        assert_eq!(fill_levels(&[0, 10, 3], 5, 0), vec![4, 0, 1]);
-        assert_eq!(fill_levels(&[5, 5, 5], 2, 1), vec![0, 1, 1]);
-        assert_eq!(fill_levels(&[5, 5, 5], 2, 2), vec![1, 0, 1]);
-        assert_eq!(fill_levels(&[0, 0], 0, 0), vec![0, 0]);
-        assert_eq!(fill_levels(&[], 7, 3), Vec::<usize>::new());
-        for (held, room) in [
-            (vec![1usize, 7, 2, 9], 13usize),
-            (vec![0; 64], 256),
-            (vec![300, 0], 256),
-        ] {
-            let give = fill_levels(&held, room, 5);
-            assert_eq!(give.iter().sum::<usize>(), room, "all the room is used");
-            let after: Vec<usize> = held.iter().zip(&give).map(|(h, g)| h + g).collect();
-            let lifted_max = after.iter().zip(&give).filter(|(_, g)| **g > 0).map(|(a, _)| *a).max();
-            let unlifted_min = after.iter().zip(&give).filter(|(_, g)| **g == 0).map(|(a, _)| *a).min();
-            if let (Some(l), Some(u)) = (lifted_max, unlifted_min) {
-                assert!(l <= u + 1, "no slot is lifted above one left behind: {held:?} {give:?}");
-            }
-        }
     }
 }
