@@ -162,7 +162,9 @@ impl GroupPart {
     }
     /// Delivered to the owner and not settled yet.
     fn unsettled(&self) -> usize {
-        (self.next.saturating_sub(self.acked_upto) as usize).saturating_sub(self.acked.len())
+        // Acknowledgements at or past `next` (a new owner reads again from
+        // `acked_upto`) are not among the delivered ones.
+        (self.next.saturating_sub(self.acked_upto) as usize).saturating_sub(self.acked.range(..self.next).count())
     }
     fn hand_back(&mut self) {
         self.owner = None;
@@ -594,52 +596,73 @@ impl MemorySource {
                 }
             }
         }
-        // The readable partitions, starting one further each fetch.
-        let readable: Vec<u32> = (0..partitions)
-            .map(|i| (self.cursor + i) % partitions)
-            .filter(|p| {
-                self.leases.get(p).is_some_and(|l| !paused.contains(l.scope()))
-                    && !group.parts[*p as usize].revoking
-                    && group.parts[*p as usize].next < logs[*p as usize].end()
-            })
-            .collect();
-        // Ordered, the room goes to the partitions holding the fewest
-        // unsettled deliveries (water-filling, `fill_levels`): a partition
-        // of many keys consumes fastest and gets the most, so its keys do
-        // not run dry while a partition of few keys fills the budget. The
-        // baseline (unordered) takes even shares.
-        let n = readable.len();
-        let levels = self.ordered.then(|| {
+        if self.ordered {
+            // The readable partitions, starting one further each fetch.
+            let readable: Vec<u32> = (0..partitions)
+                .map(|i| (self.cursor + i) % partitions)
+                .filter(|p| {
+                    self.leases.get(p).is_some_and(|l| !paused.contains(l.scope()))
+                        && !group.parts[*p as usize].revoking
+                        && group.parts[*p as usize].next < logs[*p as usize].end()
+                })
+                .collect();
+            // The room goes to the partitions holding the fewest unsettled
+            // deliveries (`share_room`): a partition of many keys consumes
+            // fastest and gets the most, so its keys do not run dry while a
+            // partition of few keys fills the budget. What a partition
+            // cannot use goes round the others one at a time.
             let held: Vec<usize> = readable.iter().map(|p| group.parts[*p as usize].unsettled()).collect();
-            crate::transport::fill_levels(&held, max - out.len(), 0)
-        });
-        for (i, p) in readable.into_iter().enumerate() {
-            if out.len() >= max {
-                break;
+            let levels = crate::transport::share_room(&held, max - out.len(), 0);
+            for (p, level) in readable.iter().zip(levels) {
+                self.take_from(group, logs, *p, level, max, &mut out);
             }
-            let limit = match &levels {
-                Some(levels) => levels[i],
-                None => (max - out.len()).div_ceil(n - i),
-            };
-            let part = &mut group.parts[p as usize];
-            let log = &logs[p as usize];
-            let mut taken = 0;
-            while taken < limit && out.len() < max && part.next < log.end() {
-                let off = part.next;
-                part.next += 1;
-                if part.is_acked(off) {
+            while out.len() < max {
+                let before = out.len();
+                for p in &readable {
+                    self.take_from(group, logs, *p, 1, max, &mut out);
+                }
+                if out.len() == before {
+                    break;
+                }
+            }
+        } else {
+            // Round-robin over partitions so one busy partition does not starve the rest.
+            for i in 0..partitions {
+                if out.len() >= max {
+                    break;
+                }
+                let p = (self.cursor + i) % partitions;
+                let Some(lease) = self.leases.get(&p) else { continue };
+                if paused.contains(lease.scope()) || group.parts[p as usize].revoking {
                     continue;
                 }
-                let message = log.get(off).expect("offset within log").message.clone();
-                if !self.ordered {
-                    group.inflight.insert((p, off), self.member.clone());
-                }
-                taken += 1;
-                out.push(self.inbound(p, off, message));
+                let share = (max - out.len()).div_ceil((partitions - i) as usize).max(1);
+                self.take_from(group, logs, p, share, max, &mut out);
             }
         }
         self.cursor = (self.cursor + 1) % partitions;
         Ok(out)
+    }
+
+    /// Delivers up to `limit` unacknowledged entries of partition `p` from
+    /// its read position, without `out` passing `max`.
+    fn take_from(&self, group: &mut Group, logs: &[PartLog], p: u32, limit: usize, max: usize, out: &mut Vec<Inbound>) {
+        let part = &mut group.parts[p as usize];
+        let log = &logs[p as usize];
+        let mut taken = 0;
+        while taken < limit && out.len() < max && part.next < log.end() {
+            let off = part.next;
+            part.next += 1;
+            if part.is_acked(off) {
+                continue;
+            }
+            let message = log.get(off).expect("offset within log").message.clone();
+            if !self.ordered {
+                group.inflight.insert((p, off), self.member.clone());
+            }
+            taken += 1;
+            out.push(self.inbound(p, off, message));
+        }
     }
 
     fn inbound(&self, part: u32, offset: u64, message: Message) -> Inbound {
@@ -1004,5 +1027,42 @@ mod room_tests {
             (2, 6),
             "partition 1 (holding 0) is lifted to partition 0's 4 first, then both by 2"
         );
+    }
+
+    /// Room a partition cannot use (it has fewer entries left than its
+    /// share) goes to the others in the same fetch.
+    #[tokio::test]
+    async fn room_a_partition_cannot_use_goes_to_the_others() {
+        let t = MemoryTransport::with_partitions(2);
+        let key_in = |p: u64| {
+            (0..)
+                .map(|i| format!("k{i}"))
+                .find(|k| OrderingKey::new(k.as_str()).unwrap().stable_hash() % 2 == p)
+                .unwrap()
+        };
+        let publisher = t.publisher("left").await.unwrap();
+        publisher
+            .publish(Message::new("only").with_key(key_in(0)).unwrap())
+            .await
+            .unwrap();
+        for i in 0..20 {
+            publisher
+                .publish(Message::new(format!("{i}")).with_key(key_in(1)).unwrap())
+                .await
+                .unwrap();
+        }
+        let spec = SourceSpec {
+            category: "left".into(),
+            correlated: Vec::new(),
+            group: "g".into(),
+            instance: "a".into(),
+            ordered: true,
+            lease: LeaseConfig::default(),
+            key_rules: KeyRules::default(),
+        };
+        let mut src = t.open(&spec).await.unwrap();
+        let got = fetch(&mut src, 8).await;
+        let count = |p: u32| got.iter().filter(|i| part(i) == p).count();
+        assert_eq!((count(0), count(1)), (1, 7), "the fetch is filled from partition 1");
     }
 }

@@ -403,9 +403,50 @@ pub fn fill_levels(held: &[usize], room: usize, start: usize) -> Vec<usize> {
     give
 }
 
+/// [`fill_levels`] with a floor: every scope first gets a quarter of an
+/// even share (at least one each when the room allows), and the rest is
+/// water-filled. A scope that holds many because one of its keys is halted
+/// or slow (its messages stay with the dispatcher) still gets some room, so
+/// its other keys never wait for every other scope's backlog.
+///
+/// ```
+/// use keyorder_core::transport::share_room;
+/// // 16 of 64 go a floor of one each; the rest lifts the lowest.
+/// assert_eq!(share_room(&[64, 0, 0, 0], 16, 0), vec![1, 5, 5, 5]);
+/// ```
+pub fn share_room(held: &[usize], room: usize, start: usize) -> Vec<usize> {
+    let n = held.len();
+    if n == 0 {
+        return Vec::new();
+    }
+    let floor = (room / (4 * n)).max(usize::from(room >= n));
+    let mut give = fill_levels(held, room - floor * n, start);
+    give.iter_mut().for_each(|g| *g += floor);
+    give
+}
+
 #[cfg(test)]
 mod fill_tests {
-    use super::fill_levels;
+    use super::{fill_levels, share_room};
+
+    #[test]
+    fn a_full_scope_still_gets_a_floor() {
+        assert_eq!(share_room(&[64, 0, 0, 0], 16, 0), vec![1, 5, 5, 5]);
+        assert_eq!(share_room(&[64, 0, 0, 0], 3, 0), vec![0, 1, 1, 1]);
+        assert_eq!(share_room(&[0, 0], 0, 0), vec![0, 0]);
+        assert_eq!(share_room(&[], 9, 0), Vec::<usize>::new());
+        for (held, room) in [
+            (vec![1usize, 7, 2, 9], 13usize),
+            (vec![300, 0], 256),
+            (vec![64; 16], 256),
+        ] {
+            let give = share_room(&held, room, 1);
+            assert_eq!(give.iter().sum::<usize>(), room, "all the room is used");
+            if room >= held.len() {
+                assert!(give.iter().all(|g| *g >= 1), "every scope gets some: {give:?}");
+            }
+        }
+    }
 
     #[test]
     fn the_room_lifts_the_lowest_slots_first() {

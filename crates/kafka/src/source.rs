@@ -961,7 +961,8 @@ impl Source {
 
     /// Hands out up to `max` held messages. The room goes first to the
     /// partitions whose messages the dispatcher holds fewest of
-    /// (water-filling, `fill_levels`): a partition of many keys consumes
+    /// (water-filling with a floor for every partition, `share_room`, so
+    /// one holding a halted key's messages still gets some): a partition of many keys consumes
     /// fastest and gets the most, so its keys do not run dry while one of
     /// few keys fills the room. What a partition cannot use goes round the
     /// others one message at a time. Ties start one partition further each
@@ -992,7 +993,7 @@ impl Source {
                 admitted.saturating_sub(self.local.get(p).map_or(0, |l| l.held.len()))
             })
             .collect();
-        let levels = keyorder_core::transport::fill_levels(&in_dispatcher, max - out.len(), 0);
+        let levels = keyorder_core::transport::share_room(&in_dispatcher, max - out.len(), 0);
         for (p, level) in order.iter().zip(levels) {
             let Some(l) = self.local.get_mut(p) else { continue };
             for _ in 0..level {

@@ -6,7 +6,7 @@ use crate::shared::{after, after_position, commit_safe, read_order, LeaseSql, TX
 
 /// The embedded migrations (`crates/postgres/migrations`), in order: `{s}`
 /// stands for the schema.
-const MIGRATIONS: [(i64, &str, &str); 7] = [
+const MIGRATIONS: [(i64, &str, &str); 8] = [
     (1, "init", include_str!("../migrations/0001_init.sql")),
     (
         2,
@@ -26,6 +26,11 @@ const MIGRATIONS: [(i64, &str, &str); 7] = [
         include_str!("../migrations/0006_publish_fences.sql"),
     ),
     (7, "dead letters once", include_str!("../migrations/0007_dead_once.sql")),
+    (
+        8,
+        "dead letters unique",
+        include_str!("../migrations/0008_dead_unique.sql"),
+    ),
 ];
 
 /// The statements of one schema (`AssertSqlSafe`: the schema name is
@@ -197,8 +202,8 @@ impl Sql {
             ),
             park: f(
                 "with {own}, d as (insert into {s}.dead (queue, grp, event_id, message_id, key, reason) \
-                 select $1, $2, $6, $7, $8, $9 from own where not exists (select 1 from {s}.dead x \
-                 where x.queue = $1 and x.grp = $2 and x.event_id = $6)), \
+                 select $1, $2, $6, $7, $8, $9 from own \
+                 on conflict (queue, grp, event_id, message_id) do nothing), \
                  ins as (insert into {s}.acked (queue, grp, slot, event_id, txid) \
                  select $1, $2, $3, $6, (select e.txid from {s}.events e where e.id = $6) from own \
                  on conflict do nothing), \
@@ -253,9 +258,9 @@ impl Sql {
                  and t.event_id = h.event_id",
             ),
             op_dead: f("insert into {s}.dead (queue, grp, event_id, message_id, key, reason) \
-                 select queue, grp, event_id, message_id, key, 'operator: ' || reason from {s}.halted h \
-                 where queue = $1 and grp = $2 and key = $3 and not exists (select 1 from {s}.dead x \
-                 where x.queue = h.queue and x.grp = h.grp and x.event_id = h.event_id)"),
+                 select queue, grp, event_id, message_id, key, 'operator: ' || reason from {s}.halted \
+                 where queue = $1 and grp = $2 and key = $3 \
+                 on conflict (queue, grp, event_id, message_id) do nothing"),
             op_resume: f(
                 "delete from {s}.attempts a using {s}.halted h where h.queue = $1 and h.grp = $2 \
                  and h.key = $3 and a.queue = h.queue and a.grp = h.grp and a.event_id = h.event_id",
