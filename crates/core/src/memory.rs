@@ -974,6 +974,28 @@ mod room_tests {
         super::parse_scope(i.lease.scope()).expect("a partition scope")
     }
 
+    /// A key of partition `p` of 2.
+    fn key_in(p: u64) -> String {
+        (0..)
+            .map(|i| format!("k{i}"))
+            .find(|k| OrderingKey::new(k.as_str()).unwrap().stable_hash() % 2 == p)
+            .unwrap()
+    }
+
+    /// The only (ordered) member of group `g` of `category`: it owns every partition.
+    async fn open(t: &MemoryTransport, category: &str) -> Box<dyn TransportSource> {
+        let spec = SourceSpec {
+            category: category.into(),
+            correlated: Vec::new(),
+            group: "g".into(),
+            instance: "a".into(),
+            ordered: true,
+            lease: LeaseConfig::default(),
+            key_rules: KeyRules::default(),
+        };
+        t.open(&spec).await.unwrap()
+    }
+
     async fn fetch(src: &mut Box<dyn TransportSource>, max: usize) -> Vec<Inbound> {
         src.fetch(max, &HashSet::new(), Duration::ZERO).await.expect("fetch")
     }
@@ -984,12 +1006,6 @@ mod room_tests {
     #[tokio::test]
     async fn the_room_goes_to_the_partitions_holding_least() {
         let t = MemoryTransport::with_partitions(2);
-        let key_in = |p: u64| {
-            (0..)
-                .map(|i| format!("k{i}"))
-                .find(|k| OrderingKey::new(k.as_str()).unwrap().stable_hash() % 2 == p)
-                .unwrap()
-        };
         let (k0, k1) = (key_in(0), key_in(1));
         let publisher = t.publisher("room").await.unwrap();
         for i in 0..20 {
@@ -1000,16 +1016,7 @@ mod room_tests {
                     .unwrap();
             }
         }
-        let spec = SourceSpec {
-            category: "room".into(),
-            correlated: Vec::new(),
-            group: "g".into(),
-            instance: "a".into(),
-            ordered: true,
-            lease: LeaseConfig::default(),
-            key_rules: KeyRules::default(),
-        };
-        let mut src = t.open(&spec).await.unwrap();
+        let mut src = open(&t, "room").await;
         let first = fetch(&mut src, 8).await;
         let count = |batch: &[Inbound], p: u32| batch.iter().filter(|i| part(i) == p).count();
         assert_eq!(
@@ -1034,12 +1041,6 @@ mod room_tests {
     #[tokio::test]
     async fn room_a_partition_cannot_use_goes_to_the_others() {
         let t = MemoryTransport::with_partitions(2);
-        let key_in = |p: u64| {
-            (0..)
-                .map(|i| format!("k{i}"))
-                .find(|k| OrderingKey::new(k.as_str()).unwrap().stable_hash() % 2 == p)
-                .unwrap()
-        };
         let publisher = t.publisher("left").await.unwrap();
         publisher
             .publish(Message::new("only").with_key(key_in(0)).unwrap())
@@ -1051,16 +1052,7 @@ mod room_tests {
                 .await
                 .unwrap();
         }
-        let spec = SourceSpec {
-            category: "left".into(),
-            correlated: Vec::new(),
-            group: "g".into(),
-            instance: "a".into(),
-            ordered: true,
-            lease: LeaseConfig::default(),
-            key_rules: KeyRules::default(),
-        };
-        let mut src = t.open(&spec).await.unwrap();
+        let mut src = open(&t, "left").await;
         let got = fetch(&mut src, 8).await;
         let count = |p: u32| got.iter().filter(|i| part(i) == p).count();
         assert_eq!((count(0), count(1)), (1, 7), "the fetch is filled from partition 1");
