@@ -157,6 +157,12 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
             eprintln!("{label}: could not delete the side's queues ({e}); they expire in a minute");
         }
     }
+    #[cfg(feature = "all-adapters")]
+    if run::is_pg(&url) {
+        if let Err(e) = run::delete_pg_queue(&url, &category).await {
+            eprintln!("{label}: could not delete the side's queue `{category}` ({e})");
+        }
+    }
     res?;
     let events: Vec<_> = rec
         .log

@@ -16,7 +16,7 @@ pub(crate) fn is_amqp(url: &str) -> bool {
     url.starts_with("amqp://") || url.starts_with("amqps://")
 }
 
-fn is_pg(url: &str) -> bool {
+pub(crate) fn is_pg(url: &str) -> bool {
     url.starts_with("postgres://") || url.starts_with("postgresql://")
 }
 
@@ -367,6 +367,15 @@ pub(crate) async fn delete_amqp_queues(url: &str, category: &str) -> anyhow::Res
     }
     let _ = conn.close(200, "bench queues deleted".into()).await;
     Ok(())
+}
+
+/// Deletes a finished bench side's queue and all its rows on PostgreSQL
+/// (the ordered side's retention lags the run, so its events would
+/// otherwise stay), and returns the rows deleted.
+#[cfg(feature = "all-adapters")]
+pub(crate) async fn delete_pg_queue(url: &str, category: &str) -> anyhow::Result<u64> {
+    let t = keyorder::postgres::PgTransport::from_url(&url.parse()?).await?;
+    Ok(t.delete_queue(category).await?)
 }
 
 #[cfg(test)]

@@ -806,12 +806,24 @@ impl Inner {
                 let inner = self.clone();
                 rt::spawn(async move {
                     let outcome = inner.ack(&job).await;
-                    inner.complete(key, job, outcome);
+                    if inner.settled(key, job, outcome) {
+                        // Ready work and a free worker place: this task
+                        // becomes the worker, a task wake-up sooner than
+                        // spawning one (the key's next message starts
+                        // here).
+                        inner.boxed_worker().await;
+                    }
                 });
                 continue;
             }
             last = Some((key, job, outcome));
         }
+    }
+
+    /// `worker` behind a box: a worker's future holds the acknowledgement
+    /// task that may become a worker, so that task names this type.
+    fn boxed_worker(self: Arc<Self>) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+        Box::pin(self.worker())
     }
 
     /// A processed job's bookkeeping (`State::finish`); returns
@@ -826,9 +838,10 @@ impl Inner {
     }
 
     /// Settles a job whose acknowledgement ran on its own task (see
-    /// `worker`): the bookkeeping a worker does for its last job, plus a
-    /// new worker if ready work has none.
-    fn complete(self: &Arc<Self>, key: Option<OrderingKey>, job: Job, outcome: Outcome) {
+    /// `worker`): the bookkeeping a worker does for its last job. Returns
+    /// whether ready work has no worker and a worker place is free; the
+    /// place is then taken (counted) and the caller runs the worker.
+    fn settled(self: &Arc<Self>, key: Option<OrderingKey>, job: Job, outcome: Outcome) -> bool {
         let (refilled, spawn) = {
             let mut st = self.lock();
             let refilled = self.finish_job(&mut st, key, job, outcome);
@@ -842,9 +855,7 @@ impl Inner {
         if refilled {
             self.refilled();
         }
-        if spawn {
-            rt::spawn(self.clone().worker());
-        }
+        spawn
     }
 
     /// Sleeps `d` unless shutdown starts first; returns `false` on shutdown.
