@@ -33,6 +33,8 @@ enum Command {
     HotKeys(ops::HotKeysArgs),
     /// Dead-lettered messages of a group.
     DeadLetters(ops::Target),
+    /// Delete a category and everything kept for it (PostgreSQL, RabbitMQ); needs --yes.
+    DeleteQueue(ops::DeleteQueueArgs),
     /// The transactional outbox: status, held keys, abandoned records; retry or discard one; relay bench.
     Outbox(outbox::OutboxArgs),
     /// Fail-over time: `kill -9` an owner inside a handler, time the takeover.
@@ -59,6 +61,7 @@ fn main() -> anyhow::Result<()> {
             Command::Head(a) => ops::head(a).await,
             Command::HotKeys(a) => ops::hot_keys(a).await,
             Command::DeadLetters(t) => ops::dead_letters(t).await,
+            Command::DeleteQueue(a) => ops::delete_queue(a).await,
             Command::Outbox(a) => outbox::run(a).await,
             Command::Failover(a) => failover::run(a).await,
         }

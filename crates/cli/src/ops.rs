@@ -124,3 +124,49 @@ pub(crate) async fn dead_letters(t: Target) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[derive(Debug, Args)]
+pub(crate) struct DeleteQueueArgs {
+    /// The transport URL (postgres:// or amqp://).
+    #[arg(long, env = "KEYORDER_URL")]
+    url: String,
+    /// The category (queue) to delete.
+    #[arg(long)]
+    category: String,
+    /// Confirms it: the category's messages, positions, halted keys and dead
+    /// letters are deleted for every consumer group.
+    #[arg(long)]
+    yes: bool,
+}
+
+/// Deletes a category and everything kept for it, where the transport keeps
+/// it in a form keyorder owns: PostgreSQL (`PgTransport::delete_queue`, refused
+/// while a slot has a live owner) and RabbitMQ (the topology's queues and the
+/// dead-letter queue).
+pub(crate) async fn delete_queue(a: DeleteQueueArgs) -> anyhow::Result<()> {
+    if !a.yes {
+        anyhow::bail!(
+            "delete-queue deletes `{}` with all its messages, positions and dead letters for every group: \
+             add --yes to confirm",
+            a.category
+        );
+    }
+    #[cfg(feature = "all-adapters")]
+    {
+        if crate::run::is_pg(&a.url) {
+            let rows = crate::run::delete_pg_queue(&a.url, &a.category).await?;
+            println!("deleted `{}`: {rows} rows", a.category);
+            return Ok(());
+        }
+        if crate::run::is_amqp(&a.url) {
+            crate::run::delete_amqp_queues(&a.url, &a.category).await?;
+            println!("deleted `{}`: its queues and dead-letter queue", a.category);
+            return Ok(());
+        }
+    }
+    anyhow::bail!(
+        "delete-queue supports postgres:// and amqp:// URLs; on Redis delete the category's streams \
+         (`{0}:*`), on Kafka delete the topic `{0}` with the broker's tools",
+        a.category
+    )
+}

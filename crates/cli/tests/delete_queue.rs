@@ -1,0 +1,113 @@
+//! `keyorder delete-queue` on the real PostgreSQL server: refused without
+//! `--yes`, deletes every row of the category with it, and names what to do
+//! on a transport it does not cover.
+
+#![cfg(feature = "all-adapters")]
+
+use std::process::Command;
+
+use keyorder::postgres::sqlx::{self, Row};
+use keyorder::postgres::PgTransport;
+use keyorder::{Message, Transport};
+
+fn url() -> String {
+    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+fn keyorder(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_keyorder"))
+        .args(args)
+        .env_remove("KEYORDER_URL")
+        .output()
+        .expect("the keyorder binary runs")
+}
+
+async fn events_of(category: &str) -> i64 {
+    let pool = sqlx::PgPool::connect(&url()).await.unwrap();
+    let n: i64 = sqlx::query("select count(*) from keyorder.events where queue = $1")
+        .bind(category)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+        .get(0);
+    pool.close().await;
+    n
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_queue_needs_yes_then_leaves_no_events() {
+    let t = PgTransport::from_url(&format!("{}?migrate=true", url()).parse().unwrap())
+        .await
+        .expect("PostgreSQL must be reachable");
+    let category = format!("cli-delete-{}", std::process::id());
+    let publisher = t.publisher(&category).await.unwrap();
+    for i in 0..3 {
+        publisher
+            .publish(Message::new(format!("m{i}")).with_key("k").unwrap())
+            .await
+            .unwrap();
+    }
+    assert_eq!(events_of(&category).await, 3);
+
+    let u = url();
+    let refused = keyorder(&["delete-queue", "--url", &u, "--category", &category]);
+    assert!(!refused.status.success());
+    let text = String::from_utf8_lossy(&refused.stderr);
+    assert!(text.contains("--yes"), "{text}");
+    assert_eq!(events_of(&category).await, 3, "nothing is deleted without --yes");
+
+    let done = keyorder(&["delete-queue", "--url", &u, "--category", &category, "--yes"]);
+    let out = String::from_utf8_lossy(&done.stdout);
+    assert!(done.status.success(), "{out} {}", String::from_utf8_lossy(&done.stderr));
+    assert!(out.contains("rows"), "{out}");
+    assert_eq!(events_of(&category).await, 0);
+
+    let other = keyorder(&["delete-queue", "--url", "memory://", "--category", &category, "--yes"]);
+    assert!(!other.status.success());
+    let text = String::from_utf8_lossy(&other.stderr);
+    assert!(text.contains("supports postgres:// and amqp://"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_queue_removes_the_rabbitmq_topology_queues() {
+    use keyorder::rabbitmq::lapin::options::QueueDeclareOptions;
+    use keyorder::rabbitmq::lapin::{Connection, ConnectionProperties};
+    use keyorder::rabbitmq::{Names, Topology};
+    let base = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let u = format!("{base}?topology=hash&queues=2");
+    let category = format!("cli-delete-{}", std::process::id());
+    let client = keyorder::connect(&u).await.expect("RabbitMQ must be reachable");
+    let publisher = client.publisher(&category).await.unwrap();
+    publisher
+        .publish(Message::new("m").with_key("k").unwrap())
+        .await
+        .unwrap();
+    let names = Names::new(&category).unwrap();
+    let queues = names.queues(Topology::ConsistentHash { queues: 2 });
+    assert_eq!(queues.len(), 2);
+    let conn = Connection::connect(&base, ConnectionProperties::default())
+        .await
+        .unwrap();
+    let exists = |q: String| {
+        let conn = &conn;
+        async move {
+            let ch = conn.create_channel().await.unwrap();
+            let passive = QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            };
+            ch.queue_declare(q.as_str().into(), passive, Default::default())
+                .await
+                .is_ok()
+        }
+    };
+    for q in &queues {
+        assert!(exists(q.clone()).await, "{q} exists after a publish");
+    }
+    let done = keyorder(&["delete-queue", "--url", &u, "--category", &category, "--yes"]);
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    for q in &queues {
+        assert!(!exists(q.clone()).await, "{q} is gone");
+    }
+    let _ = conn.close(200, "done".into()).await;
+}
