@@ -1,33 +1,13 @@
 //! `PgTransport::delete_queue` removes every row kept for a queue, on the
 //! real server, and refuses while the queue has a live owner.
 
-use std::collections::HashSet;
-use std::time::Duration;
-
-use keyorder_core::{Inbound, KeyRules, LeaseConfig, Message, SourceSpec, Transport, TransportSource};
+use keyorder_core::{Message, Transport};
 use keyorder_postgres::{PgConfig, PgTransport};
 
+mod common;
+use common::{one, url};
+
 const SCHEMA: &str = "keyorder_delete_queue";
-
-fn url() -> String {
-    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-/// Fetches until a delivery arrives (maintaining the source meanwhile).
-async fn one(source: &mut Box<dyn TransportSource>) -> Inbound {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        assert!(tokio::time::Instant::now() < deadline, "no delivery within 60 s");
-        source.maintain().await.unwrap();
-        let mut got = source
-            .fetch(1, &HashSet::new(), Duration::from_millis(100))
-            .await
-            .unwrap();
-        if let Some(i) = got.pop() {
-            return i;
-        }
-    }
-}
 
 /// Rows of `queue` in each of the schema's tables that have a `queue` column.
 async fn rows_of(queue: &str) -> Vec<(String, i64)> {
@@ -81,19 +61,7 @@ async fn a_deleted_queue_leaves_no_rows_and_a_live_one_is_refused() {
                 .unwrap();
         }
     }
-    let spec = SourceSpec {
-        category: queue.clone(),
-        correlated: Vec::new(),
-        group: "g".to_owned(),
-        instance: "a".to_owned(),
-        ordered: true,
-        lease: LeaseConfig {
-            ttl: Duration::from_secs(10),
-            heartbeat: Duration::from_secs(1),
-            margin: Duration::from_secs(2),
-        },
-        key_rules: KeyRules::default(),
-    };
+    let spec = common::spec(&queue);
     let mut source = t.open(&spec).await.unwrap();
     // One delivery acknowledged, one parked: rows in `acked` and `dead`.
     let a = one(&mut source).await;

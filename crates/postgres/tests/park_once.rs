@@ -1,31 +1,11 @@
 //! A park retried after its commit (its outcome unknown to the caller, say a
 //! dropped connection) stores the dead letter once, on the real server.
 
-use std::collections::HashSet;
-use std::time::Duration;
-
-use keyorder_core::{Inbound, KeyRules, LeaseConfig, Message, SourceSpec, Transport, TransportSource};
+use keyorder_core::{Message, Transport};
 use keyorder_postgres::{PgConfig, PgTransport};
 
-fn url() -> String {
-    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-/// Fetches until a delivery arrives (maintaining the source meanwhile).
-async fn one(source: &mut Box<dyn TransportSource>) -> Inbound {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        assert!(tokio::time::Instant::now() < deadline, "no delivery within 60 s");
-        source.maintain().await.unwrap();
-        let mut got = source
-            .fetch(1, &HashSet::new(), Duration::from_millis(100))
-            .await
-            .unwrap();
-        if let Some(i) = got.pop() {
-            return i;
-        }
-    }
-}
+mod common;
+use common::{one, url};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retried_park_stores_one_dead_letter() {
@@ -42,19 +22,7 @@ async fn a_retried_park_stores_one_dead_letter() {
         .publish(Message::new("poison").with_key("k").unwrap())
         .await
         .unwrap();
-    let spec = SourceSpec {
-        category: queue.clone(),
-        correlated: Vec::new(),
-        group: "g".to_owned(),
-        instance: "a".to_owned(),
-        ordered: true,
-        lease: LeaseConfig {
-            ttl: Duration::from_secs(10),
-            heartbeat: Duration::from_secs(1),
-            margin: Duration::from_secs(2),
-        },
-        key_rules: KeyRules::default(),
-    };
+    let spec = common::spec(&queue);
     let mut source = t.open(&spec).await.unwrap();
     let delivery = one(&mut source).await;
     assert_eq!(delivery.settle.begin_attempt().await.unwrap(), 1);

@@ -1,0 +1,44 @@
+//! Set-up shared by the PostgreSQL tests that drive a source by hand.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use keyorder_core::{Inbound, KeyRules, LeaseConfig, SourceSpec, TransportSource};
+
+/// The server under test (`POSTGRES_URL`, else the local one).
+pub(crate) fn url() -> String {
+    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+/// An ordered source of `queue` for group `g`, instance `a`, with a 10 s lease.
+pub(crate) fn spec(queue: &str) -> SourceSpec {
+    SourceSpec {
+        category: queue.to_owned(),
+        correlated: Vec::new(),
+        group: "g".to_owned(),
+        instance: "a".to_owned(),
+        ordered: true,
+        lease: LeaseConfig {
+            ttl: Duration::from_secs(10),
+            heartbeat: Duration::from_secs(1),
+            margin: Duration::from_secs(2),
+        },
+        key_rules: KeyRules::default(),
+    }
+}
+
+/// Fetches until a delivery arrives (maintaining the source meanwhile).
+pub(crate) async fn one(source: &mut Box<dyn TransportSource>) -> Inbound {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        assert!(tokio::time::Instant::now() < deadline, "no delivery within 60 s");
+        source.maintain().await.unwrap();
+        let mut got = source
+            .fetch(1, &HashSet::new(), Duration::from_millis(100))
+            .await
+            .unwrap();
+        if let Some(i) = got.pop() {
+            return i;
+        }
+    }
+}
