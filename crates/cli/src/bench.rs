@@ -86,6 +86,10 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
         url
     };
     let clients = run::clients(&url, a.instances).await?;
+    #[cfg(feature = "all-adapters")]
+    if run::is_pg(&url) {
+        run::vacuum_pg(&url).await?;
+    }
     let category = format!("keyorder-bench-{label}-{}", &uuid_like()[..8]);
     let keys: Vec<String> = (0..a.keys).map(|i| format!("key-{i}")).collect();
     // Throughput: the backlog is published first; timing runs from the first

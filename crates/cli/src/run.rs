@@ -349,6 +349,16 @@ where
     Ok(())
 }
 
+/// `VACUUM (ANALYZE)` of keyorder's tables on PostgreSQL before a bench
+/// side, so that each side starts on tables without the dead rows of the
+/// sides before it (what autovacuum does between them on a server where it
+/// is on; measured here, where it is off, the ratio fell run by run).
+#[cfg(feature = "all-adapters")]
+pub(crate) async fn vacuum_pg(url: &str) -> anyhow::Result<()> {
+    let t = keyorder::postgres::PgTransport::from_url(&url.parse()?).await?;
+    Ok(t.vacuum().await?)
+}
+
 /// Deletes a finished bench side's queues on RabbitMQ, so that they neither
 /// pile up on the broker nor expire (`expires_ms`, the fallback) in the
 /// middle of a later side's run.

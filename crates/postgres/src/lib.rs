@@ -202,6 +202,23 @@ impl fmt::Debug for PgTransport {
     }
 }
 
+/// Every table of keyorder's schema that holds rows of a queue, children
+/// before the tables they refer to (`delete_queue` deletes in this order).
+const TABLES: [&str; 12] = [
+    "acked",
+    "attempts",
+    "halted",
+    "dead",
+    "read_marks",
+    "members",
+    "publish_fences",
+    "slots",
+    "groups",
+    "events",
+    "plain_events",
+    "queues",
+];
+
 /// Connections a transport opens, on demand, for settlements besides its
 /// pool (`?pool=`): one statement in flight per kind and subscription.
 pub const SETTLEMENT_CONNECTIONS: u32 = 4;
@@ -247,7 +264,57 @@ impl PgTransport {
         if t.cfg.migrate {
             t.migrate().await?;
         }
+        t.check_autovacuum().await;
         Ok(t)
+    }
+
+    /// Warns (once per process) when the server runs without autovacuum:
+    /// keyorder's tables take an insert and a delete per message (events,
+    /// acknowledgements), so their dead rows would then pile up until a
+    /// manual `VACUUM`, and every read and acknowledgement slows with them.
+    async fn check_autovacuum(&self) {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        if WARNED.is_completed() {
+            return;
+        }
+        let q = sqlx::query("select current_setting('autovacuum')").persistent(false);
+        if let Ok(row) = self.db.one(q).await {
+            if row.try_get::<String, _>(0).is_ok_and(|v| v == "off") {
+                WARNED.call_once(|| {
+                    tracing::warn!(
+                        schema = %self.cfg.schema,
+                        "postgres: autovacuum is off on this server, so keyorder's tables keep their dead rows and \
+                         slow down: turn autovacuum on, or run PgTransport::vacuum() (or `VACUUM`) on a schedule"
+                    );
+                });
+            }
+        }
+    }
+
+    /// `VACUUM (ANALYZE)` of every keyorder table of the schema: reclaims the
+    /// dead rows that consumption leaves (each message is inserted once and
+    /// deleted once, with its acknowledgement) and refreshes the planner's
+    /// statistics. Autovacuum does this on a server where it is on (the
+    /// default); call this on a schedule where it is off. Runs on a
+    /// connection of its own to the direct URL (`direct=`), since `VACUUM`
+    /// cannot run inside the transaction a pooler wraps around statements.
+    /// It takes no lock that stops readers or writers.
+    ///
+    /// ```no_run
+    /// # async fn run() -> keyorder_core::Result<()> {
+    /// let t = keyorder_postgres::PgTransport::from_url(&"postgres://postgres@127.0.0.1/test".parse().unwrap()).await?;
+    /// t.vacuum().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn vacuum(&self) -> Result<()> {
+        use sqlx::{Connection, Executor};
+        let s = &self.cfg.schema;
+        let list = TABLES.iter().map(|t| format!("{s}.{t}")).collect::<Vec<_>>().join(", ");
+        let mut conn = sqlx::PgConnection::connect(self.direct_url()).await.map_err(db)?;
+        let res = conn.execute(AssertSqlSafe(format!("vacuum (analyze) {list}"))).await;
+        let _ = conn.close().await;
+        res.map_err(|e| self.missing_schema(e))?;
+        Ok(())
     }
 
     /// Connects from a `postgres://` URL (see [`PgConfig::from_url`]).
@@ -340,20 +407,7 @@ impl PgTransport {
             )));
         }
         let mut rows = 0;
-        for table in [
-            "acked",
-            "attempts",
-            "halted",
-            "dead",
-            "read_marks",
-            "members",
-            "publish_fences",
-            "slots",
-            "groups",
-            "events",
-            "plain_events",
-            "queues",
-        ] {
+        for table in TABLES {
             let done = sqlx::query(AssertSqlSafe(format!("delete from {s}.{table} where queue = $1")))
                 .persistent(false)
                 .bind(queue)
