@@ -268,25 +268,24 @@ impl PgTransport {
         Ok(t)
     }
 
-    /// Warns (once per process) when the server runs without autovacuum:
-    /// keyorder's tables take an insert and a delete per message (events,
-    /// acknowledgements), so their dead rows would then pile up until a
-    /// manual `VACUUM`, and every read and acknowledgement slows with them.
+    /// Warns when the server runs without autovacuum: keyorder's tables
+    /// take an insert and a delete per message (events, acknowledgements),
+    /// so their dead rows would then pile up until a manual `VACUUM`, and
+    /// every read and acknowledgement slows with them. Asked by the first
+    /// transport a process connects, not by every one.
     async fn check_autovacuum(&self) {
-        static WARNED: std::sync::Once = std::sync::Once::new();
-        if WARNED.is_completed() {
+        static CHECKED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if CHECKED.swap(true, Ordering::Relaxed) {
             return;
         }
         let q = sqlx::query("select current_setting('autovacuum')").persistent(false);
         if let Ok(row) = self.db.one(q).await {
             if row.try_get::<String, _>(0).is_ok_and(|v| v == "off") {
-                WARNED.call_once(|| {
-                    tracing::warn!(
-                        schema = %self.cfg.schema,
-                        "postgres: autovacuum is off on this server, so keyorder's tables keep their dead rows and \
-                         slow down: turn autovacuum on, or run PgTransport::vacuum() (or `VACUUM`) on a schedule"
-                    );
-                });
+                tracing::warn!(
+                    schema = %self.cfg.schema,
+                    "postgres: autovacuum is off on this server, so keyorder's tables keep their dead rows and \
+                     slow down: turn autovacuum on, or run PgTransport::vacuum() (or `VACUUM`) on a schedule"
+                );
             }
         }
     }

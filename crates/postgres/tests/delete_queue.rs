@@ -2,7 +2,6 @@
 //! real server, and refuses while the queue has a live owner.
 
 use keyorder_core::{Message, Transport};
-use keyorder_postgres::{PgConfig, PgTransport};
 
 mod common;
 use common::{one, url};
@@ -43,13 +42,7 @@ async fn rows_of(queue: &str) -> Vec<(String, i64)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_queue_leaves_no_rows_and_a_live_one_is_refused() {
-    let cfg = PgConfig::from_url(
-        &format!("{}?schema={SCHEMA}&slots=2&migrate=true", url())
-            .parse()
-            .unwrap(),
-    )
-    .unwrap();
-    let t = PgTransport::connect(cfg).await.expect("PostgreSQL must be reachable");
+    let t = common::transport(SCHEMA, 2).await;
     let queue = format!("del-{}", uuid::Uuid::new_v4().simple());
     let other = format!("keep-{}", uuid::Uuid::new_v4().simple());
     for q in [&queue, &other] {

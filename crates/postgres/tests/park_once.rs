@@ -2,20 +2,13 @@
 //! dropped connection) stores the dead letter once, on the real server.
 
 use keyorder_core::{Message, Transport};
-use keyorder_postgres::{PgConfig, PgTransport};
 
 mod common;
-use common::{one, url};
+use common::one;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retried_park_stores_one_dead_letter() {
-    let cfg = PgConfig::from_url(
-        &format!("{}?schema=keyorder_park_once&slots=1&migrate=true", url())
-            .parse()
-            .unwrap(),
-    )
-    .unwrap();
-    let t = PgTransport::connect(cfg).await.expect("PostgreSQL must be reachable");
+    let t = common::transport("keyorder_park_once", 1).await;
     let queue = format!("park-{}", uuid::Uuid::new_v4().simple());
     let publisher = t.publisher(&queue).await.unwrap();
     publisher

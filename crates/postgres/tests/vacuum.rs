@@ -8,10 +8,10 @@ use keyorder_core::{Message, Transport};
 use keyorder_postgres::{PgConfig, PgTransport};
 use sqlx::Row;
 
-/// The server under test (`POSTGRES_URL`, else the local one).
-fn url() -> String {
-    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+use common::url;
 
 const SCHEMA: &str = "keyorder_vacuum";
 
@@ -46,13 +46,7 @@ async fn wait_stats(pool: &sqlx::PgPool, what: &str, done: impl Fn((i64, i64, i6
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vacuum_reclaims_the_dead_rows_of_a_deleted_queue() {
-    let cfg = PgConfig::from_url(
-        &format!("{}?schema={SCHEMA}&slots=2&migrate=true", url())
-            .parse()
-            .unwrap(),
-    )
-    .unwrap();
-    let t = PgTransport::connect(cfg).await.expect("PostgreSQL must be reachable");
+    let t = common::transport(SCHEMA, 2).await;
     let pool = sqlx::PgPool::connect(&url()).await.unwrap();
     // Whatever an earlier run left is reclaimed first, so the counts below
     // are this run's.

@@ -4,10 +4,23 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use keyorder_core::{Inbound, KeyRules, LeaseConfig, SourceSpec, TransportSource};
+use keyorder_postgres::{PgConfig, PgTransport};
 
 /// The server under test (`POSTGRES_URL`, else the local one).
 pub(crate) fn url() -> String {
     std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+/// A transport on the server under test, in `schema` (migrated), with
+/// `slots` slots per queue.
+pub(crate) async fn transport(schema: &str, slots: u32) -> PgTransport {
+    let cfg = PgConfig::from_url(
+        &format!("{}?schema={schema}&slots={slots}&migrate=true", url())
+            .parse()
+            .unwrap(),
+    )
+    .unwrap();
+    PgTransport::connect(cfg).await.expect("PostgreSQL must be reachable")
 }
 
 /// An ordered source of `queue` for group `g`, instance `a`, with a 10 s lease.
