@@ -349,10 +349,11 @@ where
     Ok(())
 }
 
-/// `VACUUM (ANALYZE)` of keyorder's tables on PostgreSQL before a bench
-/// side, so that each side starts on tables without the dead rows of the
-/// sides before it (what autovacuum does between them on a server where it
-/// is on; measured here, where it is off, the ratio fell run by run).
+/// `VACUUM (ANALYZE)` of keyorder's tables on PostgreSQL once a bench side's
+/// backlog is published and before it is consumed, so that each side starts
+/// on tables without the dead rows of the sides before it and with
+/// statistics that count its backlog (what autovacuum does on a server where
+/// it is on; measured here, where it is off, the ratio fell run by run).
 #[cfg(feature = "all-adapters")]
 pub(crate) async fn vacuum_pg(url: &str) -> anyhow::Result<()> {
     let t = keyorder::postgres::PgTransport::from_url(&url.parse()?).await?;
