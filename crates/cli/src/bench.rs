@@ -98,10 +98,7 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
         None => h,
     };
     let published = run::produce(&clients, &category, &keys, a.messages, sleep, 4, None).await?;
-    // What autovacuum does within a minute of a backlog this size on a server
-    // where it is on: reclaim the dead rows of the sides before, and give
-    // the planner statistics that know the backlog (analyzed on a near-empty
-    // table, the baseline's claim sorted the whole backlog on every call).
+    // After publishing, not before: see `vacuum_pg`.
     #[cfg(feature = "all-adapters")]
     if run::is_pg(&url) {
         run::vacuum_pg(&url).await?;
