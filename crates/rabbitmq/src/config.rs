@@ -90,7 +90,7 @@ impl std::fmt::Display for ConsumerTimeout {
 /// | `queue_type` | `quorum` | `quorum` or `classic` |
 /// | `declare` | `true` | create the topology; `false` only verifies it (manual topology) |
 /// | `prefetch` | `32` | unacknowledged deliveries per queue and consumer (at most 32 on quorum queues with `hash` or `sac`) |
-/// | `expires_ms` | none | delete a queue unused (no consumer) this long (`x-expires`; for tests and short-lived categories) |
+/// | `expires_ms` | none | delete a queue unused (no consumer) this long (`x-expires`; for tests and short-lived categories). Publishing is not use: a queue that expires while a backlog is published to it is deleted with its messages |
 /// | `consumer_timeout_ms` | see below | how long a halted head may stay unacknowledged: a whole number of ms, or `off` |
 ///
 /// `consumer_timeout_ms`: RabbitMQ closes the channel of a delivery left
