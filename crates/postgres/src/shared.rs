@@ -102,6 +102,12 @@ pub struct LeaseSql {
     pub acquire: String,
     /// Frees slot `$3` if owner `$4` still holds it at generation `$5`.
     pub release: String,
+    /// Frees every slot of (`$1`, `$2`) that owner `$3` holds, whatever the
+    /// generation, taking each row `for update` like `release`. For closing:
+    /// an `acquire` that committed after its caller stopped waiting (a
+    /// future dropped at shutdown) left a lease the caller never recorded,
+    /// which would otherwise stay live until it expires.
+    pub release_all: String,
     /// The fence, a CTE named `own` to start a guarded statement with:
     /// one row while owner `$4` holds slot `$3` of (`$1`, `$2`) at
     /// generation `$5`, unexpired on the database's clock (locked `for key
@@ -156,6 +162,11 @@ impl LeaseSql {
                  update {s}.slots set owner = null, lease_expiry = null \
                  where queue = $1 and grp = $2 and slot = $3 and owner = $4 and generation = $5 \
                  and exists (select 1 from l)",
+            ),
+            release_all: f(
+                "with l as (select slot from {s}.slots where queue = $1 and grp = $2 and owner = $3 for update) \
+                 update {s}.slots s set owner = null, lease_expiry = null from l \
+                 where s.queue = $1 and s.grp = $2 and s.slot = l.slot and s.owner = $3",
             ),
             own: f(
                 "own as (select 1 from {s}.slots where queue = $1 and grp = $2 and slot = $3 and owner = $4 \

@@ -54,6 +54,7 @@ pub(crate) struct Sql {
     pub(crate) renew: Arc<str>,
     pub(crate) acquire: Arc<str>,
     pub(crate) release: Arc<str>,
+    pub(crate) release_all: Arc<str>,
     pub(crate) advance: Arc<str>,
     pub(crate) read: Arc<str>,
     pub(crate) park: Arc<str>,
@@ -143,6 +144,7 @@ impl Sql {
             renew: Arc::from(lease.renew.as_str()),
             acquire: Arc::from(lease.acquire.as_str()),
             release: Arc::from(lease.release.as_str()),
+            release_all: Arc::from(lease.release_all.as_str()),
             // Every owned slot's cursor in one statement (a round trip per
             // slot stalled the read loop every heartbeat): $3 slots, $4
             // generations, $5/$6 cursor positions (transaction id as text,
