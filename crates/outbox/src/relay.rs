@@ -611,22 +611,17 @@ impl Relay {
         for (slot, generation) in held {
             self.release(slot, generation).await?;
         }
-        // A lease whose acquire committed after its future was dropped at
-        // shutdown is not in `owned`: free it too.
-        q(&self.ctx.sql.lease.release_all)
-            .bind(LEASE_QUEUE)
-            .bind(&self.ctx.group)
-            .bind(&self.ctx.me)
-            .execute(&self.ctx.pool)
-            .await
-            .map_err(db)?;
-        q(&self.ctx.sql.lease.leave)
-            .bind(LEASE_QUEUE)
-            .bind(&self.ctx.group)
-            .bind(&self.ctx.me)
-            .execute(&self.ctx.pool)
-            .await
-            .map_err(db)?;
+        // `release_all` also frees a lease whose acquire committed after its
+        // future was dropped at shutdown (not in `owned`); then leave.
+        for sql in [&self.ctx.sql.lease.release_all, &self.ctx.sql.lease.leave] {
+            q(sql)
+                .bind(LEASE_QUEUE)
+                .bind(&self.ctx.group)
+                .bind(&self.ctx.me)
+                .execute(&self.ctx.pool)
+                .await
+                .map_err(db)?;
+        }
         Ok(())
     }
 

@@ -1265,29 +1265,21 @@ impl TransportSource for PgSource {
         for slot in slots {
             self.release(&scope_name(&self.spec.category, slot)).await?;
         }
-        // A lease acquired by a statement whose future was dropped at
-        // shutdown is not in `owned`; free it too, or it stays live (and
-        // its keys wait) until it expires.
-        self.t
-            .db
-            .exec(
-                q(&self.t.sql.release_all)
-                    .bind(&self.spec.category)
-                    .bind(&self.spec.group)
-                    .bind(&self.spec.instance),
-            )
-            .await
-            .map_err(db)?;
-        self.t
-            .db
-            .exec(
-                q(&self.t.sql.leave)
-                    .bind(&self.spec.category)
-                    .bind(&self.spec.group)
-                    .bind(&self.spec.instance),
-            )
-            .await
-            .map_err(db)?;
+        // `release_all` also frees a lease acquired by a statement whose
+        // future was dropped at shutdown (not in `owned`: it would stay live,
+        // and its keys wait, until it expires); then leave.
+        for sql in [&self.t.sql.release_all, &self.t.sql.leave] {
+            self.t
+                .db
+                .exec(
+                    q(sql)
+                        .bind(&self.spec.category)
+                        .bind(&self.spec.group)
+                        .bind(&self.spec.instance),
+                )
+                .await
+                .map_err(db)?;
+        }
         self.announce().await;
         Ok(())
     }
