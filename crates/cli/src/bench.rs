@@ -71,12 +71,25 @@ struct Side {
 /// that removes an interrupted run's queues, long enough for any publish.
 const BENCH_QUEUE_EXPIRY_MS: &str = "1800000";
 
-/// Concurrent publishers of the backlog, each owning a subset of the keys
-/// (so each key's publish order holds). A publish awaits its broker's
-/// durable acknowledgement, so more of them fill the broker's group commits:
-/// with 4, publishing 100,000 messages took about a minute on RabbitMQ
-/// quorum queues and on PostgreSQL here.
-const PRODUCERS: usize = 16;
+/// At most this many concurrent publishers of the backlog, each owning a
+/// subset of the keys (so each key's publish order holds). A publish awaits
+/// its broker's durable acknowledgement, so more of them fill the broker's
+/// group commits: with 4, publishing 100,000 messages took about a minute on
+/// RabbitMQ quorum queues and on PostgreSQL here.
+const MAX_PRODUCERS: usize = 16;
+
+/// Publishers for `keys` keys: the largest count up to [`MAX_PRODUCERS`]
+/// that divides the keys evenly. Every publisher then owns as many keys as
+/// the others, so every key's messages spread evenly over the backlog; with
+/// uneven shares (16 publishers for 100 keys: 6 or 7 keys each), the keys
+/// of fuller publishers end later in the backlog, and an ordered consumer,
+/// which runs a key's messages one at a time, ends on a tail of those keys.
+fn producers(keys: usize) -> usize {
+    (1..=MAX_PRODUCERS.min(keys.max(1)))
+        .rev()
+        .find(|p| keys % p == 0)
+        .unwrap_or(1)
+}
 
 async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Result<Side> {
     let label = match (ordered, concurrency == 1) {
@@ -112,7 +125,16 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
         Some(m) => rand::random_range(0..=m),
         None => h,
     };
-    let published = run::produce(&clients, &category, &keys, a.messages, sleep, PRODUCERS, None).await?;
+    let published = run::produce(
+        &clients,
+        &category,
+        &keys,
+        a.messages,
+        sleep,
+        producers(keys.len()),
+        None,
+    )
+    .await?;
     // After publishing, not before: see `vacuum_pg`.
     #[cfg(feature = "all-adapters")]
     if run::is_pg(&url) {
@@ -436,5 +458,22 @@ mod median_tests {
         assert!(close(super::median(&[0.4, 0.9, 0.5]), 0.5));
         assert!(close(super::median(&[0.3, 0.1, 0.4, 0.2]), 0.25));
         assert!(super::median(&[]).is_nan());
+    }
+}
+
+#[cfg(test)]
+mod producer_tests {
+    #[test]
+    fn every_publisher_owns_as_many_keys_as_the_others() {
+        for keys in [1, 7, 10, 16, 17, 100, 1000, 250, 97] {
+            let p = super::producers(keys);
+            assert!((1..=super::MAX_PRODUCERS).contains(&p), "{keys} keys: {p} publishers");
+            assert_eq!(keys % p, 0, "{keys} keys over {p} publishers");
+        }
+        assert_eq!(super::producers(100), 10);
+        assert_eq!(super::producers(1000), 10);
+        assert_eq!(super::producers(16), 16);
+        assert_eq!(super::producers(97), 1);
+        assert_eq!(super::producers(0), 1);
     }
 }
