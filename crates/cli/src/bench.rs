@@ -2,6 +2,7 @@
 //! unordered competing consumers, same transport, handler, concurrency,
 //! prefetch and instance count, in one run.
 
+use crate::clock::Clock;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -37,6 +38,14 @@ pub(crate) struct BenchArgs {
     /// one partition and one instance, what a plain Kafka consumer does).
     #[arg(long)]
     partition_order: bool,
+    /// The timer the handler sleeps on: `tokio` (`tokio::time::sleep`, what
+    /// every recorded measurement used; its millisecond ticks make a 1 ms
+    /// sleep take 1-2 ms, 2.0-2.4 ms median as measured) or `precise` (a
+    /// deadline thread: 1 ms takes about 1.1 ms on an idle machine, as 1 ms
+    /// of I/O woken by the reactor would). The output reports what the
+    /// sleeps took on each side.
+    #[arg(long, value_enum, default_value_t = Clock::Tokio)]
+    handler_clock: Clock,
     /// Handlers running at once per instance (prefetch is 16x this). The
     /// default keeps total concurrency below the default key count, so the
     /// comparison measures ordering, not a key shortage.
@@ -62,6 +71,9 @@ struct Side {
     msgs_per_s: f64,
     p50_ms: f64,
     p99_ms: f64,
+    /// Median and p99 of the handlers' sleeps (ms).
+    slept_p50_ms: f64,
+    slept_p99_ms: f64,
     violations: usize,
     lost: usize,
     secs: f64,
@@ -140,7 +152,7 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
     if run::is_pg(&url) {
         run::vacuum_pg(&url).await?;
     }
-    let rec = run::Recorder::new();
+    let rec = run::Recorder::with_clock(a.handler_clock);
     let mut instances = Vec::new();
     // When each later instance's subscription was up (the store's clock).
     let mut joins = Vec::new();
@@ -261,6 +273,8 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
         msgs_per_s: target as f64 / secs.max(1e-9),
         p50_ms: rec.latency_ms(0.5),
         p99_ms: rec.latency_ms(0.99),
+        slept_p50_ms: rec.slept_ms(0.5),
+        slept_p99_ms: rec.slept_ms(0.99),
         violations: verdict.order.len(),
         lost: verdict.lost.len(),
         secs,
@@ -318,9 +332,14 @@ async fn round_trip(a: &BenchArgs, transport: &str) -> anyhow::Result<(f64, bool
         None
     };
     let ratio = ordered.msgs_per_s / baseline.msgs_per_s.max(1e-9);
+    let clock = match a.handler_clock {
+        Clock::Precise => "precise",
+        Clock::Tokio => "tokio",
+    };
     let handler = match a.handler_max_ms {
-        Some(m) => format!("0-{m}ms random"),
-        None => format!("{}ms", a.handler_ms),
+        Some(m) => format!("0-{m}ms random ({clock} clock)"),
+        None if a.handler_ms == 0 => "no-op".to_owned(),
+        None => format!("{}ms ({clock} clock)", a.handler_ms),
     };
     println!(
         "{transport}: keys={} messages={} instances={} handler={handler} concurrency={}",
@@ -334,6 +353,12 @@ async fn round_trip(a: &BenchArgs, transport: &str) -> anyhow::Result<(f64, bool
         println!(
             "  {name:<8} {:>10.0} msg/s ({:.2} s)  latency p50 {:.2} ms  p99 {:.2} ms  order violations {}  lost {}",
             s.msgs_per_s, s.secs, s.p50_ms, s.p99_ms, s.violations, s.lost
+        );
+    }
+    if ordered.slept_p50_ms > 0.0 {
+        println!(
+            "  handler sleeps took: ordered p50 {:.2} ms p99 {:.2} ms, baseline p50 {:.2} ms p99 {:.2} ms",
+            ordered.slept_p50_ms, ordered.slept_p99_ms, baseline.slept_p50_ms, baseline.slept_p99_ms
         );
     }
     println!("  ratio (ordered/baseline) {ratio:.2}");
@@ -353,11 +378,13 @@ async fn round_trip(a: &BenchArgs, transport: &str) -> anyhow::Result<(f64, bool
                 "instances": a.instances,
                 "handler_ms": a.handler_ms,
                 "handler_max_ms": a.handler_max_ms,
+                "handler_clock": clock,
                 "partition_order_s": partition.as_ref().map(|p| p.secs),
                 "concurrency": a.concurrency,
-                "ordered": {"msgs_per_s": ordered.msgs_per_s, "p50_ms": ordered.p50_ms, "p99_ms": ordered.p99_ms},
+                "ordered": {"msgs_per_s": ordered.msgs_per_s, "p50_ms": ordered.p50_ms, "p99_ms": ordered.p99_ms,
+                            "slept_p50_ms": ordered.slept_p50_ms},
                 "baseline": {"msgs_per_s": baseline.msgs_per_s, "p50_ms": baseline.p50_ms, "p99_ms": baseline.p99_ms,
-                             "order_violations": baseline.violations},
+                             "slept_p50_ms": baseline.slept_p50_ms, "order_violations": baseline.violations},
                 "ratio": ratio,
                 "order_violations": ordered.violations,
                 "lost": ordered.lost + baseline.lost,

@@ -1,6 +1,7 @@
 //! `keyorder`: the demo, the benchmark, and operator actions over any transport.
 
 mod bench;
+mod clock;
 mod demo;
 mod failover;
 mod ops;

@@ -1,6 +1,7 @@
 //! Shared by `demo` and `bench`: instances with a recording handler, and a
 //! producer that stamps per-key sequences and send times.
 
+use crate::clock::Clock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -149,16 +150,27 @@ pub(crate) struct Recorder {
     pub(crate) probes: AtomicU64,
     window: Mutex<(Option<std::time::Instant>, Option<std::time::Instant>)>,
     latency_us: Mutex<hdrhistogram::Histogram<u64>>,
+    /// The timer the handler sleeps on.
+    clock: Clock,
+    /// How long the handlers' sleeps took, in µs.
+    slept_us: Mutex<hdrhistogram::Histogram<u64>>,
 }
 
 impl Recorder {
     pub(crate) fn new() -> Arc<Self> {
+        Self::with_clock(Clock::Tokio)
+    }
+
+    /// A recorder whose handlers sleep on `clock`.
+    pub(crate) fn with_clock(clock: Clock) -> Arc<Self> {
         Arc::new(Recorder {
             log: MemoryEventLog::default(),
             applied: AtomicU64::new(0),
             probes: AtomicU64::new(0),
             window: Mutex::new((None, None)),
             latency_us: Mutex::new(hdrhistogram::Histogram::new(3).expect("sigfig 3 is valid")),
+            clock,
+            slept_us: Mutex::new(hdrhistogram::Histogram::new(3).expect("sigfig 3 is valid")),
         })
     }
 
@@ -173,6 +185,16 @@ impl Recorder {
     /// Publish-to-handler latency quantile of the probe messages, in ms.
     pub(crate) fn latency_ms(&self, q: f64) -> f64 {
         let h = self.latency_us.lock().unwrap();
+        if h.is_empty() {
+            return 0.0;
+        }
+        h.value_at_quantile(q) as f64 / 1000.0
+    }
+
+    /// Quantile of how long the handlers' sleeps took, in ms (0 with no
+    /// sleeps).
+    pub(crate) fn slept_ms(&self, q: f64) -> f64 {
+        let h = self.slept_us.lock().unwrap();
         if h.is_empty() {
             return 0.0;
         }
@@ -226,7 +248,10 @@ pub(crate) async fn start(
                 .await
                 .map_err(HandlerError::retry)?;
             if p.sleep_ms > 0 {
-                tokio::time::sleep(Duration::from_millis(p.sleep_ms)).await;
+                let slept = std::time::Instant::now();
+                rec.clock.sleep(Duration::from_millis(p.sleep_ms)).await;
+                let us = slept.elapsed().as_micros() as u64;
+                let _ = rec.slept_us.lock().unwrap().record(us.max(1));
             }
             rec.log.end(id, true).await.map_err(HandlerError::retry)?;
             {
