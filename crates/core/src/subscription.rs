@@ -354,24 +354,48 @@ impl Subscription {
         let dispatcher = Dispatcher::new(self.dispatch, Arc::new(handler), self.stats.clone());
         let mut loop_state = LoopState::default();
         tokio::pin!(shutdown);
+        // How long shutdown waits for the step in flight (at most the lease
+        // TTL: a step stuck longer has lost its leases anyway).
+        let grace = self.spec.lease.ttl.min(Duration::from_secs(10));
         let outcome = loop {
-            tokio::select! {
-                biased;
-                () = &mut shutdown => break Ok(()),
-                step = self.step(&dispatcher, &mut loop_state) => {
-                    if let Err(err) = step {
-                        match err {
-                            Error::Broker(msg) => {
-                                tracing::warn!(error = %msg, "transport error; retrying");
-                                loop_state.backoff = (loop_state.backoff * 2).clamp(Duration::from_millis(50), Duration::from_secs(5));
-                                tokio::time::sleep(loop_state.backoff).await;
-                            }
-                            other => break Err(other),
+            let stepped = {
+                let step = self.step(&dispatcher, &mut loop_state);
+                tokio::pin!(step);
+                tokio::select! {
+                    biased;
+                    () = &mut shutdown => {
+                        // The step in flight finishes before the source
+                        // closes: a broker operation it already sent (a lease
+                        // acquired, a scope taken) is then recorded, so
+                        // `close` hands it back instead of leaving it to
+                        // expire, as dropping the step did. What it fetched
+                        // is left to the broker by the drain, like any
+                        // waiting delivery.
+                        if tokio::time::timeout(grace, &mut step).await.is_err() {
+                            tracing::warn!(
+                                grace_ms = grace.as_millis() as u64,
+                                "shutdown: the step in flight did not finish in time; dropped"
+                            );
                         }
-                    } else {
-                        loop_state.backoff = Duration::ZERO;
+                        None
+                    }
+                    step = &mut step => Some(step),
+                }
+            };
+            match stepped {
+                None => break Ok(()),
+                Some(Ok(())) => loop_state.backoff = Duration::ZERO,
+                Some(Err(Error::Broker(msg))) => {
+                    tracing::warn!(error = %msg, "transport error; retrying");
+                    loop_state.backoff =
+                        (loop_state.backoff * 2).clamp(Duration::from_millis(50), Duration::from_secs(5));
+                    tokio::select! {
+                        biased;
+                        () = &mut shutdown => break Ok(()),
+                        () = tokio::time::sleep(loop_state.backoff) => {}
                     }
                 }
+                Some(Err(other)) => break Err(other),
             }
         };
         let dropped = dispatcher.drain().await;

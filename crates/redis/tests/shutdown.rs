@@ -1,0 +1,250 @@
+//! A subscription stopped while a lease acquire is in flight hands that
+//! lease back at close, on the real Redis server.
+//!
+//! The subscription talks to Redis through a loopback relay that can hold
+//! the server's replies. Once the acquire script has run at the server (the
+//! lease key exists) but before its reply arrives, the test asks for
+//! shutdown. A loop that dropped its step there never recorded the lease,
+//! so close left it to its TTL and the key's next owner waited that long.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use keyorder_core::{Client, Delivery, KeySource, LeaseConfig, Message, Transport};
+use keyorder_redis::{Names, RedisTransport};
+use redis::AsyncCommands;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+fn redis_addr() -> String {
+    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let url = url::Url::parse(&url).unwrap();
+    format!(
+        "{}:{}",
+        url.host_str().unwrap_or("127.0.0.1"),
+        url.port().unwrap_or(6379)
+    )
+}
+
+/// A loopback relay to Redis. Once `armed`, the first request that names a
+/// lease key holds every later reply on that connection until `hold` is
+/// cleared.
+struct Relay {
+    port: u16,
+    armed: Arc<AtomicBool>,
+    hold: Arc<watch::Sender<bool>>,
+}
+
+impl Relay {
+    async fn start() -> Relay {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let armed = Arc::new(AtomicBool::new(false));
+        let (hold, hold_rx) = watch::channel(false);
+        let hold = Arc::new(hold);
+        let (armed_tx, hold_tx) = (armed.clone(), hold.clone());
+        tokio::spawn(async move {
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    return;
+                };
+                let server = TcpStream::connect(redis_addr()).await.unwrap();
+                let (mut cr, mut cw) = client.into_split();
+                let (mut sr, mut sw) = server.into_split();
+                // Set when this connection carried a lease key while armed.
+                let (seen, mut seen_rx) = watch::channel(false);
+                let armed = armed_tx.clone();
+                let hold_tx = hold_tx.clone();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    loop {
+                        let n = match cr.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        let chunk = &buf[..n];
+                        // One request only: the close's release must get
+                        // its reply.
+                        if chunk.windows(9).any(|w| w == b"__lease__") && armed.swap(false, Ordering::SeqCst) {
+                            hold_tx.send_replace(true);
+                            seen.send_replace(true);
+                        }
+                        if sw.write_all(chunk).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+                let mut hold_rx = hold_rx.clone();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    loop {
+                        let n = match sr.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        // Held while this connection's lease request waits.
+                        while *seen_rx.borrow_and_update() && *hold_rx.borrow_and_update() {
+                            tokio::select! {
+                                r = hold_rx.changed() => if r.is_err() { return },
+                                r = seen_rx.changed() => if r.is_err() { return },
+                            }
+                        }
+                        if cw.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Relay { port, armed, hold }
+    }
+}
+
+/// Runs a subscription straight to Redis until it has acquired a
+/// partition, so the server has the scripts cached: a held reply must be the
+/// acquire's result, not a "no such script" that the client would answer by
+/// sending the script.
+async fn load_scripts(lease: LeaseConfig) {
+    let category = format!("shutdown-warm-{}", uuid::Uuid::new_v4().simple());
+    let names = Names::new(&category).unwrap();
+    let url = format!("redis://{}", redis_addr());
+    let transport = RedisTransport::from_url(&url.parse().unwrap()).await.unwrap();
+    let client = Client::new(Arc::new(transport));
+    let sub = client
+        .subscribe(&category, "g")
+        .ordered_by(KeySource::routing_key())
+        .lease(lease)
+        .instance_id("warm")
+        .build()
+        .await
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(sub.run(|_d: Delivery| async { Ok(()) }, async move {
+        let _ = stopped.await;
+    }));
+    client
+        .publisher(&category)
+        .await
+        .unwrap()
+        .publish(Message::new("w").with_key("w").unwrap())
+        .await
+        .unwrap();
+    let mut conn = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let v: Option<String> = conn.get(names.lease("w", "g")).await.unwrap();
+        if v.is_some() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the warm-up partition was never acquired");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+    let _: () = redis::cmd("DEL")
+        .arg(names.stream("w"))
+        .arg(names.index())
+        .arg(names.generation())
+        .arg(names.members("g"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_mid_acquire_hands_the_lease_back() {
+    let relay = Relay::start().await;
+    let category = format!("shutdown-{}", uuid::Uuid::new_v4().simple());
+    let names = Names::new(&category).unwrap();
+    let direct = redis::Client::open(format!("redis://{}", redis_addr())).unwrap();
+    let mut conn = direct.get_multiplexed_async_connection().await.unwrap();
+
+    let url = format!("redis://127.0.0.1:{}", relay.port);
+    let transport = RedisTransport::from_url(&url.parse().unwrap())
+        .await
+        .expect("Redis must be reachable (run scripts/services)");
+    let client = Client::new(Arc::new(transport));
+    // A long lease: a lease left behind would still be there when checked.
+    let lease = LeaseConfig {
+        ttl: Duration::from_secs(60),
+        heartbeat: Duration::from_secs(1),
+        margin: Duration::from_secs(10),
+    };
+    load_scripts(lease.clone()).await;
+    let sub = client
+        .subscribe(&category, "g")
+        .ordered_by(KeySource::routing_key())
+        .lease(lease)
+        .instance_id("a")
+        .build()
+        .await
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(sub.run(|_d: Delivery| async { Ok(()) }, async move {
+        let _ = stopped.await;
+    }));
+
+    // The instance is up once it has announced itself.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let score: Option<f64> = conn.zscore(names.members("g"), "a").await.unwrap();
+        if score.is_some() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the instance never announced itself");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // From now on, the first request naming a lease key (the acquire of the
+    // new key's partition) has its reply held.
+    relay.armed.store(true, Ordering::SeqCst);
+    let publisher = RedisTransport::from_url(&format!("redis://{}", redis_addr()).parse().unwrap())
+        .await
+        .unwrap();
+    let p = publisher.publisher(&category).await.unwrap();
+    p.publish(Message::new("m").with_key("k").unwrap()).await.unwrap();
+
+    // The acquire ran at the server: the lease is `a`'s.
+    let lease_key = names.lease("k", "g");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let holder = loop {
+        let v: Option<String> = conn.get(&lease_key).await.unwrap();
+        if let Some(v) = v {
+            break v;
+        }
+        assert!(Instant::now() < deadline, "the partition was never acquired");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(holder.starts_with("a:"), "lease holder {holder}");
+    assert!(*relay.hold.borrow(), "the acquire's reply is held");
+
+    // Shutdown while the acquire's reply is still on its way; then let it
+    // through.
+    let _ = stop.send(());
+    relay.hold.send_replace(false);
+    tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("the subscription stopped")
+        .unwrap()
+        .unwrap();
+
+    let left: Option<String> = conn.get(&lease_key).await.unwrap();
+    assert_eq!(
+        left, None,
+        "the stopped instance left its lease behind (it expires only after the TTL)"
+    );
+    let _: () = redis::cmd("DEL")
+        .arg(names.stream("k"))
+        .arg(names.index())
+        .arg(names.generation())
+        .arg(names.members("g"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+}
