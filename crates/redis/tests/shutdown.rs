@@ -176,7 +176,7 @@ async fn shutdown_mid_acquire_hands_the_lease_back() {
         heartbeat: Duration::from_secs(1),
         margin: Duration::from_secs(10),
     };
-    load_scripts(lease.clone()).await;
+    load_scripts(lease).await;
     let sub = client
         .subscribe(&category, "g")
         .ordered_by(KeySource::routing_key())
