@@ -16,7 +16,7 @@ use keyorder_redis::{Names, RedisTransport};
 use redis::AsyncCommands;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 
 fn redis_addr() -> String {
     let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
@@ -102,53 +102,80 @@ impl Relay {
     }
 }
 
-/// Runs a subscription straight to Redis until it has acquired a
-/// partition, so the server has the scripts cached: a held reply must be the
-/// acquire's result, not a "no such script" that the client would answer by
-/// sending the script.
-async fn load_scripts(lease: LeaseConfig) {
-    let category = format!("shutdown-warm-{}", uuid::Uuid::new_v4().simple());
-    let names = Names::new(&category).unwrap();
-    let url = format!("redis://{}", redis_addr());
-    let transport = RedisTransport::from_url(&url.parse().unwrap()).await.unwrap();
-    let client = Client::new(Arc::new(transport));
-    let sub = client
-        .subscribe(&category, "g")
+/// A running subscription of instance `instance` on `category` (group `g`)
+/// over `url`, with a handler that does nothing; send on the sender to stop
+/// it.
+async fn start(
+    url: &str,
+    category: &str,
+    instance: &str,
+    lease: LeaseConfig,
+) -> (
+    oneshot::Sender<()>,
+    tokio::task::JoinHandle<keyorder_core::Result<keyorder_core::RunReport>>,
+) {
+    let transport = RedisTransport::from_url(&url.parse().unwrap())
+        .await
+        .expect("Redis must be reachable (run scripts/services)");
+    let sub = Client::new(Arc::new(transport))
+        .subscribe(category, "g")
         .ordered_by(KeySource::routing_key())
         .lease(lease)
-        .instance_id("warm")
+        .instance_id(instance)
         .build()
         .await
         .unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (stop, stopped) = oneshot::channel::<()>();
     let run = tokio::spawn(sub.run(|_d: Delivery| async { Ok(()) }, async move {
         let _ = stopped.await;
     }));
-    client
-        .publisher(&category)
-        .await
-        .unwrap()
-        .publish(Message::new("w").with_key("w").unwrap())
+    (stop, run)
+}
+
+/// Publishes one message of `key` straight to Redis.
+async fn publish(category: &str, key: &str) {
+    let t = RedisTransport::from_url(&format!("redis://{}", redis_addr()).parse().unwrap())
         .await
         .unwrap();
-    let mut conn = redis::Client::open(url.as_str())
+    let p = t.publisher(category).await.unwrap();
+    p.publish(Message::new("m").with_key(key).unwrap()).await.unwrap();
+}
+
+/// Polls `what` until it is `Some`, for at most 30 s.
+async fn until<T, F, Fut>(what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "{what}: not within 30 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The value of `key`, on its own connection.
+async fn get(key: &str) -> Option<String> {
+    let mut conn = redis::Client::open(format!("redis://{}", redis_addr()))
         .unwrap()
         .get_multiplexed_async_connection()
         .await
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let v: Option<String> = conn.get(names.lease("w", "g")).await.unwrap();
-        if v.is_some() {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the warm-up partition was never acquired");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let _ = stop.send(());
-    run.await.unwrap().unwrap();
+    conn.get(key).await.unwrap()
+}
+
+/// Removes what a test category left.
+async fn clean(names: &Names, key: &str) {
+    let mut conn = redis::Client::open(format!("redis://{}", redis_addr()))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
     let _: () = redis::cmd("DEL")
-        .arg(names.stream("w"))
+        .arg(names.stream(key))
         .arg(names.index())
         .arg(names.generation())
         .arg(names.members("g"))
@@ -157,19 +184,27 @@ async fn load_scripts(lease: LeaseConfig) {
         .unwrap();
 }
 
+/// Runs a subscription straight to Redis until it has acquired a
+/// partition, so the server has the scripts cached: a held reply must be the
+/// acquire's result, not a "no such script" that the client would answer by
+/// sending the script.
+async fn load_scripts(lease: LeaseConfig) {
+    let category = format!("shutdown-warm-{}", uuid::Uuid::new_v4().simple());
+    let names = Names::new(&category).unwrap();
+    let (stop, run) = start(&format!("redis://{}", redis_addr()), &category, "warm", lease).await;
+    publish(&category, "w").await;
+    let lease_key = names.lease("w", "g");
+    until("the warm-up partition acquired", || get(&lease_key)).await;
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+    clean(&names, "w").await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_mid_acquire_hands_the_lease_back() {
     let relay = Relay::start().await;
     let category = format!("shutdown-{}", uuid::Uuid::new_v4().simple());
     let names = Names::new(&category).unwrap();
-    let direct = redis::Client::open(format!("redis://{}", redis_addr())).unwrap();
-    let mut conn = direct.get_multiplexed_async_connection().await.unwrap();
-
-    let url = format!("redis://127.0.0.1:{}", relay.port);
-    let transport = RedisTransport::from_url(&url.parse().unwrap())
-        .await
-        .expect("Redis must be reachable (run scripts/services)");
-    let client = Client::new(Arc::new(transport));
     // A long lease: a lease left behind would still be there when checked.
     let lease = LeaseConfig {
         ttl: Duration::from_secs(60),
@@ -177,50 +212,32 @@ async fn shutdown_mid_acquire_hands_the_lease_back() {
         margin: Duration::from_secs(10),
     };
     load_scripts(lease).await;
-    let sub = client
-        .subscribe(&category, "g")
-        .ordered_by(KeySource::routing_key())
-        .lease(lease)
-        .instance_id("a")
-        .build()
+    let (stop, run) = start(&format!("redis://127.0.0.1:{}", relay.port), &category, "a", lease).await;
+    // The instance is up once it has announced itself.
+    let conn = redis::Client::open(format!("redis://{}", redis_addr()))
+        .unwrap()
+        .get_multiplexed_async_connection()
         .await
         .unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(sub.run(|_d: Delivery| async { Ok(()) }, async move {
-        let _ = stopped.await;
-    }));
-
-    // The instance is up once it has announced itself.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let score: Option<f64> = conn.zscore(names.members("g"), "a").await.unwrap();
-        if score.is_some() {
-            break;
+    let members = names.members("g");
+    until("the instance announced itself", || {
+        let mut conn = conn.clone();
+        let members = members.clone();
+        async move {
+            let score: Option<f64> = conn.zscore(members, "a").await.unwrap();
+            score.map(|_| ())
         }
-        assert!(Instant::now() < deadline, "the instance never announced itself");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await;
 
     // From now on, the first request naming a lease key (the acquire of the
     // new key's partition) has its reply held.
     relay.armed.store(true, Ordering::SeqCst);
-    let publisher = RedisTransport::from_url(&format!("redis://{}", redis_addr()).parse().unwrap())
-        .await
-        .unwrap();
-    let p = publisher.publisher(&category).await.unwrap();
-    p.publish(Message::new("m").with_key("k").unwrap()).await.unwrap();
+    publish(&category, "k").await;
 
     // The acquire ran at the server: the lease is `a`'s.
     let lease_key = names.lease("k", "g");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let holder = loop {
-        let v: Option<String> = conn.get(&lease_key).await.unwrap();
-        if let Some(v) = v {
-            break v;
-        }
-        assert!(Instant::now() < deadline, "the partition was never acquired");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let holder = until("the partition acquired", || get(&lease_key)).await;
     assert!(holder.starts_with("a:"), "lease holder {holder}");
     assert!(*relay.hold.borrow(), "the acquire's reply is held");
 
@@ -234,17 +251,10 @@ async fn shutdown_mid_acquire_hands_the_lease_back() {
         .unwrap()
         .unwrap();
 
-    let left: Option<String> = conn.get(&lease_key).await.unwrap();
     assert_eq!(
-        left, None,
+        get(&lease_key).await,
+        None,
         "the stopped instance left its lease behind (it expires only after the TTL)"
     );
-    let _: () = redis::cmd("DEL")
-        .arg(names.stream("k"))
-        .arg(names.index())
-        .arg(names.generation())
-        .arg(names.members("g"))
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    clean(&names, "k").await;
 }
