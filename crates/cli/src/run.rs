@@ -222,7 +222,42 @@ pub(crate) async fn start(
     instance: String,
     rec: Arc<Recorder>,
 ) -> anyhow::Result<Running> {
+    Ok(build(builder, instance, rec).await?.launch())
+}
+
+/// An instance whose subscription is built (its transport open) but whose
+/// handlers have not started: `bench` builds every instance of a side first
+/// and then launches them together, so that no side's timing includes one
+/// instance's start-up while another already works.
+pub(crate) struct Built {
+    subscription: keyorder::Subscription,
+    instance: String,
+    rec: Arc<Recorder>,
+}
+
+/// Builds the subscription of `instance` (see [`Built`]).
+pub(crate) async fn build(builder: SubscriptionBuilder, instance: String, rec: Arc<Recorder>) -> anyhow::Result<Built> {
     let subscription = builder.instance_id(instance.clone()).build().await?;
+    Ok(Built {
+        subscription,
+        instance,
+        rec,
+    })
+}
+
+impl Built {
+    /// Starts the recording handlers.
+    pub(crate) fn launch(self) -> Running {
+        let Built {
+            subscription,
+            instance,
+            rec,
+        } = self;
+        launch(subscription, instance, rec)
+    }
+}
+
+fn launch(subscription: keyorder::Subscription, instance: String, rec: Arc<Recorder>) -> Running {
     let stats = subscription.stats();
     let (stop, stopped) = oneshot::channel::<()>();
     let handler = move |d: Delivery| {
@@ -269,7 +304,7 @@ pub(crate) async fn start(
     let join = tokio::spawn(subscription.run(handler, async move {
         let _ = stopped.await;
     }));
-    Ok(Running { stats, stop, join })
+    Running { stats, stop, join }
 }
 
 /// The builder every run uses.
