@@ -253,58 +253,54 @@ impl Built {
             instance,
             rec,
         } = self;
-        launch(subscription, instance, rec)
+        let stats = subscription.stats();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let handler = move |d: Delivery| {
+            let rec = rec.clone();
+            let instance = instance.clone();
+            async move {
+                let started = std::time::Instant::now();
+                let p = parse(d.payload()).ok_or_else(|| HandlerError::poison("not a keyorder bench payload"))?;
+                if p.probe {
+                    let lat = now_us().saturating_sub(p.sent_us);
+                    let _ = rec.latency_us.lock().unwrap().record(lat.max(1));
+                    rec.probes.fetch_add(1, Ordering::Relaxed);
+                }
+                let id = rec
+                    .log
+                    .start(EventStart {
+                        message_id: d.id().to_owned(),
+                        key: d.key().map_or_else(String::new, |k| k.as_str().to_owned()),
+                        seq: p.seq,
+                        instance,
+                        generation: d.fencing_token(),
+                    })
+                    .await
+                    .map_err(HandlerError::retry)?;
+                if p.sleep_ms > 0 {
+                    let slept = std::time::Instant::now();
+                    rec.clock.sleep(Duration::from_millis(p.sleep_ms)).await;
+                    let us = slept.elapsed().as_micros() as u64;
+                    let _ = rec.slept_us.lock().unwrap().record(us.max(1));
+                }
+                rec.log.end(id, true).await.map_err(HandlerError::retry)?;
+                {
+                    let mut w = rec.window.lock().unwrap();
+                    w.0 = Some(w.0.map_or(started, |a| a.min(started)));
+                    let end = std::time::Instant::now();
+                    w.1 = Some(w.1.map_or(end, |b| b.max(end)));
+                }
+                if !p.probe {
+                    rec.applied.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(())
+            }
+        };
+        let join = tokio::spawn(subscription.run(handler, async move {
+            let _ = stopped.await;
+        }));
+        Running { stats, stop, join }
     }
-}
-
-fn launch(subscription: keyorder::Subscription, instance: String, rec: Arc<Recorder>) -> Running {
-    let stats = subscription.stats();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let handler = move |d: Delivery| {
-        let rec = rec.clone();
-        let instance = instance.clone();
-        async move {
-            let started = std::time::Instant::now();
-            let p = parse(d.payload()).ok_or_else(|| HandlerError::poison("not a keyorder bench payload"))?;
-            if p.probe {
-                let lat = now_us().saturating_sub(p.sent_us);
-                let _ = rec.latency_us.lock().unwrap().record(lat.max(1));
-                rec.probes.fetch_add(1, Ordering::Relaxed);
-            }
-            let id = rec
-                .log
-                .start(EventStart {
-                    message_id: d.id().to_owned(),
-                    key: d.key().map_or_else(String::new, |k| k.as_str().to_owned()),
-                    seq: p.seq,
-                    instance,
-                    generation: d.fencing_token(),
-                })
-                .await
-                .map_err(HandlerError::retry)?;
-            if p.sleep_ms > 0 {
-                let slept = std::time::Instant::now();
-                rec.clock.sleep(Duration::from_millis(p.sleep_ms)).await;
-                let us = slept.elapsed().as_micros() as u64;
-                let _ = rec.slept_us.lock().unwrap().record(us.max(1));
-            }
-            rec.log.end(id, true).await.map_err(HandlerError::retry)?;
-            {
-                let mut w = rec.window.lock().unwrap();
-                w.0 = Some(w.0.map_or(started, |a| a.min(started)));
-                let end = std::time::Instant::now();
-                w.1 = Some(w.1.map_or(end, |b| b.max(end)));
-            }
-            if !p.probe {
-                rec.applied.fetch_add(1, Ordering::Relaxed);
-            }
-            Ok(())
-        }
-    };
-    let join = tokio::spawn(subscription.run(handler, async move {
-        let _ = stopped.await;
-    }));
-    Running { stats, stop, join }
 }
 
 /// The builder every run uses.
