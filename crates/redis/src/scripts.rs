@@ -321,14 +321,18 @@ return 1
 
 /// Copies an entry to the dead-letter stream and acknowledges it in one step.
 /// With an empty holder it is the operator's (unfenced) dead-letter action.
+/// Idempotent: an entry the group no longer has pending was settled already
+/// (a retry after a lost reply, or an operator's action), so nothing more is
+/// dead-lettered.
 ///
 /// KEYS: lease, stream, dead-letter stream, dead-letter index, halted hash.
-/// ARGV: holder, group, entry id, key, reason. Returns 1, 0 when fenced, -1
-/// when the entry is gone.
+/// ARGV: holder, group, entry id, key, reason. Returns 1 (also when already
+/// settled), 0 when fenced, -1 when the entry is gone.
 pub(crate) static PARK: LazyLock<Script> = LazyLock::new(|| {
     script(
         r"
 if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if #redis.call('XPENDING', KEYS[2], ARGV[2], ARGV[3], ARGV[3], 1) == 0 then return 1 end
 local e = redis.call('XRANGE', KEYS[2], ARGV[3], ARGV[3])
 if #e == 0 then
   redis.call('XACK', KEYS[2], ARGV[2], ARGV[3])

@@ -448,3 +448,40 @@ async fn a_fenced_publish_with_a_lower_token_is_refused_and_stores_nothing() {
     let token: u64 = conn.get(names.fence("outbox/s/1")).await.unwrap();
     assert_eq!(token, 3);
 }
+
+/// A park whose reply was lost is retried by the dispatcher: the retry finds
+/// the entry already settled and dead-letters nothing more, on the fenced
+/// layout and on the plain single stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_park_dead_letters_its_entry_once() {
+    for (options, ordered) in [("", true), ("layout=single", false)] {
+        let t = transport(options).await;
+        let cat = category("park");
+        let names = Names::new(&cat).unwrap();
+        publish(&t, &cat, "a", 0..2).await;
+        let mut source = t.open(&SourceSpec { ordered, ..spec(&cat, "A") }).await.unwrap();
+        let got = fetch_n(&mut source, 2).await;
+        got[0].settle.park("poison").await.unwrap();
+        got[0].settle.park("poison").await.unwrap();
+        got[1].settle.ack().await.unwrap();
+        let (stream, dlq) = if ordered {
+            (names.stream("a"), names.dlq("a"))
+        } else {
+            (names.single(), names.keyless_dlq())
+        };
+        let mut c = conn().await;
+        let dead: usize = c.xlen(&dlq).await.unwrap();
+        assert_eq!(dead, 1, "{options:?}: dead letters of one parked entry");
+        let pending: redis::Value = redis::cmd("XPENDING")
+            .arg(&stream)
+            .arg("g")
+            .arg("-")
+            .arg("+")
+            .arg(10)
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        assert_eq!(pending, redis::Value::Array(vec![]), "{options:?}: still pending");
+        source.close().await.unwrap();
+    }
+}
