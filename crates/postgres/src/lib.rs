@@ -1009,6 +1009,29 @@ impl PgSource {
         Ok(())
     }
 
+    /// Frees an owned slot at the database, then here (on failure it stays
+    /// owned here and the release is retried); `false` if it was not owned.
+    async fn free(&mut self, slot: u32) -> Result<bool> {
+        let Some(o) = self.owned.get(&slot) else {
+            return Ok(false);
+        };
+        self.t
+            .db
+            .exec(
+                q(&self.t.sql.release)
+                    .bind(&self.spec.category)
+                    .bind(&self.spec.group)
+                    .bind(slot as i32)
+                    .bind(&self.spec.instance)
+                    .bind(o.generation),
+            )
+            .await
+            .map_err(db)?;
+        o.lease.lose();
+        self.owned.remove(&slot);
+        Ok(true)
+    }
+
     /// Moves each owned slot's cursor over its settled prefix (fenced).
     async fn advance_cursors(&mut self) -> Result<()> {
         let moves: Vec<(u32, i64, Pos)> = self
@@ -1238,32 +1261,19 @@ impl TransportSource for PgSource {
             return Err(Error::NotFound(format!("scope `{scope}`")));
         };
         self.advance_cursors().await?;
-        if let Some(o) = self.owned.get(&slot) {
-            // Release at the database first: on failure the slot stays owned
-            // here and the release is retried.
-            self.t
-                .db
-                .exec(
-                    q(&self.t.sql.release)
-                        .bind(&self.spec.category)
-                        .bind(&self.spec.group)
-                        .bind(slot as i32)
-                        .bind(&self.spec.instance)
-                        .bind(o.generation),
-                )
-                .await
-                .map_err(db)?;
-            o.lease.lose();
-            self.owned.remove(&slot);
+        if self.free(slot).await? {
             self.announce().await;
         }
         Ok(())
     }
 
     async fn close(&mut self) -> Result<()> {
+        // Every cursor in one statement, then each slot freed; one
+        // announcement at the end.
+        self.advance_cursors().await?;
         let slots: Vec<u32> = self.owned.keys().copied().collect();
         for slot in slots {
-            self.release(&scope_name(&self.spec.category, slot)).await?;
+            self.free(slot).await?;
         }
         // `release_all` also frees a lease acquired by a statement whose
         // future was dropped at shutdown (not in `owned`: it would stay live,

@@ -459,7 +459,13 @@ async fn a_retried_park_dead_letters_its_entry_once() {
         let cat = category("park");
         let names = Names::new(&cat).unwrap();
         publish(&t, &cat, "a", 0..2).await;
-        let mut source = t.open(&SourceSpec { ordered, ..spec(&cat, "A") }).await.unwrap();
+        let mut source = t
+            .open(&SourceSpec {
+                ordered,
+                ..spec(&cat, "A")
+            })
+            .await
+            .unwrap();
         let got = fetch_n(&mut source, 2).await;
         got[0].settle.park("poison").await.unwrap();
         got[0].settle.park("poison").await.unwrap();
