@@ -329,10 +329,10 @@ return 1
 /// ARGV: holder, group, entry id, key, reason. Returns 1 (also when already
 /// settled), 0 when fenced, -1 when the entry is gone.
 pub(crate) static PARK: LazyLock<Script> = LazyLock::new(|| {
-    script(
-        r"
+    script(&format!(
+        r"{DELIVERIES}
 if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-if #redis.call('XPENDING', KEYS[2], ARGV[2], ARGV[3], ARGV[3], 1) == 0 then return 1 end
+if deliveries(KEYS[2], ARGV[2], ARGV[3]) == 0 then return 1 end
 local e = redis.call('XRANGE', KEYS[2], ARGV[3], ARGV[3])
 if #e == 0 then
   redis.call('XACK', KEYS[2], ARGV[2], ARGV[3])
@@ -348,8 +348,8 @@ redis.call('SADD', KEYS[4], ARGV[4])
 redis.call('XACK', KEYS[2], ARGV[2], ARGV[3])
 redis.call('HDEL', KEYS[5], ARGV[4])
 return 1
-",
-    )
+"
+    ))
 });
 
 /// Releases a lease held by this holder.
