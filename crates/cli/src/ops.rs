@@ -165,8 +165,10 @@ pub(crate) async fn delete_queue(a: DeleteQueueArgs) -> anyhow::Result<()> {
         }
     }
     anyhow::bail!(
-        "delete-queue supports postgres:// and amqp:// URLs; on Redis delete the category's streams \
-         (`{0}:*`), on Kafka delete the topic `{0}` with the broker's tools",
+        "delete-queue supports postgres:// and amqp:// URLs; on Redis delete the category's keys `{0}` and \
+         `{0}:*` with no subscription running (the pattern also matches any other category whose name \
+         starts with `{0}:`), on Kafka delete the topics `{0}`, `{0}.dlq` and `{0}.keyorder-state` with the \
+         broker's tools",
         a.category
     )
 }
