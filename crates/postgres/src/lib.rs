@@ -929,15 +929,25 @@ impl PgSource {
         Ok(())
     }
 
+    /// `sql` with this subscription's queue, group and `slot` bound as
+    /// `$1`-`$3`.
+    fn on_slot(
+        &self,
+        sql: &Arc<str>,
+        slot: u32,
+    ) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
+        q(sql)
+            .bind(&self.spec.category)
+            .bind(&self.spec.group)
+            .bind(slot as i32)
+    }
+
     async fn acquire(&mut self, slot: u32, sent: Instant) -> Result<bool> {
         let row = self
             .t
             .db
             .opt(
-                q(&self.t.sql.acquire)
-                    .bind(&self.spec.category)
-                    .bind(&self.spec.group)
-                    .bind(slot as i32)
+                self.on_slot(&self.t.sql.acquire, slot)
                     .bind(&self.spec.instance)
                     .bind(Self::ms(self.spec.lease.ttl)),
             )
@@ -950,12 +960,7 @@ impl PgSource {
             let prior_mark: Pos = self
                 .t
                 .db
-                .opt(
-                    q(&self.t.sql.read_mark)
-                        .bind(&self.spec.category)
-                        .bind(&self.spec.group)
-                        .bind(slot as i32),
-                )
+                .opt(self.on_slot(&self.t.sql.read_mark, slot))
                 .await
                 .map_err(db)?
                 .map_or((0, 0), |m| (m.get::<String, _>(0).parse().unwrap_or(0), m.get(1)));
@@ -1018,10 +1023,7 @@ impl PgSource {
         self.t
             .db
             .exec(
-                q(&self.t.sql.release)
-                    .bind(&self.spec.category)
-                    .bind(&self.spec.group)
-                    .bind(slot as i32)
+                self.on_slot(&self.t.sql.release, slot)
                     .bind(&self.spec.instance)
                     .bind(o.generation),
             )
