@@ -296,13 +296,25 @@ pub(crate) async fn run(a: BenchArgs) -> anyhow::Result<()> {
         .transport_name()
         .to_owned();
     anyhow::ensure!(a.rounds >= 1, "rounds must be >= 1");
+    // A result measured with durability relaxed says so.
+    #[cfg(feature = "all-adapters")]
+    let durability = if run::is_pg(&a.url) {
+        Some(run::pg_durability(&run::with_setup(&a.url)).await?)
+    } else {
+        None
+    };
+    #[cfg(not(feature = "all-adapters"))]
+    let durability: Option<String> = None;
+    if let Some(d) = &durability {
+        println!("{transport}: commits with {d}");
+    }
     let mut ratios = Vec::new();
     let mut defects = false;
     for round in 1..=a.rounds {
         if a.rounds > 1 {
             println!("round {round} of {}", a.rounds);
         }
-        let (ratio, bad) = round_trip(&a, &transport).await?;
+        let (ratio, bad) = round_trip(&a, &transport, durability.as_deref()).await?;
         ratios.push(ratio);
         defects |= bad;
     }
@@ -328,7 +340,7 @@ pub(crate) async fn run(a: BenchArgs) -> anyhow::Result<()> {
 
 /// One round: ordered, then the baseline (then partition order if asked);
 /// prints the round and returns its ratio and whether it found a defect.
-async fn round_trip(a: &BenchArgs, transport: &str) -> anyhow::Result<(f64, bool)> {
+async fn round_trip(a: &BenchArgs, transport: &str, durability: Option<&str>) -> anyhow::Result<(f64, bool)> {
     let ordered = side(a, true, a.concurrency).await?;
     let baseline = side(a, false, a.concurrency).await?;
     let partition = if a.partition_order {
@@ -378,6 +390,7 @@ async fn round_trip(a: &BenchArgs, transport: &str) -> anyhow::Result<(f64, bool
             "{}",
             json!({
                 "transport": transport,
+                "durability": durability,
                 "keys": a.keys,
                 "messages": a.messages,
                 "instances": a.instances,

@@ -418,6 +418,28 @@ pub(crate) async fn vacuum_pg(url: &str) -> anyhow::Result<()> {
     Ok(t.vacuum().await?)
 }
 
+/// What the PostgreSQL sessions of `url` commit with, as one line for a
+/// bench's report: `synchronous_commit=on fsync=on`, with a warning when
+/// either is relaxed (the ordering guarantee assumes both on).
+#[cfg(feature = "all-adapters")]
+pub(crate) async fn pg_durability(url: &str) -> anyhow::Result<String> {
+    let t = keyorder::postgres::PgTransport::from_url(&url.parse()?).await?;
+    let settings = t.durability().await?;
+    let relaxed = settings.iter().any(|(_, v)| v == "off");
+    let mut line = settings
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    if relaxed {
+        line.push_str(
+            " (relaxed: a crash of the server itself can lose acknowledgements; \
+             the ordering guarantee assumes both on)",
+        );
+    }
+    Ok(line)
+}
+
 /// Deletes a finished bench side's queues on RabbitMQ, so that they neither
 /// pile up on the broker nor expire (`expires_ms`, the fallback) in the
 /// middle of a later side's run.

@@ -316,6 +316,33 @@ impl PgTransport {
         Ok(())
     }
 
+    /// What a commit of this transport's sessions waits for, as the server
+    /// reports it to them: `synchronous_commit` and `fsync`, as
+    /// `(name, value)` pairs. The ordering guarantee assumes
+    /// `synchronous_commit` `on` (or stricter) and `fsync` `on`: with either
+    /// relaxed (`?options=-c%20synchronous_commit%3Doff` on the URL, or the
+    /// server's configuration), a crash of the server itself can lose
+    /// acknowledgements, and then run a key's earlier messages again after
+    /// its later ones. `keyorder bench` prints this, so a result measured
+    /// on a relaxed set-up says so.
+    ///
+    /// ```no_run
+    /// # async fn run() -> keyorder_core::Result<()> {
+    /// let t = keyorder_postgres::PgTransport::from_url(&"postgres://postgres@127.0.0.1/test".parse().unwrap()).await?;
+    /// for (name, value) in t.durability().await? {
+    ///     println!("{name}={value}");
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn durability(&self) -> Result<Vec<(String, String)>> {
+        let q = sqlx::query("select current_setting('synchronous_commit'), current_setting('fsync')").persistent(false);
+        let row = self.db.one(q).await.map_err(db)?;
+        Ok(vec![
+            ("synchronous_commit".to_owned(), row.try_get(0).map_err(db)?),
+            ("fsync".to_owned(), row.try_get(1).map_err(db)?),
+        ])
+    }
+
     /// Connects from a `postgres://` URL (see [`PgConfig::from_url`]).
     pub async fn from_url(url: &url::Url) -> Result<Self> {
         Self::connect(PgConfig::from_url(url)?).await
