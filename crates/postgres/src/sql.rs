@@ -69,6 +69,7 @@ pub(crate) struct Sql {
     pub(crate) op_resume: Arc<str>,
     pub(crate) op_mark: Arc<str>,
     pub(crate) retention: Arc<str>,
+    pub(crate) sweep_acked: Arc<str>,
     pub(crate) attempt_batch: Arc<str>,
     pub(crate) read_mark: Arc<str>,
     pub(crate) ack_batch: Arc<str>,
@@ -156,9 +157,7 @@ impl Sql {
                   and s.grp = $2 and s.slot = r.slot and s.owner = $7 and s.generation = r.gen \
                   and s.lease_expiry > clock_timestamp() for key share of s), \
                  up as (update {s}.slots s set cursor_txid = o.ctx, cursor_id = o.cid from own o \
-                  where s.queue = $1 and s.grp = $2 and s.slot = o.slot returning 1), \
-                 del as (delete from {s}.acked a using own o where a.queue = $1 and a.grp = $2 \
-                  and a.slot = o.slot and (a.txid, a.event_id) <= (o.ctx, o.cid)) \
+                  where s.queue = $1 and s.grp = $2 and s.slot = o.slot returning 1) \
                  select slot from own",
             ),
             // `offset 0` keeps each `not exists` a per-row primary-key probe:
@@ -298,6 +297,17 @@ impl Sql {
                  del as (delete from {s}.attempts a using own o where a.queue = $1 and a.grp = $2 \
                  and a.event_id = o.event_id) \
                  select event_id, 1 from own",
+            ),
+            // The acknowledgements below the durable cursors of the slots
+            // owner $3 holds: nothing reads them again (a read starts past
+            // the cursor). Deleting them moves no cursor, so a stale owner's
+            // sweep is harmless. One statement: a hash join over the
+            // group's acknowledgements costs about 1 us a row, and bounded
+            // batches would rescan the table for each.
+            sweep_acked: f(
+                "delete from {s}.acked a using {s}.slots s where a.queue = $1 and a.grp = $2 \
+                 and s.queue = $1 and s.grp = $2 and s.slot = a.slot and s.owner = $3 \
+                 and (a.txid, a.event_id) <= (s.cursor_txid, s.cursor_id)",
             ),
             // Events every group of the queue has passed, in each of the
             // slots $2 (an `int[]`): below the lowest cursor (a halted head
