@@ -1023,12 +1023,14 @@ impl PgSource {
     /// owner's durable cursors, then, in a bounded batch per owned slot,
     /// the events every group of the queue has passed. On a task of its
     /// own, one at a time (a heartbeat that finds the last one running
-    /// skips it): done inline, its statements (about 100 ms at 14,000
-    /// acknowledgements a second per instance) held up the reads until the
-    /// dispatcher's buffered work ran out and every key of the instance
-    /// waited. Neither statement moves a cursor or needs the lease, so a
-    /// sweep that outlives its slot is harmless; failures are logged and the
-    /// next heartbeat tries again.
+    /// skips it). Done inline, the two statements (100-130 ms together at
+    /// 14,000 acknowledgements a second per instance, on 2 cores) held up
+    /// the reads until the dispatcher's buffered work ran out. Off the read
+    /// path the reads go on, though the sweep's own work still slows every
+    /// key while it runs (BENCHMARKS.md, 2026-12-04, fourth session).
+    /// Neither statement moves a cursor or needs the lease, so a sweep that
+    /// outlives its slot is harmless; failures are logged and the next
+    /// heartbeat tries again.
     fn housekeep(&mut self) {
         if self.owned.is_empty() || self.housekeeping.as_ref().is_some_and(|h| !h.is_finished()) {
             return;
