@@ -9,6 +9,8 @@ use std::time::Duration;
 use keyorder_core::{Inbound, Message, Transport, TransportSource};
 use sqlx::Row;
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
 mod common;
 use common::{spec, transport, url};
 
