@@ -3,11 +3,15 @@
 //! the next owner; what it never read starts at attempt 1; a retry is
 //! recorded before it runs.
 
-use std::collections::HashSet;
 use std::time::Duration;
 
-use keyorder_core::{Inbound, KeyRules, LeaseConfig, Message, SourceSpec, Transport, TransportSource};
+use keyorder_core::{Inbound, KeyRules, LeaseConfig, Message, SourceSpec, Transport};
 use keyorder_postgres::{PgConfig, PgTransport};
+
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+use common::take;
 
 fn url() -> String {
     std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
@@ -27,27 +31,6 @@ fn spec(queue: &str, instance: &str) -> SourceSpec {
         },
         key_rules: KeyRules::default(),
     }
-}
-
-/// Fetches until `n` deliveries arrived (maintaining the source meanwhile).
-async fn take(source: &mut Box<dyn TransportSource>, n: usize) -> Vec<Inbound> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    let mut got = Vec::new();
-    while got.len() < n {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "got {} of {n} deliveries",
-            got.len()
-        );
-        source.maintain().await.unwrap();
-        got.extend(
-            source
-                .fetch(n - got.len(), &HashSet::new(), Duration::from_millis(100))
-                .await
-                .unwrap(),
-        );
-    }
-    got
 }
 
 fn body(i: &Inbound) -> String {

@@ -3,39 +3,17 @@
 //! acknowledgement above the cursor (behind an unsettled event of another
 //! key) stays until the cursor passes it too.
 
-use std::collections::HashSet;
 use std::time::Duration;
 
-use keyorder_core::{Inbound, Message, Transport, TransportSource};
+use keyorder_core::{Message, Transport, TransportSource};
 use sqlx::Row;
 
 // Shared set-up; this file uses only part of it.
 #[allow(dead_code)]
 mod common;
-use common::{spec, transport, url};
+use common::{spec, take, transport, url};
 
 const SCHEMA: &str = "keyorder_sweep";
-
-/// Fetches until `n` deliveries arrived (maintaining the source meanwhile).
-async fn take(source: &mut Box<dyn TransportSource>, n: usize) -> Vec<Inbound> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    let mut got = Vec::new();
-    while got.len() < n {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "got {} of {n} deliveries",
-            got.len()
-        );
-        source.maintain().await.unwrap();
-        got.extend(
-            source
-                .fetch(n - got.len(), &HashSet::new(), Duration::from_millis(100))
-                .await
-                .unwrap(),
-        );
-    }
-    got
-}
 
 /// `(acknowledgement rows, the slot's cursor event id)` of `queue`.
 async fn state(pool: &sqlx::PgPool, queue: &str) -> (i64, i64) {

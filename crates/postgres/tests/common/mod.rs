@@ -55,3 +55,26 @@ pub(crate) async fn one(source: &mut Box<dyn TransportSource>) -> Inbound {
         }
     }
 }
+
+/// Fetches until `n` deliveries arrived (maintaining the source meanwhile).
+// Not every file that takes `one` takes this.
+#[allow(dead_code)]
+pub(crate) async fn take(source: &mut Box<dyn TransportSource>, n: usize) -> Vec<Inbound> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut got = Vec::new();
+    while got.len() < n {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "got {} of {n} deliveries",
+            got.len()
+        );
+        source.maintain().await.unwrap();
+        got.extend(
+            source
+                .fetch(n - got.len(), &HashSet::new(), Duration::from_millis(100))
+                .await
+                .unwrap(),
+        );
+    }
+    got
+}
