@@ -9,10 +9,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{
-    Client, Delivery, Error, HandlerResult, Inbound, KeyRules, LeaseConfig, Message, SourceSpec, Transport,
-    TransportPublisher, TransportSource,
+    Client, Delivery, Error, HandlerResult, KeyRules, LeaseConfig, Message, SourceSpec, Transport, TransportPublisher,
 };
 use keyorder_postgres::{Layout, PgConfig, PgTransport};
+
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+use common::take;
 
 const SCHEMA: &str = "keyorder_plain";
 
@@ -78,28 +82,6 @@ async fn rows_of(pool: &sqlx::PgPool, queue: &str) -> i64 {
         .fetch_one(pool)
         .await
         .unwrap()
-}
-
-/// Fetches until `n` deliveries came (polling with a deadline), running
-/// `maintain` between fetches.
-async fn take(source: &mut Box<dyn TransportSource>, n: usize) -> Vec<Inbound> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    let mut out = Vec::new();
-    while out.len() < n {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out: {} of {n} deliveries",
-            out.len()
-        );
-        source.maintain().await.unwrap();
-        out.extend(
-            source
-                .fetch(n - out.len(), &HashSet::new(), Duration::from_millis(50))
-                .await
-                .unwrap(),
-        );
-    }
-    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
