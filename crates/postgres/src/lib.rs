@@ -805,6 +805,16 @@ fn parse_scope(scope: &str) -> Option<u32> {
     scope.rsplit_once("/s").and_then(|(_, n)| n.parse().ok())
 }
 
+/// Runs one housekeeping statement; a failure is logged, and the next
+/// heartbeat runs it again.
+async fn housekeeping_step(ex: &Exec, query: exec::PgQuery<'_>, what: &str) {
+    match ex.exec(query).await {
+        Ok(done) if done.rows_affected() > 0 => tracing::debug!(deleted = done.rows_affected(), "{what}"),
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "postgres: {what} failed; retried at the next heartbeat"),
+    }
+}
+
 impl PgSource {
     fn ms(d: Duration) -> f64 {
         d.as_millis() as f64
@@ -1044,34 +1054,13 @@ impl PgSource {
         let batch = self.t.cfg.retention_batch;
         let slots: Vec<i32> = self.owned.keys().map(|s| *s as i32).collect();
         self.housekeeping = Some(tokio::spawn(async move {
-            match db.exec(q(&sql.sweep_acked).bind(&queue).bind(&grp).bind(&me)).await {
-                Ok(done) if done.rows_affected() > 0 => {
-                    tracing::trace!(deleted = done.rows_affected(), "acknowledgements swept")
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    tracing::warn!(error = %e, "postgres: sweeping acknowledgements failed; retried at the next heartbeat")
-                }
-            }
-            if batch == 0 {
-                return;
-            }
-            match db
-                .exec(q(&sql.retention).bind(&queue).bind(&slots).bind(i64::from(batch)))
-                .await
-            {
-                Ok(done) if done.rows_affected() > 0 => tracing::debug!(deleted = done.rows_affected(), "retention"),
-                Ok(_) => {}
-                Err(e) => tracing::warn!(error = %e, "postgres: retention failed; retried at the next heartbeat"),
+            let sweep = q(&sql.sweep_acked).bind(&queue).bind(&grp).bind(&me);
+            housekeeping_step(&db, sweep, "acknowledgement sweep").await;
+            if batch > 0 {
+                let retention = q(&sql.retention).bind(&queue).bind(&slots).bind(i64::from(batch));
+                housekeeping_step(&db, retention, "retention").await;
             }
         }));
-    }
-
-    /// Waits for the housekeeping in flight, if any (closing).
-    async fn housekeeping_done(&mut self) {
-        if let Some(h) = self.housekeeping.take() {
-            let _ = h.await;
-        }
     }
 
     /// Frees an owned slot at the database, then here (on failure it stays
@@ -1332,7 +1321,10 @@ impl TransportSource for PgSource {
     async fn close(&mut self) -> Result<()> {
         // Every cursor in one statement, then each slot freed; one
         // announcement at the end.
-        self.housekeeping_done().await;
+        // The housekeeping in flight first: it ends on its own.
+        if let Some(h) = self.housekeeping.take() {
+            let _ = h.await;
+        }
         self.advance_cursors().await?;
         let slots: Vec<u32> = self.owned.keys().copied().collect();
         for slot in slots {
