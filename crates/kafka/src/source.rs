@@ -3,7 +3,8 @@
 //!
 //! - **Poll thread.** librdkafka serves rebalances inside `poll`, so a
 //!   dedicated thread polls and forwards messages and rebalance events, in
-//!   order, to the async side.
+//!   order, to the async side. The member and its thread start at the
+//!   subscription's first call, not when it is built.
 //! - **Assign.** The thread reads the committed offsets and their metadata
 //!   first, forwards them, then assigns from exactly those offsets.
 //! - **Revoke.** The thread forwards the revoke and waits: the subscription
@@ -583,6 +584,9 @@ pub(crate) struct Source {
     last_report: Option<Instant>,
     /// Where the next `take` starts its turn over the partitions.
     turn: usize,
+    /// Whether the group member was started (at the first `fetch` or
+    /// `maintain`, not at `open`).
+    joined: bool,
 }
 
 impl fmt::Debug for Source {
@@ -644,8 +648,8 @@ impl Source {
             tasks: Vec::new(),
             last_report: None,
             turn: 0,
+            joined: false,
         };
-        source.start_member()?;
         source.tasks.push(tokio::spawn(shared.clone().committer()));
         source
             .tasks
@@ -656,6 +660,18 @@ impl Source {
             .unwrap_or_else(|e| e.into_inner())
             .push(Arc::downgrade(&shared));
         Ok(source)
+    }
+
+    /// Joins the group on the subscription's first call (as a Kafka
+    /// consumer joins on its first poll), not when it is built: a
+    /// subscription built and not yet run takes no partitions away from the
+    /// members that run.
+    fn join(&mut self) -> Result<()> {
+        if !self.joined {
+            self.start_member()?;
+            self.joined = true;
+        }
+        Ok(())
     }
 
     /// Creates a group member and its poll thread.
@@ -1083,6 +1099,7 @@ async fn check_partition_count(t: &KafkaTransport, names: &Names, group: &str, p
 #[async_trait]
 impl TransportSource for Source {
     async fn fetch(&mut self, max: usize, paused: &HashSet<Arc<str>>, wait: Duration) -> Result<Vec<Inbound>> {
+        self.join()?;
         let mut out = Vec::new();
         self.pump(4 * max.max(64));
         self.take(max, paused, &mut out);
@@ -1097,6 +1114,7 @@ impl TransportSource for Source {
     }
 
     async fn maintain(&mut self) -> Result<Vec<SourceEvent>> {
+        self.join()?;
         if tracing::enabled!(tracing::Level::TRACE)
             && self.last_report.is_none_or(|t| t.elapsed() > Duration::from_secs(5))
         {

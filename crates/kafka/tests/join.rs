@@ -1,0 +1,99 @@
+//! A subscription joins its consumer group when it runs, not when it is
+//! built. A member that joined at `build` took its share of the partitions
+//! at once: a subscription built and not yet run (or never run) held them,
+//! and their messages waited for it while the group's running members sat
+//! idle.
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use keyorder_core::{Client, Delivery, HandlerResult, KeySource, Message};
+use keyorder_kafka::{partition_for, KafkaTransport};
+
+/// Messages per partition.
+const PER_PARTITION: usize = 10;
+
+fn url() -> String {
+    format!("kafka://{}?partitions=2&fetch_wait_ms=10", common::brokers())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_built_subscription_that_does_not_run_takes_no_partition() {
+    let t = KafkaTransport::from_url(&url().parse().unwrap())
+        .await
+        .expect("the test broker answers (run scripts/services)");
+    let client = Client::new(Arc::new(t));
+    let category = format!("join-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+
+    // Keys in both partitions, in publish order.
+    let keys: Vec<String> = (0..)
+        .map(|i| format!("k-{i}"))
+        .filter(|k| partition_for(k.as_bytes(), 2) == 0)
+        .take(PER_PARTITION)
+        .chain(
+            (0..)
+                .map(|i| format!("k-{i}"))
+                .filter(|k| partition_for(k.as_bytes(), 2) == 1)
+                .take(PER_PARTITION),
+        )
+        .collect();
+    let publisher = client.publisher(&category).await.unwrap();
+    for key in &keys {
+        publisher
+            .publish(Message::new(key.clone()).with_key(key).unwrap())
+            .await
+            .unwrap();
+    }
+
+    let build = || {
+        client
+            .subscribe(&category, "g")
+            .ordered_by(KeySource::routing_key())
+            .lease(common::lease())
+            .build()
+    };
+    // Built first and never run.
+    let idle = build().await.unwrap();
+    let busy = build().await.unwrap();
+    let applied: Arc<Mutex<Vec<String>>> = Arc::default();
+    let log = applied.clone();
+    let handler = move |d: Delivery| {
+        let log = log.clone();
+        async move {
+            log.lock()
+                .unwrap()
+                .push(String::from_utf8_lossy(d.payload()).into_owned());
+            HandlerResult::Ok(())
+        }
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(busy.run(handler, async move {
+        let _ = stopped.await;
+    }));
+
+    // The running member gets both partitions: every message.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while applied.lock().unwrap().len() < keys.len() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "only {} of {} messages ran in 60 s: a subscription that never ran holds partitions",
+            applied.lock().unwrap().len(),
+            keys.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+    drop(idle);
+
+    let log = applied.lock().unwrap().clone();
+    assert_eq!(log.len(), keys.len(), "each message once: {log:?}");
+    assert_eq!(
+        log.iter().collect::<HashSet<_>>(),
+        keys.iter().collect::<HashSet<_>>(),
+        "every published message ran"
+    );
+}
