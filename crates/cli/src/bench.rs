@@ -103,6 +103,21 @@ fn producers(keys: usize) -> usize {
         .unwrap_or(1)
 }
 
+/// The time between launching one instance of a side and the next. Zero,
+/// except on Kafka: a member joins its group when its subscription starts
+/// running, and the test broker (tansu) settles a group by polling in 1 s
+/// steps, so members that join within about 0.1 s of each other leave the
+/// group's follower waiting a whole poll (1 s) for its assignment, while a
+/// follower that joins 0.25 s after the leader gets it 0.25 s after the
+/// leader. The spacing is the same on both sides of a run.
+fn launch_spacing(url: &str) -> Duration {
+    if url.starts_with("kafka://") {
+        Duration::from_millis(250)
+    } else {
+        Duration::ZERO
+    }
+}
+
 async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Result<Side> {
     let label = match (ordered, concurrency == 1) {
         (true, true) => "partition",
@@ -154,17 +169,25 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
     }
     let rec = run::Recorder::with_clock(a.handler_clock);
     // Every instance is built (its transport open) first and then all are
-    // launched together, on both sides: a side's timing (first handler to
-    // last) then holds no instance's start-up (16 queues declared and
-    // verified take an ordered RabbitMQ instance 0.1-0.2 s) while another
-    // instance already consumes. The spreading of scopes over the instances
-    // still happens inside the timing.
+    // launched together (on Kafka `launch_spacing` apart), on both sides: a
+    // side's timing (first handler to last) then holds no instance's
+    // start-up (16 queues declared and verified take an ordered RabbitMQ
+    // instance 0.1-0.2 s) while another instance already consumes. The
+    // spreading of scopes over the instances still happens inside the
+    // timing.
     let mut built = Vec::new();
     for (i, client) in clients.iter().enumerate() {
         let b = run::builder(client, &category, ordered, concurrency);
         built.push(run::build(b, format!("{label}-{i}"), rec.clone()).await?);
     }
-    let instances: Vec<_> = built.into_iter().map(run::Built::launch).collect();
+    let spacing = launch_spacing(&url);
+    let mut instances = Vec::new();
+    for (i, b) in built.into_iter().enumerate() {
+        if i > 0 && !spacing.is_zero() {
+            tokio::time::sleep(spacing).await;
+        }
+        instances.push(b.launch());
+    }
     // When the later instances were launched (the store's clock).
     let up = rec.log.now().await?;
     let joins: Vec<_> = (1..instances.len()).map(|i| (format!("{label}-{i}"), up)).collect();
