@@ -9,24 +9,16 @@
 
 mod common;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use keyorder_core::{Client, Delivery, HandlerResult, KeySource, Message};
+use keyorder_core::{Client, KeySource, Message};
 use keyorder_kafka::{partition_for, KafkaTransport};
 
 const PER_KEY: usize = 300;
 
 fn url() -> String {
     format!("kafka://{}?partitions=2&fetch_wait_ms=10", common::brokers())
-}
-
-async fn until(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-    while !cond() {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// The first test key (`k-N`) that lands in partition `p` of 2.
@@ -62,7 +54,6 @@ async fn keys_of_two_partitions_run_side_by_side_when_the_room_is_smaller_than_e
         t.await.unwrap();
     }
 
-    let applied: Arc<Mutex<Vec<String>>> = Arc::default();
     let sub = client
         .subscribe(&category, "g")
         .ordered_by(KeySource::routing_key())
@@ -72,25 +63,11 @@ async fn keys_of_two_partitions_run_side_by_side_when_the_room_is_smaller_than_e
         .build()
         .await
         .unwrap();
-    let log = applied.clone();
-    let handler = move |d: Delivery| {
-        let log = log.clone();
-        async move {
-            log.lock()
-                .unwrap()
-                .push(String::from_utf8_lossy(d.payload()).into_owned());
-            HandlerResult::Ok(())
-        }
-    };
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(sub.run(handler, async move {
-        let _ = stopped.await;
-    }));
-    until("the whole backlog", || applied.lock().unwrap().len() >= 2 * PER_KEY).await;
-    let _ = stop.send(());
-    run.await.unwrap().unwrap();
-
-    let log = applied.lock().unwrap().clone();
+    let running = common::Recording::start(sub);
+    running
+        .until(2 * PER_KEY, Duration::from_secs(120), "the whole backlog")
+        .await;
+    let log = running.stop().await;
     assert_eq!(log.len(), 2 * PER_KEY, "each message once");
     let seqs = |key: &str| -> Vec<usize> {
         log.iter()

@@ -7,10 +7,10 @@
 mod common;
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use keyorder_core::{Client, Delivery, HandlerResult, KeySource, Message};
+use keyorder_core::{Client, KeySource, Message};
 use keyorder_kafka::{partition_for, KafkaTransport};
 
 /// Messages per partition.
@@ -58,38 +58,19 @@ async fn a_built_subscription_that_does_not_run_takes_no_partition() {
     // Built first and never run.
     let idle = build().await.unwrap();
     let busy = build().await.unwrap();
-    let applied: Arc<Mutex<Vec<String>>> = Arc::default();
-    let log = applied.clone();
-    let handler = move |d: Delivery| {
-        let log = log.clone();
-        async move {
-            log.lock()
-                .unwrap()
-                .push(String::from_utf8_lossy(d.payload()).into_owned());
-            HandlerResult::Ok(())
-        }
-    };
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(busy.run(handler, async move {
-        let _ = stopped.await;
-    }));
+    let running = common::Recording::start(busy);
 
     // The running member gets both partitions: every message.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while applied.lock().unwrap().len() < keys.len() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "only {} of {} messages ran in 60 s: a subscription that never ran holds partitions",
-            applied.lock().unwrap().len(),
-            keys.len()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let _ = stop.send(());
-    run.await.unwrap().unwrap();
+    running
+        .until(
+            keys.len(),
+            Duration::from_secs(60),
+            "a subscription that never ran holds partitions",
+        )
+        .await;
+    let log = running.stop().await;
     drop(idle);
 
-    let log = applied.lock().unwrap().clone();
     assert_eq!(log.len(), keys.len(), "each message once: {log:?}");
     assert_eq!(
         log.iter().collect::<HashSet<_>>(),

@@ -19,3 +19,61 @@ pub(crate) fn lease() -> LeaseConfig {
         margin: Duration::from_secs(2),
     }
 }
+
+/// A subscription running with a handler that records each payload as text.
+// Not every test file runs one.
+#[allow(dead_code)]
+pub(crate) struct Recording {
+    applied: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    stop: tokio::sync::oneshot::Sender<()>,
+    run: tokio::task::JoinHandle<keyorder_core::Result<keyorder_core::RunReport>>,
+}
+
+#[allow(dead_code)]
+impl Recording {
+    pub(crate) fn start(sub: keyorder_core::Subscription) -> Self {
+        let applied = std::sync::Arc::<std::sync::Mutex<Vec<String>>>::default();
+        let log = applied.clone();
+        let handler = move |d: keyorder_core::Delivery| {
+            let log = log.clone();
+            async move {
+                log.lock()
+                    .unwrap()
+                    .push(String::from_utf8_lossy(d.payload()).into_owned());
+                keyorder_core::HandlerResult::Ok(())
+            }
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let run = tokio::spawn(sub.run(handler, async move {
+            let _ = stopped.await;
+        }));
+        Recording { applied, stop, run }
+    }
+
+    /// How many payloads were recorded so far.
+    pub(crate) fn len(&self) -> usize {
+        self.applied.lock().unwrap().len()
+    }
+
+    /// Waits (polling, up to `limit`) until `n` payloads were recorded;
+    /// panics with `what` and the count otherwise.
+    pub(crate) async fn until(&self, n: usize, limit: Duration, what: &str) {
+        let deadline = tokio::time::Instant::now() + limit;
+        while self.len() < n {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{what}: {} of {n} messages ran in {limit:?}",
+                self.len()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Ends the run (draining it) and returns the payloads in run order.
+    pub(crate) async fn stop(self) -> Vec<String> {
+        let _ = self.stop.send(());
+        self.run.await.unwrap().unwrap();
+        let log = self.applied.lock().unwrap().clone();
+        log
+    }
+}
