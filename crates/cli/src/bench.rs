@@ -111,7 +111,7 @@ fn producers(keys: usize) -> usize {
 /// follower that joins 0.25 s after the leader gets it 0.25 s after the
 /// leader. The spacing is the same on both sides of a run.
 fn launch_spacing(url: &str) -> Duration {
-    if url.starts_with("kafka://") {
+    if run::is_kafka(url) {
         Duration::from_millis(250)
     } else {
         Duration::ZERO
@@ -182,8 +182,8 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
     }
     let spacing = launch_spacing(&url);
     let mut instances = Vec::new();
-    for (i, b) in built.into_iter().enumerate() {
-        if i > 0 && !spacing.is_zero() {
+    for b in built {
+        if !instances.is_empty() && !spacing.is_zero() {
             tokio::time::sleep(spacing).await;
         }
         instances.push(b.launch());

@@ -21,6 +21,10 @@ pub(crate) fn is_pg(url: &str) -> bool {
     url.starts_with("postgres://") || url.starts_with("postgresql://")
 }
 
+pub(crate) fn is_kafka(url: &str) -> bool {
+    url.starts_with("kafka://")
+}
+
 /// `url` with the query option `name=value` added, unless it already sets
 /// `name`.
 pub(crate) fn with_default(url: &str, name: &str, value: &str) -> String {
