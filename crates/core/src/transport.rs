@@ -303,6 +303,15 @@ pub struct DeadLetter {
     pub reason: String,
 }
 
+/// A consumer group of a category, as the broker records it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupInfo {
+    /// The group's name.
+    pub name: String,
+    /// Members (instances) the broker sees as live in it now.
+    pub live_members: usize,
+}
+
 /// What an operator does with a halted head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HeadAction {
@@ -357,6 +366,29 @@ pub trait Admin: Send + Sync + fmt::Debug {
     ///   it works from another process and with no owner at all.
     /// - An unknown or not-halted key is [`crate::Error::NotFound`].
     async fn resolve(&self, category: &str, group: &str, key: &str, action: HeadAction) -> Result<()>;
+    /// The consumer groups the broker records for `category`: every group
+    /// that has subscribed and was not removed, live or stopped. Retention
+    /// and trimming keep what any of them still needs.
+    async fn groups(&self, category: &str) -> Result<Vec<GroupInfo>> {
+        let _ = category;
+        Err(crate::Error::Config(format!(
+            "{self:?}: listing consumer groups is not implemented by this adapter"
+        )))
+    }
+    /// Removes a stopped group of `category`: what the broker keeps for it
+    /// (positions, pending entries, queues) goes, and retention no longer
+    /// waits for it.
+    ///
+    /// # Behavior
+    /// - Refused with [`crate::Error::Config`] while the group has live
+    ///   members (stop them first).
+    /// - An unknown group is [`crate::Error::NotFound`].
+    async fn remove_group(&self, category: &str, group: &str) -> Result<()> {
+        let _ = (category, group);
+        Err(crate::Error::Config(format!(
+            "{self:?}: removing consumer groups is not implemented by this adapter"
+        )))
+    }
 }
 
 /// Splits a fetch's `room` over scopes that already hold `held` delivered,
