@@ -14,6 +14,7 @@ mod wake;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use keyorder_core::{
@@ -59,7 +60,39 @@ pub const SINGLE_CAPABILITIES: Capabilities = Capabilities {
 };
 
 pub(crate) fn broker(e: redis::RedisError) -> Error {
-    Error::Broker(format!("redis: {e}"))
+    Error::Broker(format!("redis: {}", scrub(&e.to_string())))
+}
+
+/// Redis names keys in its error texts in single quotes (`No such key
+/// '{c}:{k}'`); a key name carries an ordering key, which is user data, so
+/// each quoted name is replaced by its label before the text reaches a log
+/// or an [`Error`].
+pub(crate) fn scrub(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(open) = rest.find('\'') {
+        let Some(len) = rest[open + 1..].find('\'') else { break };
+        out.push_str(&rest[..open]);
+        out.push_str(&keyorder_core::key::label(&rest[open + 1..open + 1 + len]));
+        rest = &rest[open + len + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Records `group` in the category's group registry (with its lease TTL, so
+/// an operator can tell live members from gone ones), before the group
+/// reads anything: trimming and reaping keep what a registered group has
+/// not passed. Idempotent.
+pub(crate) async fn register_group(t: &RedisTransport, names: &Names, group: &str, ttl: Duration) -> Result<()> {
+    redis::cmd("HSET")
+        .arg(names.groups())
+        .arg(group)
+        .arg(ttl.as_millis() as u64)
+        .query_async::<i64>(&mut t.conn.clone())
+        .await
+        .map_err(broker)?;
+    Ok(())
 }
 
 /// The Redis Streams transport (`redis://`).

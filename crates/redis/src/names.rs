@@ -11,6 +11,7 @@
 //! | `{c}:__generation__` | string | the category's generation counter (never expires) |
 //! | `{c}:__fence__:{scope}` | string | a publish fence: the highest token a fenced publish for `{scope}` carried (never expires) |
 //! | `{c}:__members__:{g}` | sorted set | live members, scored by their last heartbeat |
+//! | `{c}:__groups__` | hash | the group registry: every group that subscribed and was not removed, with its lease TTL (ms); trimming and reaping keep what any of them still needs |
 //! | `{c}:__halted__:{g}` | hash | halted keys and their heads |
 //! | `{c}:__resolved__:{g}` | hash | operator actions waiting for the owner |
 //! | `{c}:__dlq__` | set | keys with dead letters |
@@ -81,6 +82,10 @@ impl Names {
     /// The generation counter.
     pub fn generation(&self) -> String {
         format!("{}:__generation__", self.c)
+    }
+    /// The group registry.
+    pub fn groups(&self) -> String {
+        format!("{}:__groups__", self.c)
     }
     /// Live members of `group`.
     pub fn members(&self, group: &str) -> String {

@@ -47,6 +47,9 @@ impl GroupReader {
         mode: Mode,
     ) -> Result<Self> {
         let sent = Instant::now();
+        // The group registry first, before anything is read: from now on
+        // trimming and reaping keep what this group has not read.
+        crate::register_group(t, &names, &spec.group, spec.lease.ttl).await?;
         // At `0`, never `$`: nothing published before the group existed is skipped.
         let created: redis::RedisResult<Value> = redis::cmd("XGROUP")
             .arg("CREATE")

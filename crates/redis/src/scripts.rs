@@ -229,9 +229,14 @@ end
 /// (a read that only checked the lease would let the self-fence call a
 /// scope fresh after the lease expired; see `verification/`).
 ///
+/// A stream without the group (reaped once every registered group had
+/// passed its end, then published again) gets the group at `0`; a stream
+/// whose read fails answers `{'error', text}` without failing the others.
+///
 /// KEYS: (lease, stream) per partition. ARGV: group, owner, ttl ms, then
 /// (generation, start id, count) per partition. Returns per partition `0`
-/// (fenced: the lease is not ours) or `{entries, attempts}`.
+/// (fenced: the lease is not ours), `{entries, attempts}` or
+/// `{'error', text}`.
 pub(crate) static READ: LazyLock<Script> = LazyLock::new(|| {
     script(&format!(
         r"{DELIVERIES}
@@ -248,13 +253,28 @@ for i = 1, #KEYS / 2 do
       redis.call('PEXPIRE', lease, ARGV[3])
       extended[lease] = true
     end
-    local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], holder, 'COUNT', count, 'STREAMS', stream, start)
-    local entries, attempts = {{}}, {{}}
-    if r then entries = r[1][2] end
-    for j, e in ipairs(entries) do
-      if start == '>' then attempts[j] = 1 else attempts[j] = deliveries(stream, ARGV[1], e[1]) end
+    local r = redis.pcall('XREADGROUP', 'GROUP', ARGV[1], holder, 'COUNT', count, 'STREAMS', stream, start)
+    if type(r) == 'table' and r.err and string.find(r.err, 'NOGROUP', 1, true) then
+      -- The stream was reaped (every registered group had passed its end)
+      -- and published again: the group starts at its beginning. A stream
+      -- that is gone has nothing to read.
+      if redis.call('EXISTS', stream) == 1 then
+        redis.call('XGROUP', 'CREATE', stream, ARGV[1], '0')
+        r = redis.pcall('XREADGROUP', 'GROUP', ARGV[1], holder, 'COUNT', count, 'STREAMS', stream, start)
+      else
+        r = false
+      end
     end
-    out[i] = {{entries, attempts}}
+    if type(r) == 'table' and r.err then
+      out[i] = {{'error', r.err}}
+    else
+      local entries, attempts = {{}}, {{}}
+      if r then entries = r[1][2] end
+      for j, e in ipairs(entries) do
+        if start == '>' then attempts[j] = 1 else attempts[j] = deliveries(stream, ARGV[1], e[1]) end
+      end
+      out[i] = {{entries, attempts}}
+    end
   end
 end
 return out
@@ -367,8 +387,10 @@ return 0
     )
 });
 
-/// The lowest entry some group of the stream still needs: its first pending
-/// entry, or the one after its last delivered entry. `nil` without groups.
+/// The lowest entry some group still needs: its first pending entry, or
+/// the one after its last delivered entry; `0-0` (nothing may go) when a
+/// group of the category's registry has not joined the stream yet (it will
+/// read it from the start). `nil` without any group.
 const LOW_WATER: &str = r"
 local function next_id(id)
   local ms, seq = string.match(id, '^(%d+)-(%d+)$')
@@ -381,8 +403,9 @@ local function older(a, b)
   if am ~= bm then return am < bm end
   return tonumber(as) < tonumber(bs)
 end
-local function low_water(stream)
+local function low_water(stream, registry)
   local low = nil
+  local joined = {}
   for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
     local name, pending, last = nil, 0, '0-0'
     for j = 1, #g, 2 do
@@ -390,6 +413,7 @@ local function low_water(stream)
       elseif g[j] == 'pending' then pending = g[j + 1]
       elseif g[j] == 'last-delivered-id' then last = g[j + 1] end
     end
+    joined[name] = true
     local need
     if pending > 0 then
       need = redis.call('XPENDING', stream, name)[2]
@@ -398,19 +422,23 @@ local function low_water(stream)
     end
     if low == nil or older(need, low) then low = need end
   end
+  for _, name in ipairs(redis.call('HKEYS', registry)) do
+    if not joined[name] then return '0-0' end
+  end
   return low
 end
 ";
 
-/// Trims entries every group of the stream has acknowledged.
+/// Trims entries every group has acknowledged: every group on the stream
+/// and every group of the category's registry.
 ///
-/// KEYS: stream. Returns the number of entries removed.
+/// KEYS: stream, group registry. Returns the number of entries removed.
 pub(crate) static TRIM: LazyLock<Script> = LazyLock::new(|| {
     script(&format!(
         r"{LOW_WATER}
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local low = low_water(KEYS[1])
-if low == nil then return 0 end
+local low = low_water(KEYS[1], KEYS[2])
+if low == nil or low == '0-0' then return 0 end
 return redis.call('XTRIM', KEYS[1], 'MINID', low)
 "
     ))
@@ -419,12 +447,14 @@ return redis.call('XTRIM', KEYS[1], 'MINID', low)
 /// Removes a cold partition atomically with respect to publishing: only
 /// when nothing was published for `idle` (the index score is the last
 /// publish on the server's clock), no group has anything pending and every
-/// group has read to the end. A publish after it recreates stream and index
-/// entry, and the partition is discovered again.
+/// group on the stream and every group of the category's registry has read
+/// to the end. A publish after it recreates stream and index entry, and the
+/// partition is discovered again; a group that still holds the partition
+/// gets its group on the new stream at `0` (see [`READ`]).
 ///
-/// KEYS: stream, index, lease. ARGV: key, idle ms, holder, `1` to delete
-/// the lease too (a single-stream partition is gone with its stream).
-/// Returns 1 when removed.
+/// KEYS: stream, index, lease, group registry. ARGV: key, idle ms, holder,
+/// `1` to delete the lease too (a single-stream partition is gone with its
+/// stream). Returns 1 when removed.
 pub(crate) static REAP: LazyLock<Script> = LazyLock::new(|| {
     script(
         r"
@@ -437,11 +467,16 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   for j = 1, #last, 2 do
     if last[j] == 'last-generated-id' then last_id = last[j + 1] end
   end
+  local joined = {}
   for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
     for j = 1, #g, 2 do
+      if g[j] == 'name' then joined[g[j + 1]] = true end
       if g[j] == 'pending' and g[j + 1] > 0 then return 0 end
       if g[j] == 'last-delivered-id' and g[j + 1] ~= last_id then return 0 end
     end
+  end
+  for _, name in ipairs(redis.call('HKEYS', KEYS[4])) do
+    if not joined[name] then return 0 end
   end
 end
 redis.call('DEL', KEYS[1])

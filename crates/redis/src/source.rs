@@ -503,7 +503,7 @@ impl Source {
         for p in self.parts.values() {
             for s in &p.streams {
                 if s.acked.swap(false, Ordering::Relaxed) {
-                    pipe.invoke_script(&crate::scripts::TRIM.key(&s.stream));
+                    pipe.invoke_script(&crate::scripts::TRIM.key(&s.stream).key(self.cats[s.cat].groups()));
                     n += 1;
                 }
             }
@@ -541,6 +541,7 @@ impl Source {
                 .key(&s.stream)
                 .key(self.cats[s.cat].index())
                 .key(&p.lease_key)
+                .key(self.cats[s.cat].groups())
                 .arg(&k)
                 .arg(idle.as_millis() as u64)
                 .arg(&p.holder)
@@ -649,6 +650,20 @@ impl Source {
                 continue;
             }
             let (got, attempts) = match &r {
+                Value::Array(two) if two.len() == 2 && crate::text(&two[0]).as_deref() == Some("error") => {
+                    // This stream's read failed; the others of the call went on.
+                    let why = two.get(1).and_then(crate::text).unwrap_or_default();
+                    if let Some(p) = self.parts.get_mut(k) {
+                        p.streams[*i].dirty = true;
+                        tracing::warn!(
+                            scope = %p.lease.scope(),
+                            error = %crate::scrub(&why),
+                            "redis: a stream's fenced read failed; it is read again on the next fetch"
+                        );
+                    }
+                    self.soon = true;
+                    continue;
+                }
                 Value::Array(two) if two.len() == 2 => (entries(&two[0]), ints(&two[1])),
                 _ => (Vec::new(), Vec::new()),
             };

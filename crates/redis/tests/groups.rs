@@ -1,0 +1,220 @@
+//! Several consumer groups on one category, on the real Redis server: a
+//! group that is stopped keeps every message while another group
+//! acknowledges, trims and reaps; a group that holds a key whose stream
+//! another group reaped reads the key again once it is published again; the
+//! groups are listed, and one is removed only while it has no live member.
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::Duration;
+
+use keyorder_core::{Error, Inbound, KeyRules, LeaseConfig, Message, SourceSpec, Transport, TransportSource};
+use keyorder_redis::{Names, RedisTransport};
+
+fn url() -> String {
+    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+async fn transport(options: &str) -> RedisTransport {
+    let url = format!("{}/?{options}", url().trim_end_matches('/'));
+    RedisTransport::from_url(&url.parse().unwrap())
+        .await
+        .expect("Redis must be reachable (run scripts/services)")
+}
+
+fn spec(category: &str, group: &str, instance: &str) -> SourceSpec {
+    SourceSpec {
+        category: category.into(),
+        correlated: Vec::new(),
+        group: group.into(),
+        instance: instance.into(),
+        ordered: true,
+        lease: LeaseConfig {
+            ttl: Duration::from_secs(2),
+            heartbeat: Duration::from_millis(500),
+            margin: Duration::from_millis(700),
+        },
+        key_rules: KeyRules::default(),
+    }
+}
+
+fn category(name: &str) -> String {
+    format!("groups-{name}-{}", uuid::Uuid::new_v4().simple())
+}
+
+/// Publishes `per_key` messages to each key, ids `{key}/{seq}`.
+async fn publish(t: &RedisTransport, category: &str, keys: &[String], seqs: std::ops::Range<u32>) -> Vec<String> {
+    let p = t.publisher(category).await.unwrap();
+    let mut ids = Vec::new();
+    for seq in seqs {
+        for key in keys {
+            let id = format!("{key}/{seq}");
+            p.publish(Message::new(id.clone()).with_key(key).unwrap().with_id(id.clone()))
+                .await
+                .unwrap();
+            ids.push(id);
+        }
+    }
+    ids
+}
+
+fn keys(prefix: &str, range: std::ops::Range<usize>) -> Vec<String> {
+    range.map(|i| format!("{prefix}{i}")).collect()
+}
+
+/// Maintains, fetches and acknowledges until `want` ids were applied or the
+/// deadline passed; returns every applied id in order (errors are retried,
+/// and the last one is returned with what was applied).
+async fn consume(
+    source: &mut Box<dyn TransportSource>,
+    want: &HashSet<String>,
+    deadline: Duration,
+) -> (Vec<String>, Option<Error>) {
+    let until = tokio::time::Instant::now() + deadline;
+    let mut applied = Vec::new();
+    let mut last_error = None;
+    while !want.iter().all(|id| applied.contains(id)) && tokio::time::Instant::now() < until {
+        if let Err(e) = source.maintain().await {
+            last_error = Some(e);
+        }
+        match source.fetch(100, &HashSet::new(), Duration::from_millis(100)).await {
+            Ok(batch) => {
+                for d in batch {
+                    ack(&d).await;
+                    applied.push(d.message.id().to_owned());
+                }
+            }
+            Err(e) => last_error = Some(e),
+        }
+    }
+    (applied, last_error)
+}
+
+async fn ack(d: &Inbound) {
+    d.settle.begin_attempt().await.unwrap();
+    d.settle.ack().await.unwrap();
+}
+
+/// Per key, the applied sequence numbers in the order they were applied.
+fn per_key(applied: &[String]) -> BTreeMap<String, Vec<u32>> {
+    let mut out: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+    for id in applied {
+        let (k, s) = id.split_once('/').unwrap();
+        out.entry(k.to_owned()).or_default().push(s.parse().unwrap());
+    }
+    out
+}
+
+async fn index_len(names: &Names) -> usize {
+    let mut conn = redis::Client::open(url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    redis::cmd("ZCARD")
+        .arg(names.index())
+        .query_async(&mut conn)
+        .await
+        .unwrap()
+}
+
+/// Defect: trimming and reaping considered only the groups already created
+/// on a stream, so a stopped group lost every message of keys it had not
+/// acquired yet (it received 50 of 100).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_group_keeps_every_message_while_another_group_trims_and_reaps() {
+    let t = transport("reap_idle_ms=1000").await;
+    let cat = category("stopped");
+    let first = keys("k", 0..10);
+    let all = keys("k", 0..20);
+
+    let old = publish(&t, &cat, &first, 0..5).await;
+    let mut shipping = t.open(&spec(&cat, "shipping", "s1")).await.unwrap();
+    let (got, e) = consume(&mut shipping, &old.iter().cloned().collect(), Duration::from_secs(30)).await;
+    assert_eq!(got.len(), 50, "shipping's first run: {e:?}");
+    shipping.close().await.unwrap();
+    drop(shipping);
+
+    // shipping is stopped: 20 keys x 5 more, 10 of them new keys.
+    let new = publish(&t, &cat, &all, 5..10).await;
+    let mut billing = t.open(&spec(&cat, "billing", "b1")).await.unwrap();
+    // billing is a group of its own: it gets what is retained when it first
+    // subscribes (at least everything published since).
+    let since: HashSet<String> = new.iter().cloned().collect();
+    let (got, e) = consume(&mut billing, &since, Duration::from_secs(30)).await;
+    assert!(since.iter().all(|id| got.contains(id)), "billing: {e:?}");
+    // billing trims and (past reap_idle) reaps what every group it knows of
+    // has passed; give it time for both, on its own heartbeat.
+    let until = tokio::time::Instant::now() + Duration::from_secs(4);
+    while tokio::time::Instant::now() < until {
+        billing.maintain().await.unwrap();
+        let _ = billing
+            .fetch(100, &HashSet::new(), Duration::from_millis(200))
+            .await
+            .unwrap();
+    }
+    billing.close().await.unwrap();
+    drop(billing);
+
+    // shipping comes back: it must receive every message published since.
+    let mut shipping = t.open(&spec(&cat, "shipping", "s1")).await.unwrap();
+    let want: HashSet<String> = new.iter().cloned().collect();
+    let (got, e) = consume(&mut shipping, &want, Duration::from_secs(30)).await;
+    let missing: Vec<&String> = new.iter().filter(|id| !got.contains(id)).collect();
+    assert!(
+        missing.is_empty(),
+        "shipping lost {} of {} messages published while it was stopped (last error: {e:?})",
+        missing.len(),
+        new.len()
+    );
+    for (k, seqs) in per_key(&got) {
+        assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{k}: out of order {seqs:?}");
+    }
+    shipping.close().await.unwrap();
+}
+
+/// Defect: a group that still held a key whose stream another group reaped
+/// failed every fenced read with NOGROUP once the key was published again,
+/// forever, and the error carried the stream's name (a key) into logs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_holding_a_reaped_key_reads_it_again_after_a_publish() {
+    let t = transport("reap_idle_ms=1000").await;
+    let cat = category("reaped");
+    let names = Names::new(&cat).unwrap();
+    let ks = keys("secret-key-", 0..3);
+    let first = publish(&t, &cat, &ks, 0..3).await;
+    let mut a = t.open(&spec(&cat, "billing", "a1")).await.unwrap();
+    let mut b = t.open(&spec(&cat, "shipping", "b1")).await.unwrap();
+    let want: HashSet<String> = first.iter().cloned().collect();
+    let (got, e) = consume(&mut a, &want, Duration::from_secs(30)).await;
+    assert_eq!(got.len(), want.len(), "billing: {e:?}");
+    let (got, e) = consume(&mut b, &want, Duration::from_secs(30)).await;
+    assert_eq!(got.len(), want.len(), "shipping: {e:?}");
+
+    // Both groups passed the end; one of them reaps the idle streams.
+    let until = tokio::time::Instant::now() + Duration::from_secs(30);
+    while index_len(&names).await > 0 {
+        assert!(tokio::time::Instant::now() < until, "no stream was reaped");
+        for s in [&mut a, &mut b] {
+            s.maintain().await.unwrap();
+            let _ = s.fetch(100, &HashSet::new(), Duration::from_millis(100)).await.unwrap();
+        }
+    }
+
+    // Published again: both groups must read the keys again.
+    let again = publish(&t, &cat, &ks, 3..6).await;
+    let want: HashSet<String> = again.iter().cloned().collect();
+    for (name, s) in [("billing", &mut a), ("shipping", &mut b)] {
+        let (got, e) = consume(s, &want, Duration::from_secs(20)).await;
+        assert!(
+            want.iter().all(|id| got.contains(id)),
+            "{name} received {} of {} messages published after the reap (last error: {e:?})",
+            want.iter().filter(|id| got.contains(*id)).count(),
+            want.len()
+        );
+        if let Some(e) = e {
+            assert!(!e.to_string().contains("secret-key-"), "an error names a key: {e}");
+        }
+    }
+    a.close().await.unwrap();
+    b.close().await.unwrap();
+}
