@@ -7,7 +7,7 @@ use std::fmt;
 
 use async_trait::async_trait;
 use keyorder_core::key::{label, redact};
-use keyorder_core::{Admin, DeadLetter, Error, HaltedKey, HeadAction, HotKey, Result, ScopeInfo};
+use keyorder_core::{Admin, DeadLetter, Error, GroupInfo, HaltedKey, HeadAction, HotKey, Result, ScopeInfo};
 use redis::Value;
 
 use crate::names::Names;
@@ -230,5 +230,55 @@ impl Admin for RedisAdmin {
             tracing::warn!(key = %label(found), "operator skipped a halted head");
         }
         Ok(())
+    }
+
+    async fn groups(&self, category: &str) -> Result<Vec<GroupInfo>> {
+        let n = Names::new(category)?;
+        let reply: Value = scripts::GROUPS
+            .key(n.groups())
+            .arg(category)
+            .invoke_async(&mut self.t.conn.clone())
+            .await
+            .map_err(broker)?;
+        let Value::Array(items) = reply else {
+            return Ok(Vec::new());
+        };
+        let mut out: Vec<GroupInfo> = items
+            .iter()
+            .filter_map(|i| {
+                let Value::Array(f) = i else { return None };
+                Some(GroupInfo {
+                    name: text(f.first()?)?,
+                    live_members: int(f.get(1)) as usize,
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
+    async fn remove_group(&self, category: &str, group: &str) -> Result<()> {
+        let n = Names::new(category)?;
+        let done: i64 = scripts::REMOVE_GROUP
+            .key(n.groups())
+            .key(n.index())
+            .arg(category)
+            .arg(group)
+            .invoke_async(&mut self.t.conn.clone())
+            .await
+            .map_err(broker)?;
+        match done {
+            1 => {
+                tracing::warn!(category, group, "operator removed a consumer group");
+                Ok(())
+            }
+            0 => Err(Error::NotFound(format!(
+                "redis: no consumer group `{group}` is registered for `{category}` (see `keyorder groups`)"
+            ))),
+            live => Err(Error::Config(format!(
+                "redis: consumer group `{group}` of `{category}` has {} live member(s); stop them first, then remove it",
+                -live
+            ))),
+        }
     }
 }

@@ -400,3 +400,16 @@ impl RedisPublisher {
         Ok(fence.is_none() || reply == Value::Int(1))
     }
 }
+
+#[cfg(test)]
+mod scrub_tests {
+    #[test]
+    fn quoted_names_in_redis_errors_become_labels() {
+        let text = "NOGROUP No such key 'orders:customer-42' or consumer group 'g' in XREADGROUP";
+        let out = super::scrub(text);
+        assert!(!out.contains("customer-42"), "{out}");
+        assert!(out.contains(&keyorder_core::key::label("orders:customer-42")), "{out}");
+        assert_eq!(super::scrub("no quotes"), "no quotes");
+        assert_eq!(super::scrub("one ' quote"), "one ' quote");
+    }
+}

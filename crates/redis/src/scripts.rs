@@ -543,3 +543,49 @@ return out
 ",
     )
 });
+
+/// The operator's list of a category's registered groups with their live
+/// members (a heartbeat within the group's lease TTL, on the server's clock).
+///
+/// KEYS: registry. ARGV: category. Returns `{group, live}` per group.
+pub(crate) static GROUPS: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        r"
+local now = now_ms()
+local out = {}
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  local group, ttl = all[i], tonumber(all[i + 1]) or 0
+  local live = redis.call('ZCOUNT', ARGV[1] .. ':__members__:' .. group, now - ttl, '+inf')
+  out[#out + 1] = {group, live}
+end
+return out
+",
+    )
+});
+
+/// The operator's removal of a stopped group: its group on every indexed
+/// stream and on the keyless stream, its leases, members, halted and
+/// resolved records, and its registry entry, in one step.
+///
+/// KEYS: registry, index. ARGV: category, group. Returns 1 when removed,
+/// 0 when the group is not registered, `-n` while `n` members are live.
+pub(crate) static REMOVE_GROUP: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        r"
+local c, group = ARGV[1], ARGV[2]
+local ttl = redis.call('HGET', KEYS[1], group)
+if not ttl then return 0 end
+local live = redis.call('ZCOUNT', c .. ':__members__:' .. group, now_ms() - tonumber(ttl), '+inf')
+if live > 0 then return -live end
+for _, k in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+  redis.pcall('XGROUP', 'DESTROY', c .. ':' .. k, group)
+  redis.call('DEL', c .. ':' .. k .. ':__lease__:' .. group)
+end
+redis.pcall('XGROUP', 'DESTROY', c .. ':__keyless__', group)
+redis.call('DEL', c .. ':__members__:' .. group, c .. ':__halted__:' .. group, c .. ':__resolved__:' .. group)
+redis.call('HDEL', KEYS[1], group)
+return 1
+",
+    )
+});

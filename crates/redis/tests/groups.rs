@@ -218,3 +218,73 @@ async fn a_group_holding_a_reaped_key_reads_it_again_after_a_publish() {
     a.close().await.unwrap();
     b.close().await.unwrap();
 }
+
+async fn xlen(stream: &str) -> usize {
+    let mut conn = redis::Client::open(url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    redis::cmd("XLEN").arg(stream).query_async(&mut conn).await.unwrap()
+}
+
+/// The operator lists a category's groups and removes a stopped one; while
+/// it has a live member the removal is refused; once removed, trimming no
+/// longer waits for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn groups_are_listed_and_a_stopped_group_is_removed_by_the_operator() {
+    let t = transport("").await;
+    let admin = t.admin();
+    let cat = category("remove");
+    let names = Names::new(&cat).unwrap();
+    let ks = keys("k", 0..3);
+    let first = publish(&t, &cat, &ks, 0..3).await;
+    let mut a = t.open(&spec(&cat, "billing", "a1")).await.unwrap();
+    let mut b = t.open(&spec(&cat, "shipping", "b1")).await.unwrap();
+    b.maintain().await.unwrap();
+    let (got, e) = consume(&mut a, &first.iter().cloned().collect(), Duration::from_secs(30)).await;
+    assert_eq!(got.len(), first.len(), "billing: {e:?}");
+    // shipping read nothing: billing's trimming keeps every entry.
+    a.maintain().await.unwrap();
+    assert_eq!(xlen(&names.stream("k0")).await, 3);
+
+    let groups = admin.groups(&cat).await.unwrap();
+    let live: Vec<(&str, usize)> = groups.iter().map(|g| (g.name.as_str(), g.live_members)).collect();
+    assert_eq!(live, [("billing", 1), ("shipping", 1)]);
+    match admin.remove_group(&cat, "shipping").await {
+        Err(Error::Config(why)) => assert!(why.contains("live member"), "{why}"),
+        other => panic!("removing a live group: {other:?}"),
+    }
+    assert!(matches!(
+        admin.remove_group(&cat, "nobody").await,
+        Err(Error::NotFound(_))
+    ));
+    b.close().await.unwrap();
+    drop(b);
+    // Its member entry lapses with the lease TTL (2 s).
+    let until = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match admin.remove_group(&cat, "shipping").await {
+            Ok(()) => break,
+            Err(Error::Config(_)) if tokio::time::Instant::now() < until => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => panic!("removing the stopped group: {other:?}"),
+        }
+    }
+    let names_left: Vec<String> = admin.groups(&cat).await.unwrap().into_iter().map(|g| g.name).collect();
+    assert_eq!(names_left, ["billing"]);
+    // billing's next acknowledgement trims what only shipping kept.
+    let more = publish(&t, &cat, &ks, 3..4).await;
+    let (got, e) = consume(&mut a, &more.iter().cloned().collect(), Duration::from_secs(30)).await;
+    assert_eq!(got.len(), more.len(), "billing: {e:?}");
+    let until = tokio::time::Instant::now() + Duration::from_secs(30);
+    while xlen(&names.stream("k0")).await > 0 {
+        assert!(
+            tokio::time::Instant::now() < until,
+            "billing never trimmed after the removal"
+        );
+        a.maintain().await.unwrap();
+    }
+    a.close().await.unwrap();
+}
