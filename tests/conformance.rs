@@ -32,6 +32,9 @@ impl Harness for MemoryHarness {
     async fn client(&self) -> Result<Client> {
         Ok(Client::new(Arc::new(self.transport.clone())))
     }
+    async fn one_scope_client(&self) -> Result<Client> {
+        Ok(Client::new(Arc::new(MemoryTransport::with_partitions(1))))
+    }
 }
 
 /// PostgreSQL at `POSTGRES_URL` (default: the loopback server `scripts/services` starts).
@@ -51,6 +54,9 @@ impl Harness for PgHarness {
     }
     async fn client(&self) -> Result<Client> {
         keyorder::connect(&self.url).await
+    }
+    async fn one_scope_client(&self) -> Result<Client> {
+        keyorder::connect(&format!("{}&slots=1", self.url)).await
     }
     fn not_applicable(&self, scenario: Scenario) -> Option<String> {
         (scenario == Scenario::C14).then(|| {
@@ -198,6 +204,12 @@ impl Harness for RedisHarness {
     }
     async fn client(&self) -> Result<Client> {
         keyorder::connect(&self.url).await
+    }
+    async fn housekeeping_client(&self) -> Result<Client> {
+        keyorder::connect(&format!("{}/?reap_idle_ms=1000", self.url.trim_end_matches('/'))).await
+    }
+    fn reaps_partitions(&self) -> bool {
+        true
     }
     async fn client_without_affinity(&self) -> Option<Result<Client>> {
         Some(keyorder::connect(&format!("{}/?layout=single", self.url.trim_end_matches('/'))).await)
@@ -416,6 +428,19 @@ impl Harness for KafkaHarness {
     }
     async fn client(&self) -> Result<Client> {
         keyorder::connect(&self.url).await
+    }
+    async fn one_scope_client(&self) -> Result<Client> {
+        let (base, query) = self.url.split_once('?').unwrap_or((&self.url, ""));
+        let mut opts: Vec<&str> = query
+            .split('&')
+            .filter(|o| !o.is_empty() && !o.starts_with("partitions="))
+            .collect();
+        opts.push("partitions=1");
+        keyorder::connect(&format!("{base}?{}", opts.join("&"))).await
+    }
+    fn new_group_start(&self) -> keyorder_testkit::NewGroupStart {
+        // auto.offset.reset=earliest, and the test broker removes nothing.
+        keyorder_testkit::NewGroupStart::Beginning
     }
     fn not_applicable(&self, scenario: Scenario) -> Option<String> {
         match scenario {

@@ -1,4 +1,4 @@
-//! The keyorder conformance suite: scenarios C1-C16 of
+//! The keyorder conformance suite: scenarios C1-C18 of
 //! `shared/design/CONFORMANCE.md`, written once as functions over a
 //! [`Harness`] that each adapter implements, and the one [`checker`] that
 //! judges their event logs.
@@ -16,6 +16,7 @@ use keyorder_core::{Capabilities, Client, LeaseConfig, Result};
 pub mod broken;
 pub mod checker;
 pub mod eventlog;
+mod groups;
 pub mod instance;
 pub mod outbox;
 pub mod pglog;
@@ -25,6 +26,20 @@ pub mod worker;
 pub use checker::{check, Expectation, Published, Verdict};
 pub use eventlog::{Event, EventLog, EventStart, MemoryEventLog};
 pub use scenarios::Scenario;
+
+/// What a consumer group receives when it subscribes for the first time
+/// (C17 checks the transport's answer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NewGroupStart {
+    /// Everything ever published to the category (nothing was removed yet
+    /// on the test broker).
+    Beginning,
+    /// What the broker still retains: entries that no registered group has
+    /// released yet, and everything published after the subscription.
+    Retained,
+    /// What is published after the group's first subscription was built.
+    Subscribed,
+}
 
 /// What a transport gives the suite.
 #[async_trait]
@@ -75,6 +90,33 @@ pub trait Harness: Send + Sync {
     /// The PostgreSQL URL of the event log shared by processes.
     fn event_log_url(&self) -> String {
         std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    }
+
+    /// A client whose housekeeping (trimming, reaping of idle partitions,
+    /// retention) runs as soon as it may, for C17 (idle thresholds of a
+    /// second instead of an hour). The default is [`Harness::client`].
+    async fn housekeeping_client(&self) -> Result<Client> {
+        self.client().await
+    }
+
+    /// Whether this transport removes idle, drained partitions (Redis reaps
+    /// a key's stream): C17 then waits until the reaped keys left
+    /// [`keyorder_core::Admin::scopes`] before publishing to them again.
+    fn reaps_partitions(&self) -> bool {
+        false
+    }
+
+    /// A client whose category has a single scope (one slot, partition or
+    /// queue), so that C18's poison key shares its scope with the healthy
+    /// keys. The default is [`Harness::client`] (a transport whose scope is
+    /// already shared, or is the key itself).
+    async fn one_scope_client(&self) -> Result<Client> {
+        self.client().await
+    }
+
+    /// What a consumer group that subscribes for the first time receives.
+    fn new_group_start(&self) -> NewGroupStart {
+        NewGroupStart::Retained
     }
 
     /// Restarts the broker (C14), keeping what it persisted.

@@ -1,4 +1,4 @@
-//! Scenarios C1-C16, written once.
+//! Scenarios C1-C18, written once.
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -53,17 +53,21 @@ pub enum Scenario {
     C15,
     /// C16 rebalance / scale out.
     C16,
+    /// C17 many groups on one category.
+    C17,
+    /// C18 the operator resolves a halt while the scope flows.
+    C18,
 }
 
-type Outcome = std::result::Result<(), String>;
+pub(crate) type Outcome = std::result::Result<(), String>;
 
-fn err(e: impl std::fmt::Display) -> String {
+pub(crate) fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
 }
 
 impl Scenario {
     /// Every scenario, in order.
-    pub const ALL: [Scenario; 16] = [
+    pub const ALL: [Scenario; 18] = [
         Scenario::C1,
         Scenario::C2,
         Scenario::C3,
@@ -80,6 +84,8 @@ impl Scenario {
         Scenario::C14,
         Scenario::C15,
         Scenario::C16,
+        Scenario::C17,
+        Scenario::C18,
     ];
 
     /// The trial name's scenario part, e.g. `c1_per_key_order`.
@@ -101,6 +107,8 @@ impl Scenario {
             Scenario::C14 => "c14_broker_restart",
             Scenario::C15 => "c15_concurrent_producers",
             Scenario::C16 => "c16_rebalance",
+            Scenario::C17 => "c17_many_groups",
+            Scenario::C18 => "c18_resolve_under_flow",
         }
     }
 
@@ -113,7 +121,7 @@ impl Scenario {
             (!missing.is_empty()).then(|| format!("transport `{}` lacks {}", harness.name(), missing.join(", ")))
         };
         let by_caps = match self {
-            Scenario::C4 => need(&[("halt_on_poison", caps.halt_on_poison)]),
+            Scenario::C4 | Scenario::C18 => need(&[("halt_on_poison", caps.halt_on_poison)]),
             Scenario::C5 => need(&[("park_and_release", caps.park_and_release)]),
             Scenario::C6 => need(&[
                 ("crash_reclaim", caps.crash_reclaim),
@@ -166,6 +174,8 @@ impl Scenario {
             Scenario::C15 => c15(&ctx).await,
             Scenario::C16 => c16(&ctx).await,
             Scenario::C11 => c11(&ctx).await,
+            Scenario::C17 => crate::groups::c17(&ctx).await,
+            Scenario::C18 => crate::groups::c18(&ctx).await,
             #[allow(unreachable_patterns)]
             _ => Err(format!("{}: no runner", self.slug())),
         }
@@ -174,10 +184,10 @@ impl Scenario {
 
 /// What every scenario shares: the harness, a fresh namespace, the event log.
 pub(crate) struct Ctx<'a> {
-    h: &'a dyn Harness,
-    ns: String,
-    log: Arc<dyn EventLog>,
-    switches: Arc<Switches>,
+    pub(crate) h: &'a dyn Harness,
+    pub(crate) ns: String,
+    pub(crate) log: Arc<dyn EventLog>,
+    pub(crate) switches: Arc<Switches>,
 }
 
 impl<'a> Ctx<'a> {
@@ -191,16 +201,16 @@ impl<'a> Ctx<'a> {
         }
     }
 
-    fn category(&self, suffix: &str) -> String {
+    pub(crate) fn category(&self, suffix: &str) -> String {
         format!("{}-{suffix}", self.ns)
     }
 
-    async fn client(&self) -> std::result::Result<Client, String> {
+    pub(crate) async fn client(&self) -> std::result::Result<Client, String> {
         self.h.client().await.map_err(err)
     }
 
     /// The scenarios' default ordered subscription.
-    fn ordered(&self, client: &Client, category: &str, group: &str) -> SubscriptionBuilder {
+    pub(crate) fn ordered(&self, client: &Client, category: &str, group: &str) -> SubscriptionBuilder {
         client
             .subscribe(category, group)
             .ordered_by(KeySource::routing_key())
@@ -212,14 +222,14 @@ impl<'a> Ctx<'a> {
             })
     }
 
-    async fn start(&self, builder: SubscriptionBuilder, id: &str) -> std::result::Result<Instance, String> {
+    pub(crate) async fn start(&self, builder: SubscriptionBuilder, id: &str) -> std::result::Result<Instance, String> {
         Instance::start(builder, id, self.log.clone(), self.switches.clone())
             .await
             .map_err(err)
     }
 
     /// Waits until every published id not in `excused` was applied.
-    async fn wait_applied(&self, published: &[Published], excused: &HashSet<String>) -> Outcome {
+    pub(crate) async fn wait_applied(&self, published: &[Published], excused: &HashSet<String>) -> Outcome {
         let want: HashSet<&str> = published
             .iter()
             .map(|p| p.id.as_str())
@@ -259,20 +269,20 @@ impl<'a> Ctx<'a> {
             .count()
     }
 
-    async fn verdict(&self, expect: &Expectation) -> std::result::Result<crate::Verdict, String> {
+    pub(crate) async fn verdict(&self, expect: &Expectation) -> std::result::Result<crate::Verdict, String> {
         let events = self.log.events().await.map_err(err)?;
         Ok(check(&events, expect))
     }
 }
 
-async fn stop_all(instances: Vec<Instance>) -> Outcome {
+pub(crate) async fn stop_all(instances: Vec<Instance>) -> Outcome {
     for i in instances {
         i.stop().await?;
     }
     Ok(())
 }
 
-fn ensure(cond: bool, what: impl FnOnce() -> String) -> Outcome {
+pub(crate) fn ensure(cond: bool, what: impl FnOnce() -> String) -> Outcome {
     if cond {
         Ok(())
     } else {

@@ -68,6 +68,7 @@ pub type Connector = fn(String) -> Pin<Box<dyn Future<Output = Result<Client>> +
 /// returns at once. Call it first in the runner's `main`.
 pub fn run_if_worker(connect: Connector) {
     crate::outbox::run_if_relay(connect);
+    crate::groups::run_if_operator(connect);
     run_from_env(WORKER_ENV, "worker", |cfg: WorkerConfig| async move {
         worker_main(cfg, connect).await.map(|s| stats_json(&s))
     });
@@ -288,6 +289,20 @@ impl WorkerProcess {
     pub fn cont(&self) -> std::result::Result<(), String> {
         self.stopped.store(false, Ordering::SeqCst);
         self.signal("CONT")
+    }
+
+    /// Waits up to `deadline` for the process to exit by itself (an
+    /// operator process), then its final counters.
+    pub async fn finish(mut self, deadline: Duration) -> std::result::Result<serde_json::Value, String> {
+        let status = tokio::time::timeout(deadline, self.child.wait())
+            .await
+            .map_err(|_| format!("{} did not finish within {deadline:?}", self.id))?
+            .map_err(|e| e.to_string())?;
+        if !status.success() {
+            return Err(format!("{} exited with {status}", self.id));
+        }
+        let json = self.stats.await.ok().flatten().ok_or("the process printed no stats")?;
+        serde_json::from_str(&json).map_err(|e| e.to_string())
     }
 
     /// `SIGTERM` (graceful: the worker drains), then its final counters.
