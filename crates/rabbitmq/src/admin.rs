@@ -7,13 +7,15 @@ use std::fmt;
 
 use async_trait::async_trait;
 use keyorder_core::key::{label, redact};
-use keyorder_core::{Admin, DeadLetter, Error, HaltedKey, HeadAction, HotKey, Result, ScopeInfo, SourceEvent};
-use lapin::options::{BasicGetOptions, QueueDeclareOptions};
-use lapin::types::FieldTable;
+use keyorder_core::{
+    Admin, DeadLetter, Error, GroupInfo, HaltedKey, HeadAction, HotKey, Result, ScopeInfo, SourceEvent,
+};
+use lapin::options::BasicGetOptions;
 
+use crate::config::Topology;
 use crate::settle::{Held, ACK_WAIT, REASON_HEADER};
 use crate::source::header_text;
-use crate::topology::{amqp, Names};
+use crate::topology::{self, amqp, parse_topology, queue_state, GroupNames, Names, Registry};
 use crate::{confirm_channel, RabbitTransport};
 
 pub(crate) struct RabbitAdmin {
@@ -28,23 +30,16 @@ impl fmt::Debug for RabbitAdmin {
 
 #[async_trait]
 impl Admin for RabbitAdmin {
-    async fn scopes(&self, category: &str, _group: &str) -> Result<Vec<ScopeInfo>> {
+    async fn scopes(&self, category: &str, group: &str) -> Result<Vec<ScopeInfo>> {
         let n = Names::new(category)?;
+        let g = n.group(group)?;
+        let topology = self.topology_of(&n, &g).await?;
+        let conn = self.t.connection().await?;
         let mut out = Vec::new();
-        for q in n.queues(self.t.cfg.topology) {
-            let ch = self.t.connection().await?.create_channel().await.map_err(amqp)?;
-            let info = ch
-                .queue_declare(
-                    q.as_str().into(),
-                    QueueDeclareOptions {
-                        passive: true,
-                        ..Default::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(|e| Error::NotFound(format!("queue `{q}`: {e}")))?;
-            let _ = ch.close(200, "admin".into()).await;
+        for q in g.queues(topology) {
+            let (messages, consumers) = queue_state(&conn, &q)
+                .await?
+                .ok_or_else(|| Error::NotFound(format!("rabbitmq: queue `{q}` does not exist")))?;
             let scope = format!("{category}/{q}");
             let halted = self
                 .t
@@ -57,16 +52,18 @@ impl Admin for RabbitAdmin {
                 .count();
             out.push(ScopeInfo {
                 scope,
-                owner: (info.consumer_count() > 0).then(|| format!("{} consumer(s)", info.consumer_count())),
+                owner: (consumers > 0).then(|| format!("{consumers} consumer(s)")),
                 generation: 0,
-                lag: u64::from(info.message_count()),
+                lag: u64::from(messages),
                 halted,
             });
         }
         Ok(out)
     }
 
-    async fn halted(&self, category: &str, _group: &str) -> Result<Vec<HaltedKey>> {
+    async fn halted(&self, category: &str, group: &str) -> Result<Vec<HaltedKey>> {
+        let g = Names::new(category)?.group(group)?;
+        let category = g.base();
         let mut out = self.local_halted(category);
         for h in self.t.remote_halted(category).await? {
             if !out.iter().any(|o| o.label == h.label) {
@@ -83,7 +80,9 @@ impl Admin for RabbitAdmin {
     /// settled; at most the consumers' prefetch). This process counts its
     /// own and asks the others through the control exchange. The queues'
     /// undelivered depth is in `scopes`.
-    async fn hot_keys(&self, category: &str, _group: &str, limit: usize) -> Result<Vec<HotKey>> {
+    async fn hot_keys(&self, category: &str, group: &str, limit: usize) -> Result<Vec<HotKey>> {
+        let g = Names::new(category)?.group(group)?;
+        let category = g.base();
         let mut counts: std::collections::HashMap<String, u64> = self.local_hot(category).into_iter().collect();
         for (label, n) in self.t.remote_hot(category).await? {
             *counts.entry(label).or_default() += n;
@@ -91,10 +90,13 @@ impl Admin for RabbitAdmin {
         Ok(HotKey::top(counts, limit))
     }
 
-    async fn dead_letters(&self, category: &str, _group: &str) -> Result<Vec<DeadLetter>> {
+    async fn dead_letters(&self, category: &str, group: &str) -> Result<Vec<DeadLetter>> {
         // Peek: get without acknowledging, then close the channel, which
         // returns every message to the dead-letter queue.
-        let n = Names::new(category)?;
+        let n = Names::new(category)?.group(group)?;
+        if queue_state(&*self.t.connection().await?, &n.dlq()).await?.is_none() {
+            return Ok(Vec::new());
+        }
         let ch = self.t.connection().await?.create_channel().await.map_err(amqp)?;
         let mut out = Vec::new();
         while out.len() < 1000 {
@@ -117,17 +119,105 @@ impl Admin for RabbitAdmin {
         Ok(out)
     }
 
-    async fn resolve(&self, category: &str, _group: &str, key: &str, action: HeadAction) -> Result<()> {
-        if self.local_resolve(category, key, action).await? {
+    async fn resolve(&self, category: &str, group: &str, key: &str, action: HeadAction) -> Result<()> {
+        let g = Names::new(category)?.group(group)?;
+        if self.local_resolve(g.base(), key, action).await? {
             return Ok(());
         }
-        self.t.remote_resolve(category, key, action).await
+        self.t.remote_resolve(g.base(), key, action).await
+    }
+
+    /// The groups the category's registry records (every group declared by
+    /// a subscription, or by a publisher's `groups=`, and not removed),
+    /// with the consumers of each group's members queue (one per running
+    /// source). A category without a registry has none.
+    async fn groups(&self, category: &str) -> Result<Vec<GroupInfo>> {
+        let n = Names::new(category)?;
+        let conn = self.t.connection().await?;
+        if queue_state(&conn, &n.registry()).await?.is_none() {
+            return Ok(Vec::new());
+        }
+        let registry = Registry::lock(&conn, &n, self.t.cfg.expires_ms).await?;
+        let records = registry.records();
+        registry.release().await?;
+        let mut out = Vec::new();
+        for group in records.keys() {
+            let g = n.group(group)?;
+            let live_members = queue_state(&conn, &g.members()).await?.map_or(0, |(_, c)| c as usize);
+            out.push(GroupInfo {
+                name: group.clone(),
+                live_members,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Deletes a stopped group's queues (its backlog and dead letters with
+    /// them) and exchanges, and its registry record; the category's entry
+    /// exchange and the other groups stay.
+    async fn remove_group(&self, category: &str, group: &str) -> Result<()> {
+        let n = Names::new(category)?;
+        let g = n.group(group)?;
+        let conn = self.t.connection().await?;
+        let unknown = || {
+            Error::NotFound(format!(
+                "rabbitmq: category `{category}` has no consumer group `{group}` (`groups` lists the ones it has)"
+            ))
+        };
+        if queue_state(&conn, &n.registry()).await?.is_none() {
+            return Err(unknown());
+        }
+        let mut registry = Registry::lock(&conn, &n, self.t.cfg.expires_ms).await?;
+        let res = async {
+            let Some(recorded) = registry.records().get(group).cloned() else {
+                return Err(unknown());
+            };
+            let topology = parse_topology(&recorded);
+            // Members, and any consumer of its queues (a source of a version
+            // without the members queue, a tool).
+            let mut live = 0;
+            for q in topology::group_queues(&g, topology) {
+                if let Some((_, consumers)) = queue_state(&conn, &q).await? {
+                    live = live.max(consumers);
+                }
+            }
+            if live > 0 {
+                return Err(Error::Config(format!(
+                    "rabbitmq: group `{group}` of category `{category}` has {live} live consumer(s): stop its \
+                     subscriptions first, then remove it (its queues, backlog and dead letters are deleted)"
+                )));
+            }
+            topology::delete_group(&conn, &g, topology).await?;
+            registry.remove(group);
+            Ok(())
+        }
+        .await;
+        let released = registry.release().await;
+        res.and(released)?;
+        self.t.forget(g.base());
+        Ok(())
     }
 }
 
 impl RabbitAdmin {
+    /// The topology the registry records for group `g`; the URL's when
+    /// it records none (a manually declared topology, `declare=false`).
+    async fn topology_of(&self, n: &Names, g: &GroupNames) -> Result<Topology> {
+        let conn = self.t.connection().await?;
+        if queue_state(&conn, &n.registry()).await?.is_none() {
+            return Ok(self.t.cfg.topology);
+        }
+        let registry = Registry::lock(&conn, n, self.t.cfg.expires_ms).await?;
+        let recorded = registry.records().get(g.group()).cloned();
+        registry.release().await?;
+        Ok(recorded
+            .as_deref()
+            .and_then(parse_topology)
+            .unwrap_or(self.t.cfg.topology))
+    }
+
     /// `(label, deliveries held)` of every key this process holds
-    /// deliveries of in `category`.
+    /// deliveries of in group `category` (a group's base name).
     pub(crate) fn local_hot(&self, category: &str) -> Vec<(String, u64)> {
         let map = self.t.shared.held_keys.lock().unwrap_or_else(|e| e.into_inner());
         map.get(category)
@@ -135,7 +225,8 @@ impl RabbitAdmin {
             .unwrap_or_default()
     }
 
-    /// The halted heads this process holds in `category`.
+    /// The halted heads this process holds in group `category` (a group's
+    /// base name).
     pub(crate) fn local_halted(&self, category: &str) -> Vec<HaltedKey> {
         let map = self.t.shared.halted.lock().unwrap_or_else(|e| e.into_inner());
         let mut out: Vec<HaltedKey> = map
@@ -155,8 +246,8 @@ impl RabbitAdmin {
         out
     }
 
-    /// Acts on `key`'s halted head if this process holds it (`Ok(false)`:
-    /// not held here).
+    /// Acts on `key`'s halted head in group `category` (a group's base
+    /// name) if this process holds it (`Ok(false)`: not held here).
     pub(crate) async fn local_resolve(&self, category: &str, key: &str, action: HeadAction) -> Result<bool> {
         let (found, held) = {
             let map = self.t.shared.halted.lock().unwrap_or_else(|e| e.into_inner());
@@ -175,9 +266,10 @@ impl RabbitAdmin {
                 true
             }
             HeadAction::DeadLetter => {
-                let n = Names::new(category)?;
                 let ch = confirm_channel(&*self.t.connection().await?).await?;
-                held.dead_letter(&ch, &n.dlq(), "moved to the dead-letter queue by an operator")
+                // `GroupNames::dlq` of the group whose base name this is.
+                let dlq = format!("{category}.dlq");
+                held.dead_letter(&ch, &dlq, "moved to the dead-letter queue by an operator")
                     .await?;
                 operator_ack(&held).await?;
                 true

@@ -92,6 +92,16 @@ impl std::fmt::Display for ConsumerTimeout {
 /// | `prefetch` | `32` | unacknowledged deliveries per queue and consumer (at most 32 on quorum queues with `hash` or `sac`) |
 /// | `expires_ms` | none | delete a queue unused (no consumer) this long (`x-expires`; for tests and short-lived categories). Publishing is not use: a queue that expires while a backlog is published to it is deleted with its messages |
 /// | `consumer_timeout_ms` | see below | how long a halted head may stay unacknowledged: a whole number of ms, or `off` |
+/// | `groups` | none | consumer groups (comma-separated) whose topology a publisher declares before its first publish, so they keep what is published before their first consumer starts |
+///
+/// `groups`: each consumer group has queues of its own behind the
+/// category's entry exchange, created when the group's first subscription
+/// is built; a message published before that does not reach the group, and
+/// one that reaches no group at all is refused in the `publish` call. A
+/// publisher whose URL names groups (`groups=billing,shipping`) declares
+/// them (with this URL's `topology`, `queues` and `queue_type`, which must
+/// be the groups' own) when it is created, as a deployment declares its
+/// topology, so they keep everything published from then on.
 ///
 /// `consumer_timeout_ms`: RabbitMQ closes the channel of a delivery left
 /// unacknowledged past its `consumer_timeout` (30 min by default) and
@@ -130,6 +140,8 @@ pub struct RabbitConfig {
     pub expires_ms: Option<u32>,
     /// The `consumer_timeout` stated in the URL, if any.
     pub consumer_timeout: Option<ConsumerTimeout>,
+    /// Groups a publisher declares before its first publish (`groups=`).
+    pub groups: Vec<String>,
     /// `host:port` to read the broker's version from (plain `amqp://` only;
     /// `None` for TLS).
     pub(crate) probe: Option<(String, u16)>,
@@ -154,6 +166,7 @@ impl RabbitConfig {
             prefetch: QUORUM_MAX_PREFETCH,
             expires_ms: None,
             consumer_timeout: None,
+            groups: Vec::new(),
             probe: (url.scheme() == "amqp").then(|| {
                 (
                     url.host_str().unwrap_or("127.0.0.1").to_owned(),
@@ -208,13 +221,29 @@ impl RabbitConfig {
                         )
                     })
                 }
+                "groups" => {
+                    for g in v.split(',') {
+                        let g = g.trim();
+                        if g.is_empty()
+                            || g.len() > 200
+                            || !g.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+                        {
+                            return Err(bad(
+                                "a comma-separated list of group names, each 1 to 200 characters of [A-Za-z0-9._-]",
+                            ));
+                        }
+                        if !cfg.groups.iter().any(|x| x == g) {
+                            cfg.groups.push(g.to_owned());
+                        }
+                    }
+                }
                 "heartbeat" | "frame_max" | "channel_max" | "connection_timeout" => {
                     rest.push((k.into_owned(), v.into_owned()))
                 }
                 other => {
                     return Err(Error::Url(format!(
                         "amqp: unknown option `{other}` (known: topology, queues, queue_type, declare, prefetch, expires_ms, \
-                         consumer_timeout_ms)"
+                         consumer_timeout_ms, groups)"
                     )))
                 }
             }

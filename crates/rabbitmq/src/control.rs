@@ -3,14 +3,15 @@
 //! consumer's channel), and a key's held deliveries live in the consumers
 //! that hold them, so an operator in another process (`keyorder head ...`,
 //! `keyorder hot-keys`) asks the consumers: requests go to the topic
-//! exchange [`CONTROL_EXCHANGE`] with the category as routing key; every
-//! process consuming the category (from its first source on) or holding a
-//! halt in it has an exclusive queue bound there and answers on the
+//! exchange [`CONTROL_EXCHANGE`] with the group's base name
+//! `{category}:{group}` as routing key; every process consuming the
+//! (category, group) pair (from its first source on) or holding a halt in
+//! it has an exclusive queue bound there and answers on the
 //! request's `reply_to` queue. `show` and `hot` gather the answers for a
 //! short window; `skip`, `dlq` and `resume` run in the process that holds
 //! the head and return once it answered. A request that no process is
 //! bound to receive comes back unroutable at once (nobody consumes the
-//! category). Keys travel in requests (as the operator typed them, or a
+//! group). Keys travel in requests (as the operator typed them, or a
 //! label); answers carry labels and redacted previews only.
 
 use std::collections::HashSet;
@@ -29,7 +30,8 @@ use serde_json::{json, Value};
 use crate::topology::{amqp, private_queue};
 use crate::{confirm_channel, RabbitTransport};
 
-/// The topic exchange operator requests go through (routing key: category).
+/// The topic exchange operator requests go through (routing key: the
+/// group's base name `{category}:{group}`).
 pub const CONTROL_EXCHANGE: &str = "keyorder.control";
 
 /// How long `show` waits for more answers after the last one.
@@ -39,11 +41,11 @@ const GATHER: Duration = Duration::from_secs(2);
 /// The longest `skip`, `dlq` or `resume` waits for the holder's answer.
 const ACT: Duration = Duration::from_secs(10);
 
-/// This transport's responder: the categories it answers for, and whether
+/// This transport's responder: the groups it answers for, and whether
 /// its task runs.
 #[derive(Default)]
 pub(crate) struct Responder {
-    categories: Mutex<HashSet<String>>,
+    groups: Mutex<HashSet<String>>,
     wake: tokio::sync::Notify,
     started: std::sync::atomic::AtomicBool,
 }
@@ -69,15 +71,15 @@ fn halted_of(v: &Value) -> Option<HaltedKey> {
 }
 
 impl RabbitTransport {
-    /// Answers operator requests for `category` from now on (called at a
+    /// Answers operator requests for `group` from now on (called at a
     /// halt; the first call starts the responder task).
-    pub(crate) fn answer_for(&self, category: &str) {
+    pub(crate) fn answer_for(&self, group: &str) {
         let r = &self.shared.responder;
         let fresh = r
-            .categories
+            .groups
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(category.to_owned());
+            .insert(group.to_owned());
         if !r.started.swap(true, std::sync::atomic::Ordering::SeqCst) {
             let t = self.clone();
             tokio::spawn(async move { t.respond().await });
@@ -86,7 +88,7 @@ impl RabbitTransport {
         }
     }
 
-    /// The responder: (re)declares its queue, binds every category it
+    /// The responder: (re)declares its queue, binds every group it
     /// answers for, and answers until the transport is dropped.
     async fn respond(self) {
         loop {
@@ -109,12 +111,7 @@ impl RabbitTransport {
         let mut bound: HashSet<String> = HashSet::new();
         loop {
             let wanted: Vec<String> = {
-                let set = self
-                    .shared
-                    .responder
-                    .categories
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner());
+                let set = self.shared.responder.groups.lock().unwrap_or_else(|e| e.into_inner());
                 set.iter().filter(|c| !bound.contains(*c)).cloned().collect()
             };
             for c in wanted {
@@ -168,16 +165,16 @@ impl RabbitTransport {
             return json!({"error": "unreadable request"});
         };
         let text = |k: &str| req.get(k).and_then(Value::as_str).unwrap_or_default().to_owned();
-        let category = text("category");
+        let group = text("group");
         let admin = crate::admin::RabbitAdmin { t: self.clone() };
         match text("op").as_str() {
             "show" => {
-                let list: Vec<Value> = admin.local_halted(&category).iter().map(halted_json).collect();
+                let list: Vec<Value> = admin.local_halted(&group).iter().map(halted_json).collect();
                 json!({ "halted": list, "from": self.shared.id })
             }
             "hot" => {
                 let list: Vec<Value> = admin
-                    .local_hot(&category)
+                    .local_hot(&group)
                     .into_iter()
                     .map(|(label, held)| json!({ "label": label, "held": held }))
                     .collect();
@@ -187,7 +184,7 @@ impl RabbitTransport {
                 let Some(action) = HeadAction::from_name(&text("action")) else {
                     return json!({"error": "unknown action"});
                 };
-                match admin.local_resolve(&category, &text("key"), action).await {
+                match admin.local_resolve(&group, &text("key"), action).await {
                     Ok(done) => json!({ "done": done }),
                     Err(e) => json!({ "done": false, "error": e.to_string() }),
                 }
@@ -196,13 +193,13 @@ impl RabbitTransport {
         }
     }
 
-    /// Sends `request` to every process answering for `category`; returns
+    /// Sends `request` to every process answering for `group`; returns
     /// the answers gathered until `stop` says enough (or `limit` passes).
     /// No answer at all and an unroutable request (nobody bound) both give
     /// an empty list.
     async fn ask(
         &self,
-        category: &str,
+        group: &str,
         request: Value,
         limit: Duration,
         stop: impl Fn(&[Value]) -> bool,
@@ -218,7 +215,7 @@ impl RabbitTransport {
         let confirm = ch
             .basic_publish(
                 CONTROL_EXCHANGE.into(),
-                category.into(),
+                group.into(),
                 BasicPublishOptions {
                     mandatory: true,
                     ..Default::default()
@@ -258,9 +255,9 @@ impl RabbitTransport {
     }
 
     /// The answers to `op` from every process but this one.
-    async fn gather(&self, category: &str, op: &str) -> Result<Vec<Value>> {
+    async fn gather(&self, group: &str, op: &str) -> Result<Vec<Value>> {
         let answers = self
-            .ask(category, json!({"op": op, "category": category}), GATHER, |_| false)
+            .ask(group, json!({"op": op, "group": group}), GATHER, |_| false)
             .await?;
         Ok(answers
             .into_iter()
@@ -269,8 +266,8 @@ impl RabbitTransport {
     }
 
     /// `(label, deliveries held)` per key in other processes, summed over them.
-    pub(crate) async fn remote_hot(&self, category: &str) -> Result<Vec<(String, u64)>> {
-        let answers = self.gather(category, "hot").await?;
+    pub(crate) async fn remote_hot(&self, group: &str) -> Result<Vec<(String, u64)>> {
+        let answers = self.gather(group, "hot").await?;
         let mut sum: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
         for entry in answers
             .iter()
@@ -287,9 +284,9 @@ impl RabbitTransport {
         Ok(sum.into_iter().collect())
     }
 
-    /// Halted heads held by other processes in `category`.
-    pub(crate) async fn remote_halted(&self, category: &str) -> Result<Vec<HaltedKey>> {
-        let answers = self.gather(category, "show").await?;
+    /// Halted heads held by other processes in `group`.
+    pub(crate) async fn remote_halted(&self, group: &str) -> Result<Vec<HaltedKey>> {
+        let answers = self.gather(group, "show").await?;
         Ok(answers
             .iter()
             .filter_map(|a| a.get("halted").and_then(Value::as_array))
@@ -299,10 +296,10 @@ impl RabbitTransport {
     }
 
     /// Has the process holding `key`'s halted head act on it.
-    pub(crate) async fn remote_resolve(&self, category: &str, key: &str, action: HeadAction) -> Result<()> {
-        let request = json!({"op": "act", "category": category, "key": key, "action": action.name()});
+    pub(crate) async fn remote_resolve(&self, group: &str, key: &str, action: HeadAction) -> Result<()> {
+        let request = json!({"op": "act", "group": group, "key": key, "action": action.name()});
         let done = |a: &Value| a.get("done").and_then(Value::as_bool) == Some(true);
-        let answers = self.ask(category, request, ACT, |got| got.iter().any(done)).await?;
+        let answers = self.ask(group, request, ACT, |got| got.iter().any(done)).await?;
         if answers.iter().any(done) {
             return Ok(());
         }
@@ -312,7 +309,7 @@ impl RabbitTransport {
             )));
         }
         Err(Error::NotFound(format!(
-            "no live consumer holds a halted head for key {} in `{category}` (a RabbitMQ halt lives in the \
+            "no live consumer holds a halted head for key {} in `{group}` (a RabbitMQ halt lives in the \
              consumer that halted it and ends when that consumer stops; `keyorder head show` lists the live ones)",
             redact(key)
         )))

@@ -25,13 +25,16 @@ use lapin::Confirmation;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
 pub use crate::config::{ConsumerTimeout, QueueType, RabbitConfig, Topology, QUORUM_MAX_PREFETCH};
-pub use crate::topology::Names;
+pub use crate::topology::{GroupNames, Names, MAX_CATEGORY_AND_GROUP};
 pub use lapin;
 
 use crate::topology::amqp;
 
-/// The header carrying the topology epoch (the queue count of the `hash`
-/// topology, 0 otherwise) a message was published under.
+/// The header versions before consumer groups stamped with the publisher's
+/// queue count. Publishers no longer choose a queue (each group's own
+/// exchange does, with the count its registry record fixes), so it is
+/// neither stamped nor checked; consumers leave it out of a message's
+/// headers.
 pub const EPOCH_HEADER: &str = "keyorder-epoch";
 
 /// What the RabbitMQ transport can do with an affinity topology (`hash`, `sac`).
@@ -73,15 +76,17 @@ pub(crate) struct Halted {
     pub(crate) settle: Arc<settle::Held>,
 }
 
-/// State the sources of this transport share with its admin view.
+/// State the sources of this transport share with its admin view. A
+/// (category, group) pair is named by its base name `{category}:{group}`
+/// ([`GroupNames::base`]).
 pub(crate) struct Shared {
-    /// (category, key) -> halted head.
+    /// (group base, key) -> halted head.
     pub(crate) halted: Mutex<HashMap<(String, String), Halted>>,
-    /// category -> operator actions for the owner.
+    /// group base -> operator actions for the owner.
     pub(crate) resolved: Mutex<HashMap<String, Vec<SourceEvent>>>,
     /// Answers other processes' operator requests about these halts.
     pub(crate) responder: control::Responder,
-    /// category -> key -> deliveries this process holds (delivered by the
+    /// group base -> key -> deliveries this process holds (delivered by the
     /// broker, not yet settled: in a source's buffer, waiting in the
     /// dispatcher or running), for `hot_keys`. Entries go at zero, so it
     /// is bounded by the consumers' prefetch.
@@ -197,21 +202,97 @@ impl RabbitTransport {
         Ok(conn.clone())
     }
 
-    /// Declares or verifies the category's topology once per transport.
-    pub(crate) async fn ensure(&self, names: &Names) -> Result<()> {
-        if self
-            .declared
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains(names.category())
-        {
-            return Ok(());
-        }
-        topology::ensure(&*self.connection().await?, &self.cfg, names).await?;
+    fn was_declared(&self, name: &str) -> bool {
+        self.declared.lock().unwrap_or_else(|e| e.into_inner()).contains(name)
+    }
+
+    fn declared_now(&self, name: &str) {
         self.declared
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(names.category().to_owned());
+            .insert(name.to_owned());
+    }
+
+    /// Forgets that `name` (a category or a group's base name) was
+    /// declared: the next use declares it again.
+    pub(crate) fn forget(&self, name: &str) {
+        self.declared.lock().unwrap_or_else(|e| e.into_inner()).remove(name);
+    }
+
+    /// Deletes `category` with everything kept for it on the broker, for
+    /// every group: each recorded group's queues (backlogs and dead letters
+    /// with them) and exchanges, the entry exchange, the group registry,
+    /// and the queues and exchanges of the layout before consumer groups
+    /// (`{c}.hash`, `{c}.hash.N`, `{c}.sac`, `{c}.plain`, `{c}.dlq`).
+    /// Returns the queues deleted. Stop the category's subscriptions first:
+    /// a running one loses its queues.
+    pub async fn delete_category(&self, category: &str) -> Result<Vec<String>> {
+        use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+        let n = Names::new(category)?;
+        let conn = self.connection().await?;
+        let mut gone = Vec::new();
+        if topology::queue_state(&conn, &n.registry()).await?.is_some() {
+            let mut registry = topology::Registry::lock(&conn, &n, self.cfg.expires_ms).await?;
+            let res = async {
+                for (group, recorded) in registry.records() {
+                    let g = n.group(&group)?;
+                    gone.extend(topology::delete_group(&conn, &g, topology::parse_topology(&recorded)).await?);
+                    registry.remove(&group);
+                    self.forget(g.base());
+                }
+                Ok::<_, Error>(())
+            }
+            .await;
+            let released = registry.release().await;
+            res.and(released)?;
+        }
+        let mut queues = vec![n.registry(), n.registry_lock()];
+        queues.extend(n.legacy_queues());
+        for i in 1..1024 {
+            if topology::queue_state(&conn, &n.legacy_hash_queue(i)).await?.is_none() {
+                break;
+            }
+            queues.push(n.legacy_hash_queue(i));
+        }
+        let ch = conn.create_channel().await.map_err(amqp)?;
+        for q in queues {
+            if topology::queue_state(&conn, &q).await?.is_some() {
+                ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                    .await
+                    .map_err(amqp)?;
+                gone.push(q);
+            }
+        }
+        for x in [n.entry(), n.legacy_hash_exchange(), format!("{category}.presence")] {
+            ch.exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
+                .await
+                .map_err(amqp)?;
+        }
+        let _ = ch.close(200, "deleted".into()).await;
+        self.forget(category);
+        Ok(gone)
+    }
+
+    /// Refuses a category with queues of the layout before consumer groups,
+    /// and declares (or verifies) its entry exchange; once per transport.
+    pub(crate) async fn ensure_category(&self, names: &Names) -> Result<()> {
+        if self.was_declared(names.category()) {
+            return Ok(());
+        }
+        topology::ensure_category(&*self.connection().await?, &self.cfg, names).await?;
+        self.declared_now(names.category());
+        Ok(())
+    }
+
+    /// Declares (or verifies) one group's topology behind the category's
+    /// entry exchange and records the group; once per transport.
+    pub(crate) async fn ensure_group(&self, names: &Names, group: &GroupNames) -> Result<()> {
+        self.ensure_category(names).await?;
+        if self.was_declared(group.base()) {
+            return Ok(());
+        }
+        topology::ensure_group(&*self.connection().await?, &self.cfg, names, group).await?;
+        self.declared_now(group.base());
         Ok(())
     }
 
@@ -266,13 +347,6 @@ impl RabbitTransport {
             .await
             .copied()
     }
-
-    pub(crate) fn epoch(&self) -> u32 {
-        match self.cfg.topology {
-            Topology::ConsistentHash { queues } => u32::from(queues),
-            _ => 0,
-        }
-    }
 }
 
 #[async_trait]
@@ -297,7 +371,11 @@ impl Transport for RabbitTransport {
 
     async fn publisher(&self, category: &str) -> Result<Arc<dyn TransportPublisher>> {
         let names = Names::new(category)?;
-        self.ensure(&names).await?;
+        self.ensure_category(&names).await?;
+        // The groups the URL names keep what is published from now on.
+        for g in &self.cfg.groups {
+            self.ensure_group(&names, &names.group(g)?).await?;
+        }
         Ok(Arc::new(RabbitPublisher {
             t: self.clone(),
             names,
@@ -318,12 +396,13 @@ impl Transport for RabbitTransport {
             None
         };
         let names = Names::new(&spec.category)?;
-        self.ensure(&names).await?;
+        let group = names.group(&spec.group)?;
+        self.ensure_group(&names, &group).await?;
         // Operators in other processes ask the consumers themselves for
         // their hot keys and halted heads (see `control`).
-        self.answer_for(&spec.category);
+        self.answer_for(group.base());
         Ok(Box::new(
-            source::Source::open(timeout_arg, self.clone(), spec.clone(), names).await?,
+            source::Source::open(timeout_arg, self.clone(), spec.clone(), group).await?,
         ))
     }
 
@@ -365,7 +444,7 @@ pub(crate) async fn publish_confirmed(
         .map_err(amqp)?;
     match confirm {
         Confirmation::Ack(None) => Ok(()),
-        Confirmation::Ack(Some(_)) => Err(Error::Broker(format!(
+        Confirmation::Ack(Some(_)) => Err(Error::NotFound(format!(
             "rabbitmq: message unroutable through exchange `{exchange}` (no queue bound: declare the topology)"
         ))),
         Confirmation::Nack(_) => Err(Error::Broker("rabbitmq: the broker refused the message (nack)".into())),
@@ -378,8 +457,8 @@ fn long(s: &str) -> AMQPValue {
 }
 
 /// The AMQP properties of a message: id, correlation id, persistent
-/// delivery, headers (the key in [`KEY_HEADER`], the topology epoch).
-pub(crate) fn properties(message: &Message, epoch: u32) -> BasicProperties {
+/// delivery, headers (the key in [`KEY_HEADER`]).
+pub(crate) fn properties(message: &Message) -> BasicProperties {
     let mut headers = FieldTable::default();
     for (k, v) in message.headers() {
         headers.insert(k.as_str().into(), long(v));
@@ -387,7 +466,6 @@ pub(crate) fn properties(message: &Message, epoch: u32) -> BasicProperties {
     if let Some(k) = message.key() {
         headers.insert(KEY_HEADER.into(), long(k.as_str()));
     }
-    headers.insert(EPOCH_HEADER.into(), AMQPValue::LongUInt(epoch));
     let mut props = BasicProperties::default()
         .with_message_id(message.id().into())
         .with_delivery_mode(2)
@@ -429,14 +507,17 @@ impl TransportPublisher for RabbitPublisher {
         let key = message
             .key()
             .map_or_else(|| message.id().to_owned(), |k| k.as_str().to_owned());
-        let (exchange, routing_key) = self.names.route(self.t.cfg.topology, &key);
-        publish_confirmed(
-            &ch,
-            &exchange,
-            &routing_key,
-            message.payload(),
-            properties(&message, self.t.epoch()),
-        )
-        .await
+        let entry = self.names.entry();
+        match publish_confirmed(&ch, &entry, &key, message.payload(), properties(&message)).await {
+            Err(Error::NotFound(_)) => Err(Error::Config(format!(
+                "rabbitmq: no consumer group of category `{c}` has its queues declared, so the message was not \
+                 stored (nothing was published): each group's queues are declared when its first subscription is \
+                 built, and a message published before that does not reach it. Name the groups that must receive \
+                 it in the publisher's URL, `groups=<group>,...` (with the groups' topology: it declares them \
+                 when the publisher is created), or build each group's subscription once before publishing",
+                c = self.names.category()
+            ))),
+            other => other,
+        }
     }
 }

@@ -58,7 +58,8 @@ pub(crate) const REASON_HEADER: &str = "x-keyorder-reason";
 pub(crate) struct RabbitSettle {
     pub(crate) t: RabbitTransport,
     pub(crate) dlq_channel: Channel,
-    pub(crate) category: String,
+    /// The (category, group) pair's base name (`GroupNames::base`).
+    pub(crate) group: String,
     pub(crate) dlq: String,
     pub(crate) key: Option<String>,
     pub(crate) scope: Arc<str>,
@@ -83,7 +84,7 @@ impl fmt::Debug for RabbitSettle {
 impl Drop for RabbitSettle {
     fn drop(&mut self) {
         if let Some(key) = &self.key {
-            self.t.shared.unhold(&self.category, key);
+            self.t.shared.unhold(&self.group, key);
         }
     }
 }
@@ -146,7 +147,7 @@ impl Settle for RabbitSettle {
         // The head stays unacknowledged: the broker keeps it for the next
         // owner if this one goes away.
         self.t.shared.halted.lock().unwrap_or_else(|e| e.into_inner()).insert(
-            (self.category.clone(), key.clone()),
+            (self.group.clone(), key.clone()),
             Halted {
                 scope: self.scope.to_string(),
                 head_id: self.message_id.clone(),
@@ -155,7 +156,7 @@ impl Settle for RabbitSettle {
                 settle: self.held.clone(),
             },
         );
-        self.t.answer_for(&self.category);
+        self.t.answer_for(&self.group);
         metrics::counter!("keyorder_rabbitmq_halts_total").increment(1);
         tracing::warn!(key = %label(key), scope = %self.scope, "rabbitmq: key halted at its head");
         Ok(())

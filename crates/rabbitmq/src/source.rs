@@ -42,7 +42,7 @@ use tokio::time::Instant;
 use crate::config::Topology;
 use crate::plan::{Plan, PLAN_HEADER};
 use crate::settle::{Held, RabbitSettle};
-use crate::topology::{amqp, private_queue, Names};
+use crate::topology::{amqp, declare_aux, private_queue, GroupNames};
 use crate::{confirm_channel, connect_uri, RabbitTransport, EPOCH_HEADER};
 
 /// How long a shutdown or hand-over waits for the broker's close-ok.
@@ -61,6 +61,9 @@ struct Owned {
 struct Link {
     conn: Arc<Connection>,
     dlq_channel: Channel,
+    /// This source's consumer of the group's members queue (never given a
+    /// message): the queue's consumer count is the group's live members.
+    _member: lapin::Consumer,
     presence: Option<(Channel, JoinHandle<()>)>,
 }
 
@@ -69,7 +72,7 @@ pub(crate) struct Source {
     timeout_arg: Option<i64>,
     t: RabbitTransport,
     spec: SourceSpec,
-    names: Names,
+    names: GroupNames,
     queues: Vec<String>,
     link: Option<Link>,
     /// Live instances: last announcement (local clock) and start time.
@@ -149,7 +152,7 @@ impl Source {
         timeout_arg: Option<i64>,
         t: RabbitTransport,
         spec: SourceSpec,
-        names: Names,
+        names: GroupNames,
     ) -> Result<Self> {
         let (tx, rx) = mpsc::unbounded_channel();
         let mut source = Source {
@@ -217,6 +220,23 @@ impl Source {
         let uri = self.t.cfg.uri_with_heartbeat(self.heartbeat_secs());
         let conn = Arc::new(connect_uri(&uri, &self.t.cfg.display).await?);
         let dlq_channel = confirm_channel(&conn).await?;
+        if self.t.cfg.declare {
+            // It expires with the group's other queues (`expires_ms`).
+            declare_aux(&conn, &self.names.members(), self.t.cfg.expires_ms).await?;
+        }
+        let member_channel = conn.create_channel().await.map_err(amqp)?;
+        let member = member_channel
+            .basic_consume(
+                self.names.members().as_str().into(),
+                format!("{}-member", self.spec.instance).as_str().into(),
+                BasicConsumeOptions {
+                    no_ack: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(amqp)?;
         let presence = if self.spreads() {
             let ch = conn.create_channel().await.map_err(amqp)?;
             ch.exchange_declare(
@@ -275,6 +295,7 @@ impl Source {
         self.link = Some(Link {
             conn,
             dlq_channel,
+            _member: member,
             presence,
         });
         Ok(())
@@ -449,7 +470,7 @@ impl Source {
             .resolved
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .remove(self.names.category());
+            .remove(self.names.base());
         self.events.extend(resolved.unwrap_or_default());
         self.last_maintain = Some(sent);
         Ok(())
@@ -485,16 +506,6 @@ impl Source {
         let o = self.owned.get(queue).filter(|o| o.generation == generation)?;
         let link = self.link.as_ref()?;
         let props = d.properties.clone();
-        let epoch = header_int(&props, EPOCH_HEADER).unwrap_or(0);
-        if epoch != i64::from(self.t.epoch()) {
-            metrics::counter!("keyorder_rabbitmq_epoch_mismatches_total").increment(1);
-            tracing::warn!(
-                scope = %o.lease.scope(),
-                published = epoch,
-                consuming = self.t.epoch(),
-                "rabbitmq: message published under another topology epoch (queue count)"
-            );
-        }
         // One buffer for the message and the copy kept for a dead letter.
         let payload = keyorder_core::Bytes::from(d.data);
         let mut msg = Message::new(payload.clone());
@@ -529,7 +540,7 @@ impl Source {
         let key = key.map(|k| k.as_str().to_owned());
         if let Some(k) = &key {
             // Counted until the settle handle goes (`RabbitSettle::drop`).
-            self.t.shared.hold(self.names.category(), k);
+            self.t.shared.hold(self.names.base(), k);
         }
         Some(Inbound {
             message: msg,
@@ -537,7 +548,7 @@ impl Source {
             settle: Box::new(RabbitSettle {
                 t: self.t.clone(),
                 dlq_channel: link.dlq_channel.clone(),
-                category: self.names.category().to_owned(),
+                group: self.names.base().to_owned(),
                 dlq: self.names.dlq(),
                 key,
                 scope: o.lease.scope().clone(),

@@ -1,18 +1,59 @@
-//! Names, declaration and verification of a category's topology.
+//! Names, declaration and verification of a category's topology: one entry
+//! exchange per category that publishers publish to, and behind it one set
+//! of queues per consumer group, so every group receives every message.
+//!
+//! Category `{c}` (what publishers use):
 //!
 //! | Name | Kind | What |
 //! |---|---|---|
-//! | `{c}.hash` | `x-consistent-hash` exchange, arguments `x-keyorder-queues: N`, `x-keyorder-weight: W` | the `hash` topology's entry |
-//! | `{c}.hash.{i}` | queue, single active consumer, bound with weight W (`RING_WEIGHT`) | one of the N queues |
-//! | `{c}.sac` | queue, single active consumer | the `sac` topology |
-//! | `{c}.plain` | queue | the `plain` topology |
-//! | `{c}.dlq` | queue | dead letters (published with a confirm, then the head is acknowledged) |
-//! | `{c}.presence` | fanout exchange (transient) | instances announce themselves every heartbeat |
+//! | `{c}:entry` | fanout exchange | publishers publish here, routing key = the key (a keyless message: its id); every group's topology is bound to it |
+//! | `{c}:groups` | classic queue, one persistent message per group (`{"group": g, "topology": "hash:8"}`) | the group registry: `Admin::groups`, the topology each group was declared with (a different one is refused), what `remove_group` and `keyorder delete-queue` delete |
+//! | `{c}:groups-lock` | classic queue, never holds a message | the registry's lock: whoever reads or changes the registry (and declares a group) holds an exclusive consumer on it |
+//!
+//! Group `{g}` of category `{c}` (its base name `{c}:{g}`):
+//!
+//! | Name | Kind | What |
+//! |---|---|---|
+//! | `{c}:{g}.hash` | `x-consistent-hash` exchange, arguments `x-keyorder-queues: N`, `x-keyorder-weight: W`, bound to `{c}:entry` (an exchange-to-exchange binding keeps the routing key) | the group's ring (`hash` topology) |
+//! | `{c}:{g}.hash.{i}` | queue, single active consumer, bound to `{c}:{g}.hash` with weight W (`RING_WEIGHT`) | one of the group's N queues |
+//! | `{c}:{g}.sac` | queue, single active consumer, bound to `{c}:entry` | the `sac` topology |
+//! | `{c}:{g}.plain` | queue, bound to `{c}:entry` | the `plain` topology |
+//! | `{c}:{g}.dlq` | queue | the group's dead letters (published with a confirm, then the head is acknowledged) |
+//! | `{c}:{g}.members` | classic queue, never holds a message | every running source of the group consumes it: its consumer count is the group's live members |
+//! | `{c}:{g}.presence` | fanout exchange (transient) | the group's instances announce themselves every heartbeat (`hash`) |
+//!
+//! **No two (category, group) pairs share a name.** Categories and groups
+//! are 1 to 200 bytes of `[A-Za-z0-9._-]` (the names keyorder's client
+//! accepts; anything else is refused naming this rule), so neither holds a
+//! `:`: the first `:` of a name ends the category. A category-level name
+//! has no `.` after it; a group's name always ends in `.{kind}` with a kind
+//! from the fixed set above, none of which ends another at a `.` (`hash.N`
+//! ends in digits), so the group and the kind are recovered from the rest.
+//! Category and group together are at most 244 bytes, so the longest name
+//! (`{c}:{g}.hash.1023`) fits AMQP's 255; a longer pair is refused naming
+//! that rule. Names of the layout before consumer groups (`{c}.hash`,
+//! `{c}.hash.N`, `{c}.sac`, `{c}.plain`, `{c}.dlq`) hold no `:` either: a
+//! category that still has such queues is refused at subscribe and at
+//! publish until they are drained and deleted ([`legacy_queues`]).
+//!
+//! The drift checks hold per group: a group is recorded in the registry with
+//! its topology (and N), and declaring it with another one (another N, `sac`
+//! for a `hash` group, ...) is refused with the fix; the queue type and the
+//! single-active-consumer argument are checked by the broker on every
+//! declaration (406).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
 
 use keyorder_core::{Error, Result};
-use lapin::options::{BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::options::{
+    BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions, ConfirmSelectOptions,
+    ExchangeBindOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{Channel, Connection, Consumer, ExchangeKind};
+use lapin::{BasicProperties, Channel, Connection, Consumer, ExchangeKind};
+use serde_json::{json, Value};
 
 use crate::config::{QueueType, RabbitConfig, Topology};
 
@@ -20,50 +61,146 @@ pub(crate) fn amqp(e: lapin::Error) -> Error {
     Error::Broker(format!("rabbitmq: {e}"))
 }
 
-/// The names of one category.
+/// The longest category and group together (bytes): `{c}:{g}.hash.1023`
+/// then fits AMQP's 255-byte names.
+pub const MAX_CATEGORY_AND_GROUP: usize = 255 - ":".len() - ".hash.1023".len();
+
+fn check(what: &str, name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 200
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Config(format!(
+            "rabbitmq: {what} `{}` is not usable: a {what} name is 1 to 200 characters of [A-Za-z0-9._-] (the \
+             queue and exchange names of every (category, group) pair must differ, and `:` separates them)",
+            name.chars().take(60).collect::<String>().escape_debug()
+        )))
+    }
+}
+
+/// The names of one category (see the module's table).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Names {
     c: String,
 }
 
 impl Names {
-    /// The names of `category` (1 to 200 bytes, no control characters).
+    /// The names of `category` (1 to 200 characters of `[A-Za-z0-9._-]`).
     pub fn new(category: &str) -> Result<Self> {
-        if category.is_empty() || category.len() > 200 || category.chars().any(char::is_control) {
-            return Err(Error::Config(format!(
-                "rabbitmq: category `{}` is not usable: 1 to 200 bytes without control characters",
-                category.escape_debug()
-            )));
-        }
+        check("category", category)?;
         Ok(Names { c: category.to_owned() })
     }
     /// The category.
     pub fn category(&self) -> &str {
         &self.c
     }
-    /// The consistent-hash exchange.
-    pub fn hash_exchange(&self) -> String {
+    /// The entry exchange publishers publish to.
+    pub fn entry(&self) -> String {
+        format!("{}:entry", self.c)
+    }
+    /// The group registry queue.
+    pub fn registry(&self) -> String {
+        format!("{}:groups", self.c)
+    }
+    /// The registry's lock queue.
+    pub fn registry_lock(&self) -> String {
+        format!("{}:groups-lock", self.c)
+    }
+    /// The names of `group` of this category.
+    pub fn group(&self, group: &str) -> Result<GroupNames> {
+        check("group", group)?;
+        if self.c.len() + group.len() > MAX_CATEGORY_AND_GROUP {
+            return Err(Error::Config(format!(
+                "rabbitmq: category `{}` and group `{}` are {} bytes together: on RabbitMQ a category and a group \
+                 name are at most {MAX_CATEGORY_AND_GROUP} bytes together (AMQP names are at most 255 bytes and the \
+                 longest keyorder makes is `{{category}}:{{group}}.hash.1023`); shorten one of them",
+                self.c,
+                group,
+                self.c.len() + group.len()
+            )));
+        }
+        Ok(GroupNames {
+            c: self.c.clone(),
+            g: group.to_owned(),
+            base: format!("{}:{group}", self.c),
+        })
+    }
+    /// The queues of the layout before consumer groups (`{c}.sac`,
+    /// `{c}.plain`, `{c}.dlq`, the first hash queue `{c}.hash.0`): a
+    /// category that has any of them is refused until they are drained and
+    /// deleted.
+    pub fn legacy_queues(&self) -> Vec<String> {
+        vec![
+            format!("{}.sac", self.c),
+            format!("{}.plain", self.c),
+            format!("{}.dlq", self.c),
+            format!("{}.hash.0", self.c),
+        ]
+    }
+    /// The consistent-hash exchange of the layout before consumer groups.
+    pub fn legacy_hash_exchange(&self) -> String {
         format!("{}.hash", self.c)
     }
-    /// Queue `i` of the hash topology.
-    pub fn hash_queue(&self, i: u16) -> String {
+    /// Hash queue `i` of the layout before consumer groups.
+    pub fn legacy_hash_queue(&self, i: u16) -> String {
         format!("{}.hash.{i}", self.c)
     }
-    /// The single-active-consumer queue.
+}
+
+/// The names of one (category, group) pair (see the module's table).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupNames {
+    c: String,
+    g: String,
+    base: String,
+}
+
+impl GroupNames {
+    /// The category.
+    pub fn category(&self) -> &str {
+        &self.c
+    }
+    /// The group.
+    pub fn group(&self) -> &str {
+        &self.g
+    }
+    /// `{category}:{group}`, the prefix of every name of the group (unique
+    /// per pair; also the key of the group's state in a process).
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+    /// The group's consistent-hash exchange.
+    pub fn hash_exchange(&self) -> String {
+        format!("{}.hash", self.base)
+    }
+    /// Queue `i` of the group's hash topology.
+    pub fn hash_queue(&self, i: u16) -> String {
+        format!("{}.hash.{i}", self.base)
+    }
+    /// The group's single-active-consumer queue.
     pub fn sac_queue(&self) -> String {
-        format!("{}.sac", self.c)
+        format!("{}.sac", self.base)
     }
-    /// The plain queue.
+    /// The group's plain queue.
     pub fn plain_queue(&self) -> String {
-        format!("{}.plain", self.c)
+        format!("{}.plain", self.base)
     }
-    /// The dead-letter queue.
+    /// The group's dead-letter queue.
     pub fn dlq(&self) -> String {
-        format!("{}.dlq", self.c)
+        format!("{}.dlq", self.base)
     }
-    /// The presence exchange.
+    /// The queue every running source of the group consumes (its consumer
+    /// count is the group's live members).
+    pub fn members(&self) -> String {
+        format!("{}.members", self.base)
+    }
+    /// The group's presence exchange.
     pub fn presence(&self) -> String {
-        format!("{}.presence", self.c)
+        format!("{}.presence", self.base)
     }
     /// The queues a topology consumes.
     pub fn queues(&self, t: Topology) -> Vec<String> {
@@ -73,20 +210,42 @@ impl Names {
             Topology::ConsistentHash { queues } => (0..queues).map(|i| self.hash_queue(i)).collect(),
         }
     }
-    /// Where a message of `key` is published: (exchange, routing key).
-    pub fn route(&self, t: Topology, key: &str) -> (String, String) {
-        match t {
-            Topology::Plain => (String::new(), self.plain_queue()),
-            Topology::SingleActiveConsumer => (String::new(), self.sac_queue()),
-            Topology::ConsistentHash { .. } => (self.hash_exchange(), key.to_owned()),
-        }
+}
+
+/// A topology as the registry records it: `plain`, `sac` or `hash:N`.
+pub(crate) fn describe(t: Topology) -> String {
+    match t {
+        Topology::Plain => "plain".into(),
+        Topology::SingleActiveConsumer => "sac".into(),
+        Topology::ConsistentHash { queues } => format!("hash:{queues}"),
+    }
+}
+
+/// The topology a registry record names.
+pub(crate) fn parse_topology(s: &str) -> Option<Topology> {
+    match s {
+        "plain" => Some(Topology::Plain),
+        "sac" => Some(Topology::SingleActiveConsumer),
+        _ => s
+            .strip_prefix("hash:")
+            .and_then(|n| n.parse().ok())
+            .map(|queues| Topology::ConsistentHash { queues }),
+    }
+}
+
+/// The URL options that declare `t`.
+fn url_options(t: Topology) -> String {
+    match t {
+        Topology::Plain => "topology=plain".into(),
+        Topology::SingleActiveConsumer => "topology=sac".into(),
+        Topology::ConsistentHash { queues } => format!("topology=hash&queues={queues}"),
     }
 }
 
 /// Points each queue takes on the consistent-hash ring. With one point per
 /// queue the ring splits keys very unevenly over few queues; more points
 /// even it out. It is part of the topology (recorded on the exchange): a
-/// change moves keys, so it is refused like a change of N.
+/// change moves keys.
 pub(crate) const RING_WEIGHT: u32 = 64;
 
 fn queue_args(qt: QueueType, sac: bool, expires: Option<u32>) -> FieldTable {
@@ -115,11 +274,369 @@ fn explain(e: lapin::Error, what: &str, fix: &str) -> Error {
     }
 }
 
-/// Declares (or, with `declare=false`, verifies) the category's topology.
-/// Each check runs on a channel of its own: a refused declaration closes it.
-pub(crate) async fn ensure(conn: &Connection, cfg: &RabbitConfig, n: &Names) -> Result<()> {
+fn not_found(e: &lapin::Error) -> bool {
+    let text = e.to_string();
+    text.contains("NOT_FOUND") || text.contains("404")
+}
+
+/// A passive declaration of `queue` on a channel of its own (a refused one
+/// closes its channel): `(messages ready, consumers)`, `None` when the queue
+/// does not exist.
+pub(crate) async fn queue_state(conn: &Connection, queue: &str) -> Result<Option<(u32, u32)>> {
+    let ch = conn.create_channel().await.map_err(amqp)?;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    match ch.queue_declare(queue.into(), passive, FieldTable::default()).await {
+        Ok(q) => {
+            let _ = ch.close(200, "checked".into()).await;
+            Ok(Some((q.message_count(), q.consumer_count())))
+        }
+        Err(e) if not_found(&e) => Ok(None),
+        Err(e) => Err(amqp(e)),
+    }
+}
+
+async fn exchange_exists(conn: &Connection, exchange: &str, kind: ExchangeKind) -> Result<bool> {
+    let ch = conn.create_channel().await.map_err(amqp)?;
+    let passive = ExchangeDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    match ch
+        .exchange_declare(exchange.into(), kind, passive, FieldTable::default())
+        .await
+    {
+        Ok(()) => {
+            let _ = ch.close(200, "checked".into()).await;
+            Ok(true)
+        }
+        Err(e) if not_found(&e) => Ok(false),
+        Err(e) => Err(amqp(e)),
+    }
+}
+
+/// The queues of the layout before consumer groups that `names`' category
+/// still has.
+pub(crate) async fn legacy_queues(conn: &Connection, names: &Names) -> Result<Vec<String>> {
+    let mut found = Vec::new();
+    for q in names.legacy_queues() {
+        if queue_state(conn, &q).await?.is_some() {
+            found.push(q);
+        }
+    }
+    Ok(found)
+}
+
+/// Refuses a category that still has queues of the layout before consumer
+/// groups (their messages would never reach the groups' queues), then
+/// declares (or with `declare=false` verifies) its entry exchange.
+pub(crate) async fn ensure_category(conn: &Connection, cfg: &RabbitConfig, names: &Names) -> Result<()> {
+    let old = legacy_queues(conn, names).await?;
+    if !old.is_empty() {
+        return Err(Error::Config(format!(
+            "rabbitmq: category `{c}` has queues of the layout before consumer groups ({list}); this version \
+             gives every consumer group queues of its own (`{c}:<group>.*`) behind the exchange `{c}:entry`, and \
+             would leave those queues' messages behind. Drain them with the previous keyorder version (run its \
+             subscriptions until the queues are empty), then delete them with `keyorder delete-queue --url <url> \
+             --category {c} --yes`, and start this version",
+            c = names.category(),
+            list = old.iter().map(|q| format!("`{q}`")).collect::<Vec<_>>().join(", ")
+        )));
+    }
+    let entry = names.entry();
+    let ch = conn.create_channel().await.map_err(amqp)?;
+    ch.exchange_declare(
+        entry.as_str().into(),
+        ExchangeKind::Fanout,
+        ExchangeDeclareOptions {
+            passive: !cfg.declare,
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .map_err(|e| {
+        explain(
+            e,
+            &format!("exchange `{entry}`"),
+            "keyorder needs it as a durable fanout exchange: set `declare=true` or create it",
+        )
+    })?;
+    let _ = ch.close(200, "declared".into()).await;
+    Ok(())
+}
+
+/// One registry record: a group and the topology it was declared with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Record {
+    pub(crate) group: String,
+    pub(crate) topology: String,
+}
+
+/// The registry of one category, locked: read, changed, then released.
+pub(crate) struct Registry {
+    ch: Channel,
+    /// The exclusive consumer on the lock queue: dropping it would cancel
+    /// it (and release the lock) early.
+    _lock: Consumer,
+    queue: String,
+    /// Every record read, by delivery tag (unacknowledged until released).
+    read: Vec<(u64, Record)>,
+    /// Tags to acknowledge at release (removed groups, duplicates).
+    drop: Vec<u64>,
+}
+
+/// How long a registry lock is waited for.
+const LOCK_WAIT: Duration = Duration::from_secs(30);
+
+impl Registry {
+    /// Takes the lock of `names`' registry (an exclusive consumer on its
+    /// lock queue, waited for up to 30 s) and reads every record.
+    pub(crate) async fn lock(conn: &Connection, names: &Names, expires: Option<u32>) -> Result<Registry> {
+        let registry = names.registry();
+        let lock = names.registry_lock();
+        for q in [&registry, &lock] {
+            declare_aux(conn, q, expires).await?;
+        }
+        let deadline = tokio::time::Instant::now() + LOCK_WAIT;
+        let mut pause = Duration::from_millis(10);
+        let (ch, lock_consumer) = loop {
+            let ch = conn.create_channel().await.map_err(amqp)?;
+            ch.confirm_select(ConfirmSelectOptions::default()).await.map_err(amqp)?;
+            match ch
+                .basic_consume(
+                    lock.as_str().into(),
+                    "lock".into(),
+                    BasicConsumeOptions {
+                        exclusive: true,
+                        no_ack: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+            {
+                Ok(consumer) => break (ch, consumer),
+                Err(e) => {
+                    let text = e.to_string();
+                    if !(text.contains("ACCESS_REFUSED") || text.contains("403")) {
+                        return Err(amqp(e));
+                    }
+                    if tokio::time::Instant::now() >= deadline {
+                        return Err(Error::Broker(format!(
+                            "rabbitmq: the group registry of `{}` stayed locked for {} s (another process holds an \
+                             exclusive consumer on `{lock}`)",
+                            names.category(),
+                            LOCK_WAIT.as_secs()
+                        )));
+                    }
+                    // Held by another process: it releases within a few
+                    // round trips.
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(200));
+                }
+            }
+        };
+        let mut read = Vec::new();
+        let mut drop = Vec::new();
+        while let Some(m) = ch
+            .basic_get(registry.as_str().into(), BasicGetOptions::default())
+            .await
+            .map_err(amqp)?
+        {
+            let tag = m.delivery.delivery_tag;
+            let v: Value = serde_json::from_slice(&m.delivery.data).unwrap_or(Value::Null);
+            let field = |k: &str| v.get(k).and_then(Value::as_str).map(str::to_owned);
+            match (field("group"), field("topology")) {
+                (Some(group), Some(topology)) => {
+                    if read.iter().any(|(_, r): &(u64, Record)| r.group == group) {
+                        drop.push(tag);
+                    } else {
+                        read.push((tag, Record { group, topology }));
+                    }
+                }
+                // Not a record: left as it is.
+                _ => {}
+            }
+        }
+        Ok(Registry {
+            ch,
+            _lock: lock_consumer,
+            queue: registry,
+            read,
+            drop,
+        })
+    }
+
+    /// The recorded groups, by name.
+    pub(crate) fn records(&self) -> BTreeMap<String, String> {
+        self.read
+            .iter()
+            .map(|(_, r)| (r.group.clone(), r.topology.clone()))
+            .collect()
+    }
+
+    /// Records `group` with `topology` (a persistent message, confirmed).
+    pub(crate) async fn add(&mut self, group: &str, topology: &str) -> Result<()> {
+        let body = json!({"group": group, "topology": topology}).to_string();
+        let confirm = self
+            .ch
+            .basic_publish(
+                "".into(),
+                self.queue.as_str().into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
+                body.as_bytes(),
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .await
+            .map_err(amqp)?
+            .await
+            .map_err(amqp)?;
+        match confirm {
+            lapin::Confirmation::Ack(None) => Ok(()),
+            _ => Err(Error::Broker(format!(
+                "rabbitmq: the registry `{}` did not take the record of group `{group}`",
+                self.queue
+            ))),
+        }
+    }
+
+    /// Forgets `group` (its record goes at release).
+    pub(crate) fn remove(&mut self, group: &str) {
+        let tags: Vec<u64> = self
+            .read
+            .iter()
+            .filter(|(_, r)| r.group == group)
+            .map(|(t, _)| *t)
+            .collect();
+        self.read.retain(|(_, r)| r.group != group);
+        self.drop.extend(tags);
+    }
+
+    /// Acknowledges the dropped records, returns the others to the
+    /// registry and then releases the lock. The returns are sent before a
+    /// synchronous round trip to the registry queue (a passive
+    /// declaration), so the next holder of the lock reads them all.
+    pub(crate) async fn release(self) -> Result<()> {
+        for tag in &self.drop {
+            self.ch
+                .basic_ack(*tag, lapin::options::BasicAckOptions::default())
+                .await
+                .map_err(amqp)?;
+        }
+        for (tag, _) in &self.read {
+            self.ch
+                .basic_nack(
+                    *tag,
+                    BasicNackOptions {
+                        multiple: false,
+                        requeue: true,
+                    },
+                )
+                .await
+                .map_err(amqp)?;
+        }
+        self.ch
+            .queue_declare(
+                self.queue.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(amqp)?;
+        let _ = self.ch.close(200, "registry released".into()).await;
+        Ok(())
+    }
+}
+
+/// Declares a classic queue of keyorder's own (registry, lock, members)
+/// with `expires`; one that exists with other arguments (another process's
+/// `expires_ms`) is used as it is.
+pub(crate) async fn declare_aux(conn: &Connection, queue: &str, expires: Option<u32>) -> Result<()> {
+    let ch = conn.create_channel().await.map_err(amqp)?;
+    match ch
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            queue_args(QueueType::Classic, false, expires),
+        )
+        .await
+    {
+        Ok(_) => {
+            let _ = ch.close(200, "declared".into()).await;
+            Ok(())
+        }
+        Err(e) if e.to_string().contains("PRECONDITION_FAILED") => match queue_state(conn, queue).await? {
+            Some(_) => Ok(()),
+            None => Err(amqp(e)),
+        },
+        Err(e) => Err(amqp(e)),
+    }
+}
+
+/// Declares (or, with `declare=false`, verifies) the topology of one
+/// group behind its category's entry exchange, and records the group in
+/// the registry. A group recorded with another topology is refused.
+pub(crate) async fn ensure_group(conn: &Connection, cfg: &RabbitConfig, names: &Names, g: &GroupNames) -> Result<()> {
+    if !cfg.declare {
+        return verify_group(conn, cfg, names, g).await;
+    }
+    let mut registry = Registry::lock(conn, names, cfg.expires_ms).await?;
+    let res = declare_group(conn, cfg, names, g, &mut registry).await;
+    let released = registry.release().await;
+    res.and(released)
+}
+
+async fn declare_group(
+    conn: &Connection,
+    cfg: &RabbitConfig,
+    names: &Names,
+    g: &GroupNames,
+    registry: &mut Registry,
+) -> Result<()> {
+    let wanted = describe(cfg.topology);
+    let recorded = registry.records().get(g.group()).cloned();
+    if let Some(had) = &recorded {
+        if *had != wanted {
+            let had_url = parse_topology(had).map_or_else(|| had.clone(), url_options);
+            return Err(Error::Config(format!(
+                "rabbitmq: group `{}` of category `{}` was declared with topology {had} and is now asked for \
+                 {wanted}: a group's topology and queue count are fixed (keys would move or be consumed twice). \
+                 Keep `{had_url}` in the URLs of this group's subscriptions and of publishers that name it in \
+                 `groups=`, or stop the group, drain it and remove it (`Admin::remove_group`) before declaring it \
+                 anew",
+                g.group(),
+                g.category()
+            )));
+        }
+    }
+    if let (None, Topology::ConsistentHash { queues }) = (&recorded, cfg.topology) {
+        // Not recorded (a registry that expired): more queues than asked
+        // for would mean keys move.
+        if queues < 1024 && queue_state(conn, &g.hash_queue(queues)).await?.is_some() {
+            return Err(Error::Config(format!(
+                "rabbitmq: group `{}` of category `{}` has more hash queues than queues={queues} (`{}` exists): the \
+                 queue count is fixed for a group (keys would move); keep the count it was declared with, or drain \
+                 and remove the group first",
+                g.group(),
+                g.category(),
+                g.hash_queue(queues)
+            )));
+        }
+    }
     let qt = cfg.queue_type;
-    let create = "set `declare=true` or create it";
     let queue = |name: String, sac: bool| {
         let expected = if sac {
             format!("x-queue-type={}, x-single-active-consumer=true", qt.name())
@@ -129,62 +646,12 @@ pub(crate) async fn ensure(conn: &Connection, cfg: &RabbitConfig, n: &Names) -> 
         (name, sac, expected)
     };
     let mut queues = match cfg.topology {
-        Topology::Plain => vec![queue(n.plain_queue(), false)],
-        Topology::SingleActiveConsumer => vec![queue(n.sac_queue(), true)],
-        Topology::ConsistentHash { queues } => (0..queues).map(|i| queue(n.hash_queue(i), true)).collect(),
+        Topology::Plain => vec![queue(g.plain_queue(), false)],
+        Topology::SingleActiveConsumer => vec![queue(g.sac_queue(), true)],
+        Topology::ConsistentHash { queues } => (0..queues).map(|i| queue(g.hash_queue(i), true)).collect(),
     };
-    queues.push(queue(n.dlq(), false));
-    if let Topology::ConsistentHash { queues: count } = cfg.topology {
-        let x = n.hash_exchange();
-        let mut args = FieldTable::default();
-        args.insert("x-keyorder-queues".into(), AMQPValue::LongUInt(u32::from(count)));
-        args.insert("x-keyorder-weight".into(), AMQPValue::LongUInt(RING_WEIGHT));
-        let fix = format!(
-            "the queue count is fixed for a category (keys would move): drain and delete exchange `{x}` and queues \
-             `{x}.*` before changing `queues`, or keep queues={count} as declared before; the plugin \
-             rabbitmq_consistent_hash_exchange must be enabled"
-        );
-        if !cfg.declare {
-            let ch = conn.create_channel().await.map_err(amqp)?;
-            ch.exchange_declare(
-                x.as_str().into(),
-                ExchangeKind::Custom("x-consistent-hash".into()),
-                ExchangeDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|e| explain(e, &format!("exchange `{x}`"), create))?;
-        }
-        let ch = conn.create_channel().await.map_err(amqp)?;
-        ch.exchange_declare(
-            x.as_str().into(),
-            ExchangeKind::Custom("x-consistent-hash".into()),
-            ExchangeDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            args,
-        )
-        .await
-        .map_err(|e| explain(e, &format!("exchange `{x}`"), &fix))?;
-    }
+    queues.push(queue(g.dlq(), false));
     for (name, sac, expected) in &queues {
-        if !cfg.declare {
-            let ch = conn.create_channel().await.map_err(amqp)?;
-            ch.queue_declare(
-                name.as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|e| explain(e, &format!("queue `{name}`"), create))?;
-        }
         let ch = conn.create_channel().await.map_err(amqp)?;
         ch.queue_declare(
             name.as_str().into(),
@@ -204,22 +671,140 @@ pub(crate) async fn ensure(conn: &Connection, cfg: &RabbitConfig, n: &Names) -> 
         })?;
         let _ = ch.close(200, "declared".into()).await;
     }
-    if let Topology::ConsistentHash { queues: count } = cfg.topology {
-        let ch = conn.create_channel().await.map_err(amqp)?;
-        for i in 0..count {
+    declare_aux(conn, &g.members(), cfg.expires_ms).await?;
+    let ch = conn.create_channel().await.map_err(amqp)?;
+    match cfg.topology {
+        Topology::ConsistentHash { queues: count } => {
+            let x = g.hash_exchange();
+            let mut args = FieldTable::default();
+            args.insert("x-keyorder-queues".into(), AMQPValue::LongUInt(u32::from(count)));
+            args.insert("x-keyorder-weight".into(), AMQPValue::LongUInt(RING_WEIGHT));
+            ch.exchange_declare(
+                x.as_str().into(),
+                ExchangeKind::Custom("x-consistent-hash".into()),
+                ExchangeDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                args,
+            )
+            .await
+            .map_err(|e| {
+                explain(
+                    e,
+                    &format!("exchange `{x}`"),
+                    "the plugin rabbitmq_consistent_hash_exchange must be enabled",
+                )
+            })?;
+            // Every queue is on the ring before the ring gets messages.
+            for i in 0..count {
+                ch.queue_bind(
+                    g.hash_queue(i).as_str().into(),
+                    x.as_str().into(),
+                    RING_WEIGHT.to_string().as_str().into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(amqp)?;
+            }
+            ch.exchange_bind(
+                x.as_str().into(),
+                names.entry().as_str().into(),
+                "".into(),
+                ExchangeBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(amqp)?;
+        }
+        Topology::SingleActiveConsumer | Topology::Plain => {
+            let q = &g.queues(cfg.topology)[0];
             ch.queue_bind(
-                n.hash_queue(i).as_str().into(),
-                n.hash_exchange().as_str().into(),
-                RING_WEIGHT.to_string().as_str().into(),
+                q.as_str().into(),
+                names.entry().as_str().into(),
+                "".into(),
                 QueueBindOptions::default(),
                 FieldTable::default(),
             )
             .await
             .map_err(amqp)?;
         }
-        let _ = ch.close(200, "bound".into()).await;
+    }
+    let _ = ch.close(200, "bound".into()).await;
+    if recorded.is_none() {
+        registry.add(g.group(), &wanted).await?;
     }
     Ok(())
+}
+
+/// `declare=false`: every name of the group must exist (passive checks).
+async fn verify_group(conn: &Connection, cfg: &RabbitConfig, names: &Names, g: &GroupNames) -> Result<()> {
+    let create = "set `declare=true` or create it (see the table in the crate's `topology` module)";
+    if !exchange_exists(conn, &names.entry(), ExchangeKind::Fanout).await? {
+        return Err(Error::Config(format!(
+            "rabbitmq: exchange `{}` is missing; {create}",
+            names.entry()
+        )));
+    }
+    if let Topology::ConsistentHash { .. } = cfg.topology {
+        let x = g.hash_exchange();
+        if !exchange_exists(conn, &x, ExchangeKind::Custom("x-consistent-hash".into())).await? {
+            return Err(Error::Config(format!("rabbitmq: exchange `{x}` is missing; {create}")));
+        }
+    }
+    for q in g.queues(cfg.topology).into_iter().chain([g.dlq(), g.members()]) {
+        if queue_state(conn, &q).await?.is_none() {
+            return Err(Error::Config(format!("rabbitmq: queue `{q}` is missing; {create}")));
+        }
+    }
+    Ok(())
+}
+
+/// The queues that `topology` (a registry record) names for group `g`,
+/// with its dead-letter and members queues.
+pub(crate) fn group_queues(g: &GroupNames, topology: Option<Topology>) -> Vec<String> {
+    let mut qs = match topology {
+        Some(t) => g.queues(t),
+        // Unknown: every kind but the hash queues (whose count is unknown).
+        None => vec![g.sac_queue(), g.plain_queue()],
+    };
+    qs.push(g.dlq());
+    qs.push(g.members());
+    qs
+}
+
+/// Deletes group `g`'s queues and exchanges (what `topology` names; the
+/// hash queues are also probed beyond a recorded count). Returns the names
+/// deleted.
+pub(crate) async fn delete_group(conn: &Connection, g: &GroupNames, topology: Option<Topology>) -> Result<Vec<String>> {
+    let mut gone = Vec::new();
+    let mut queues = group_queues(g, topology);
+    // Hash queues beyond the recorded count, or all of them when unknown.
+    let from = match topology {
+        Some(Topology::ConsistentHash { queues }) => queues,
+        _ => 0,
+    };
+    for i in from..1024 {
+        if queue_state(conn, &g.hash_queue(i)).await?.is_none() {
+            break;
+        }
+        queues.push(g.hash_queue(i));
+    }
+    let ch = conn.create_channel().await.map_err(amqp)?;
+    for x in [g.hash_exchange(), g.presence()] {
+        ch.exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
+            .await
+            .map_err(amqp)?;
+    }
+    for q in queues {
+        ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await
+            .map_err(amqp)?;
+        gone.push(q);
+    }
+    let _ = ch.close(200, "deleted".into()).await;
+    Ok(gone)
 }
 
 /// A server-named, exclusive, auto-deleted queue on `ch` and a consumer of
