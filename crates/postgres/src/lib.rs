@@ -682,6 +682,16 @@ struct Track {
     unsettled: BTreeSet<Pos>,
     /// Heads an operator resumed: their attempt count starts again.
     resumed: HashSet<Pos>,
+    /// Events settled here (acknowledged or parked) since the slot's last
+    /// read started: their settlement committed, but perhaps after that
+    /// read's snapshot, so the read may still return them as unsettled
+    /// while they are no longer in `unsettled`. A read after a rewind (a
+    /// resolved halt) skips them: without this, an acknowledgement that
+    /// committed between the re-read's snapshot and the handling of its
+    /// rows was in neither place, and its event ran again behind the key's
+    /// next one (`b1, b2, b1`). Emptied when a read starts: every
+    /// settlement in it committed before that read's snapshot.
+    settled: HashSet<Pos>,
 }
 
 impl Track {
@@ -1160,6 +1170,13 @@ impl PgSource {
         if readable.is_empty() || max == 0 {
             return Ok((out, false));
         }
+        // What was settled here before this point committed before the
+        // statement below takes its snapshot, which shows it settled; what
+        // settles from here on is remembered until the next read (see
+        // `Track::settled`).
+        for o in self.owned.values() {
+            lock(&o.track).settled.clear();
+        }
         // Slots that a recent read took to their end get no share while
         // others may have more: at 64 slots, the slots that had run out took
         // nearly all the room, those with a backlog got none once the room
@@ -1226,9 +1243,13 @@ impl PgSource {
                 let txid: u64 = r.get::<String, _>(2).parse().unwrap_or(0);
                 o.read = o.read.max((txid, id));
                 // After a rewind (a resolved halt), what is still in flight
-                // comes round again: it is delivered once.
-                if !lock(&o.track).unsettled.insert((txid, id)) {
-                    continue;
+                // comes round again: it is delivered once; and what was
+                // settled after this read's snapshot is not delivered again.
+                {
+                    let mut track = lock(&o.track);
+                    if track.settled.contains(&(txid, id)) || !track.unsettled.insert((txid, id)) {
+                        continue;
+                    }
                 }
                 let (msg, key) = row_message(&r, 3, &self.spec.key_rules);
                 let message_id = msg.id().to_owned();
@@ -1429,8 +1450,12 @@ impl PgSettle {
         }
     }
 
+    /// Acknowledged or parked, durably: no longer in flight, and not to be
+    /// delivered again by a read whose snapshot predates the commit.
     fn settled(&self) {
-        lock(&self.track).unsettled.remove(&self.pos);
+        let mut track = lock(&self.track);
+        track.unsettled.remove(&self.pos);
+        track.settled.insert(self.pos);
     }
 }
 

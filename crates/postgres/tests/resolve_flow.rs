@@ -1,0 +1,204 @@
+//! Resolving a halt while the other keys of its slot flow, on the real
+//! server (conformance C18 in focus): every resolution rewinds the slot's
+//! read to the halted head, and the re-read must deliver nothing that was
+//! acknowledged meanwhile. An acknowledgement that committed after the
+//! re-read's snapshot, but was settled in memory before the re-read's rows
+//! were handled, used to be in neither of the two places the re-read
+//! consults, and its message ran again behind the key's next one
+//! (`b1, b2, b1`).
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use keyorder_core::{
+    Admin, Client, Delivery, HandlerError, HandlerResult, HeadAction, KeySource, LeaseConfig, Message, RetryPolicy,
+};
+use keyorder_postgres::{PgConfig, PgTransport};
+
+fn url() -> String {
+    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+async fn until(what: &str, mut cond: impl AsyncFnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    while !cond().await {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Healthy keys sharing the poison key's slot (one slot: all of them).
+const HEALTHY: usize = 16;
+/// Resolutions: skip, resume and dead-letter, each `ROUNDS / 3` times.
+const ROUNDS: usize = 90;
+
+/// Per key (index into the healthy keys), the sequence numbers applied, in
+/// the order they were applied.
+type Applied = Arc<Mutex<BTreeMap<usize, Vec<u64>>>>;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resolving_a_halt_under_flow_never_runs_an_acknowledged_message_again() {
+    let cfg = PgConfig::from_url(
+        &format!("{}?schema=keyorder_resolve&slots=1&migrate=true", url())
+            .parse()
+            .unwrap(),
+    )
+    .unwrap();
+    let client = Client::new(Arc::new(
+        PgTransport::connect(cfg.clone())
+            .await
+            .expect("PostgreSQL must be reachable"),
+    ));
+    // The operator works through a transport of its own, as from another process.
+    let admin: Arc<dyn Admin> = Client::new(Arc::new(PgTransport::connect(cfg).await.unwrap())).admin();
+    let queue = format!("resolve-{}", uuid::Uuid::new_v4().simple());
+    let publisher = client.publisher(&queue).await.unwrap();
+    let key_name = |i: usize| format!("k{i:02}");
+    // The poison key's messages come first: each resolution rewinds the
+    // slot's read to a head older than all of the flow, so every read until
+    // it caught up again goes over messages in flight.
+    for seq in 0..ROUNDS as u64 + 2 {
+        publisher
+            .publish(Message::new(seq.to_string()).with_key("p").unwrap())
+            .await
+            .unwrap();
+    }
+
+    let subscription = client
+        .subscribe(&queue, "g")
+        .ordered_by(KeySource::routing_key())
+        .concurrency(16)
+        .batch(32)
+        .retry(RetryPolicy {
+            max_attempts: 1,
+            initial_backoff: Duration::from_millis(10),
+            max_backoff: Duration::from_millis(10),
+        })
+        // A lease a loaded machine keeps (a lost one would redeliver what was
+        // in flight, which is at-least-once and not what this tests); the
+        // heartbeat is when resolutions are picked up.
+        .lease(LeaseConfig {
+            ttl: Duration::from_secs(15),
+            heartbeat: Duration::from_millis(100),
+            margin: Duration::from_secs(5),
+        })
+        .build()
+        .await
+        .unwrap();
+
+    let healthy: Applied = Arc::default();
+    let poison_applied: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let poison_failed: Arc<Mutex<HashSet<u64>>> = Arc::default();
+    let handler = {
+        let (healthy, poison_applied, poison_failed) = (healthy.clone(), poison_applied.clone(), poison_failed.clone());
+        move |d: Delivery| {
+            let (healthy, poison_applied, poison_failed) =
+                (healthy.clone(), poison_applied.clone(), poison_failed.clone());
+            async move {
+                let key = d.key().map(|k| k.as_str().to_owned()).unwrap_or_default();
+                let seq: u64 = String::from_utf8_lossy(d.payload()).parse().unwrap();
+                if key == "p" {
+                    // Every poison-key message fails its first attempt (a
+                    // halt), and succeeds once resumed.
+                    if poison_failed.lock().unwrap().insert(seq) {
+                        return Err(HandlerError::poison("first attempt fails"));
+                    }
+                    poison_applied.lock().unwrap().push(seq);
+                    return HandlerResult::Ok(());
+                }
+                let i: usize = key[1..].parse().unwrap();
+                healthy.lock().unwrap().entry(i).or_default().push(seq);
+                // A short handler: acknowledgements are always in flight.
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                HandlerResult::Ok(())
+            }
+        }
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(subscription.run(handler, async move {
+        let _ = stopped.await;
+    }));
+
+    // The flow: every healthy key, until told to stop; returns how many
+    // messages each key got.
+    let publishing = Arc::new(AtomicBool::new(true));
+    let flow = {
+        let (publisher, publishing) = (publisher.clone(), publishing.clone());
+        tokio::spawn(async move {
+            let mut seq = 0u64;
+            while publishing.load(Ordering::Relaxed) {
+                for i in 0..HEALTHY {
+                    publisher
+                        .publish(Message::new(seq.to_string()).with_key(key_name(i)).unwrap())
+                        .await
+                        .unwrap();
+                }
+                seq += 1;
+            }
+            seq
+        })
+    };
+
+    // The operator: waits for the poison key's halt, resolves it, and again.
+    let actions = [HeadAction::Skip, HeadAction::Resume, HeadAction::DeadLetter];
+    for round in 0..ROUNDS {
+        until(&format!("the poison key's halt #{round}"), async || {
+            admin.halted(&queue, "g").await.unwrap().len() == 1
+        })
+        .await;
+        admin.resolve(&queue, "g", "p", actions[round % 3]).await.unwrap();
+    }
+    publishing.store(false, Ordering::Relaxed);
+    let seqs = flow.await.unwrap();
+    until("every healthy message to be applied", async || {
+        let applied = healthy.lock().unwrap();
+        (0..HEALTHY).all(|i| {
+            applied
+                .get(&i)
+                .is_some_and(|s| s.iter().copied().collect::<HashSet<_>>().len() as u64 == seqs)
+        })
+    })
+    .await;
+    // The poison key halted again behind the last resolution.
+    until("the poison key's last halt", async || {
+        admin.halted(&queue, "g").await.unwrap().len() == 1
+    })
+    .await;
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+
+    // No healthy key ever applied a message at or below one it had applied.
+    let applied = healthy.lock().unwrap();
+    let mut violations = Vec::new();
+    for (i, seqs) in applied.iter() {
+        for w in seqs.windows(2) {
+            if w[1] <= w[0] {
+                violations.push(format!("healthy key #{i}: seq {} applied after {}", w[1], w[0]));
+            }
+        }
+    }
+    assert!(
+        violations.is_empty(),
+        "{} order violations after {ROUNDS} resolutions, the first ones: {:?}",
+        violations.len(),
+        &violations[..violations.len().min(8)]
+    );
+    // The poison key: each resolution let it go on, in order.
+    let poison = poison_applied.lock().unwrap().clone();
+    assert!(
+        poison.windows(2).all(|w| w[0] < w[1]),
+        "the poison key ran in order after each resolution: {poison:?}"
+    );
+    assert_eq!(
+        poison.len(),
+        ROUNDS / 3,
+        "each resumed head ran once, and nothing else of the poison key succeeded: {poison:?}"
+    );
+    assert_eq!(
+        admin.dead_letters(&queue, "g").await.unwrap().len(),
+        ROUNDS / 3,
+        "each dead-lettered head is stored once"
+    );
+}
