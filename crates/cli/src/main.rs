@@ -34,6 +34,8 @@ enum Command {
     HotKeys(ops::HotKeysArgs),
     /// Dead-lettered messages of a group.
     DeadLetters(ops::Target),
+    /// A category's consumer groups: list them, remove a stopped one.
+    Groups(ops::GroupsArgs),
     /// Delete a category and everything kept for it (PostgreSQL, RabbitMQ); needs --yes.
     DeleteQueue(ops::DeleteQueueArgs),
     /// The transactional outbox: status, held keys, abandoned records; retry or discard one; relay bench.
@@ -62,6 +64,7 @@ fn main() -> anyhow::Result<()> {
             Command::Head(a) => ops::head(a).await,
             Command::HotKeys(a) => ops::hot_keys(a).await,
             Command::DeadLetters(t) => ops::dead_letters(t).await,
+            Command::Groups(a) => ops::groups(a).await,
             Command::DeleteQueue(a) => ops::delete_queue(a).await,
             Command::Outbox(a) => outbox::run(a).await,
             Command::Failover(a) => failover::run(a).await,

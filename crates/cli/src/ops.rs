@@ -125,6 +125,65 @@ pub(crate) async fn dead_letters(t: Target) -> anyhow::Result<()> {
     Ok(())
 }
 
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum GroupsVerb {
+    /// List the category's consumer groups with their live members.
+    List,
+    /// Remove a stopped group (refused while it has live members); retention
+    /// and trimming then no longer wait for it.
+    Remove,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct GroupsArgs {
+    /// What to do.
+    #[arg(value_enum)]
+    verb: GroupsVerb,
+    /// The transport URL (memory://, redis://, amqp://, kafka://, postgres://).
+    #[arg(long, env = "KEYORDER_URL", default_value = "memory://")]
+    url: String,
+    /// The category.
+    #[arg(long)]
+    category: String,
+    /// The group to remove.
+    #[arg(long, required_if_eq("verb", "remove"))]
+    group: Option<String>,
+    /// Confirms a removal: the group's positions, pending messages and
+    /// halted keys are deleted.
+    #[arg(long)]
+    yes: bool,
+}
+
+pub(crate) async fn groups(a: GroupsArgs) -> anyhow::Result<()> {
+    let client = keyorder::connect(&a.url).await?;
+    let admin = client.admin();
+    match a.verb {
+        GroupsVerb::List => {
+            let groups = admin.groups(&a.category).await?;
+            if groups.is_empty() {
+                println!("no consumer groups");
+            }
+            for g in groups {
+                println!("{} live_members={}", g.name.escape_debug(), g.live_members);
+            }
+        }
+        GroupsVerb::Remove => {
+            let group = a.group.expect("clap requires --group for remove");
+            if !a.yes {
+                anyhow::bail!(
+                    "groups remove deletes what the broker keeps for group `{}` of `{}` (positions, pending \
+                     messages, halted keys): add --yes to confirm",
+                    group.escape_debug(),
+                    a.category.escape_debug()
+                );
+            }
+            admin.remove_group(&a.category, &group).await?;
+            println!("removed group {}", group.escape_debug());
+        }
+    }
+    Ok(())
+}
+
 #[derive(Debug, Args)]
 pub(crate) struct DeleteQueueArgs {
     /// The transport URL (postgres:// or amqp://).

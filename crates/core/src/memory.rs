@@ -956,6 +956,49 @@ impl Admin for MemoryAdmin {
         self.broker.notify.notify_waiters();
         Ok(())
     }
+
+    async fn groups(&self, category: &str) -> Result<Vec<crate::GroupInfo>> {
+        let st = self.broker.lock();
+        let now = Instant::now();
+        let mut out: Vec<crate::GroupInfo> = st
+            .categories
+            .get(category)
+            .map(|cat| {
+                cat.groups
+                    .iter()
+                    .map(|(name, g)| crate::GroupInfo {
+                        name: name.clone(),
+                        live_members: g
+                            .members
+                            .values()
+                            .filter(|m| now.duration_since(m.last_seen) <= m.ttl)
+                            .count(),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
+    async fn remove_group(&self, category: &str, group: &str) -> Result<()> {
+        self.with_group(category, group, |cat, group| {
+            let now = Instant::now();
+            let live = cat.groups[group]
+                .members
+                .values()
+                .filter(|m| now.duration_since(m.last_seen) <= m.ttl)
+                .count();
+            if live > 0 {
+                return Err(Error::Config(format!(
+                    "memory: consumer group `{group}` has {live} live member(s); stop them first, then remove it"
+                )));
+            }
+            cat.groups.remove(group);
+            cat.trim();
+            Ok(())
+        })
+    }
 }
 
 #[cfg(test)]
