@@ -450,16 +450,13 @@ impl Registry {
             let tag = m.delivery.delivery_tag;
             let v: Value = serde_json::from_slice(&m.delivery.data).unwrap_or(Value::Null);
             let field = |k: &str| v.get(k).and_then(Value::as_str).map(str::to_owned);
-            match (field("group"), field("topology")) {
-                (Some(group), Some(topology)) => {
-                    if read.iter().any(|(_, r): &(u64, Record)| r.group == group) {
-                        drop.push(tag);
-                    } else {
-                        read.push((tag, Record { group, topology }));
-                    }
+            // Anything but a record is left as it is.
+            if let (Some(group), Some(topology)) = (field("group"), field("topology")) {
+                if read.iter().any(|(_, r): &(u64, Record)| r.group == group) {
+                    drop.push(tag);
+                } else {
+                    read.push((tag, Record { group, topology }));
                 }
-                // Not a record: left as it is.
-                _ => {}
             }
         }
         Ok(Registry {

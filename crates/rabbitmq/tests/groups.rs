@@ -327,3 +327,135 @@ async fn a_group_declared_with_another_topology_is_refused() {
         .unwrap();
     drop((sub, sac));
 }
+
+/// Queues of the layout before consumer groups (`{c}.sac`, `{c}.hash.N`,
+/// ...) would keep their messages from every group: a category that has
+/// them is refused at publish and at subscribe, naming the fix, until
+/// `delete_category` (`keyorder delete-queue`) removed them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queues_of_the_layout_before_groups_are_refused_until_deleted() {
+    use lapin::options::QueueDeclareOptions;
+    use lapin::{Connection, ConnectionProperties};
+    let cat = category("legacy");
+    let conn = Connection::connect(&base(), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    for q in [format!("{cat}.hash.0"), format!("{cat}.hash.1"), format!("{cat}.dlq")] {
+        ch.queue_declare(q.as_str().into(), durable, Default::default())
+            .await
+            .unwrap();
+    }
+    let u = format!("{}&groups=g", url("topology=hash&queues=2"));
+    let t = RabbitTransport::from_url(&u.parse().unwrap()).await.unwrap();
+    let c = Client::new(Arc::new(t.clone()));
+    let err = c.publisher(&cat).await.unwrap_err().to_string();
+    assert!(
+        err.contains("delete-queue") && err.contains(&format!("`{cat}.hash.0`")),
+        "{err}"
+    );
+    let err = c
+        .subscribe(&cat, "g")
+        .ordered_by(KeySource::routing_key())
+        .lease(lease())
+        .build()
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("before consumer groups") && err.contains("Drain them"),
+        "{err}"
+    );
+
+    let gone = t.delete_category(&cat).await.unwrap();
+    for q in [format!("{cat}.hash.0"), format!("{cat}.hash.1"), format!("{cat}.dlq")] {
+        assert!(gone.contains(&q), "{q} deleted: {gone:?}");
+    }
+    let publisher = c.publisher(&cat).await.unwrap();
+    publisher
+        .publish(Message::new("m").with_key("k").unwrap())
+        .await
+        .unwrap();
+    t.delete_category(&cat).await.unwrap();
+    let _ = conn.close(200, "done".into()).await;
+}
+
+/// `groups` lists every declared group with its live members;
+/// `remove_group` is refused while the group runs, deletes only its own
+/// queues once it stopped, and an unknown group is `NotFound`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_lists_groups_and_removes_a_stopped_one() {
+    use keyorder_core::{Error, GroupInfo};
+    let topology = "topology=hash&queues=2";
+    let cat = category("admin");
+    let t = RabbitTransport::from_url(&url(topology).parse().unwrap())
+        .await
+        .unwrap();
+    let consumer = Client::new(Arc::new(t.clone()));
+    let admin = client(&url(topology)).await.admin();
+    assert!(admin.groups(&cat).await.unwrap().is_empty(), "no group yet");
+    let shipping = start(&consumer, &cat, "shipping").await;
+    let billing = start(&consumer, &cat, "billing").await;
+    let live = |n: usize| {
+        vec![
+            GroupInfo {
+                name: "billing".into(),
+                live_members: n,
+            },
+            GroupInfo {
+                name: "shipping".into(),
+                live_members: 1,
+            },
+        ]
+    };
+    assert_eq!(admin.groups(&cat).await.unwrap(), live(1));
+    // Per group: each group's own queues.
+    let scopes = admin.scopes(&cat, "billing").await.unwrap();
+    let names = keyorder_rabbitmq::Names::new(&cat).unwrap().group("billing").unwrap();
+    assert_eq!(
+        scopes.iter().map(|s| s.scope.clone()).collect::<Vec<_>>(),
+        (0..2)
+            .map(|i| format!("{cat}/{}", names.hash_queue(i)))
+            .collect::<Vec<_>>()
+    );
+
+    let err = admin.remove_group(&cat, "billing").await.unwrap_err();
+    assert!(
+        matches!(&err, Error::Config(t) if t.contains("stop its subscriptions")),
+        "{err:?}"
+    );
+    let err = admin.remove_group(&cat, "nope").await.unwrap_err();
+    assert!(matches!(err, Error::NotFound(_)), "{err:?}");
+
+    billing.stop().await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while admin.groups(&cat).await.unwrap() != live(0) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "billing never showed 0 live members"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    admin.remove_group(&cat, "billing").await.unwrap();
+    assert_eq!(
+        admin.groups(&cat).await.unwrap(),
+        vec![GroupInfo {
+            name: "shipping".into(),
+            live_members: 1
+        }]
+    );
+    assert!(matches!(admin.scopes(&cat, "billing").await, Err(Error::NotFound(_))));
+    assert!(matches!(
+        admin.remove_group(&cat, "billing").await,
+        Err(Error::NotFound(_))
+    ));
+    // The other group keeps receiving everything.
+    publish_all(&client(&url(topology)).await, &cat).await;
+    every_group_gets_everything(&[("shipping", &shipping)]).await;
+    shipping.stop().await;
+    t.delete_category(&cat).await.unwrap();
+}

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig, KEY_HEADER};
-use keyorder_rabbitmq::{RabbitTransport, EPOCH_HEADER};
+use keyorder_rabbitmq::{Names, RabbitTransport};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
@@ -20,9 +20,10 @@ fn base() -> String {
 }
 
 fn url() -> String {
-    // consumer_timeout_ms: what scripts/services configures.
+    // consumer_timeout_ms: what scripts/services configures; groups: the
+    // publisher declares group `g`'s queues.
     format!(
-        "{}?topology=hash&queues={QUEUES}&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000",
+        "{}?topology=hash&queues={QUEUES}&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000&groups=g",
         base()
     )
 }
@@ -48,7 +49,8 @@ type Applied = Arc<Mutex<Vec<(String, String)>>>;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_joining_instance_is_given_a_fair_share_of_the_backlog_not_of_the_queue_count() {
     let category = format!("spread-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
-    let queues: Vec<String> = (0..QUEUES).map(|i| format!("{category}.hash.{i}")).collect();
+    let names = Names::new(&category).unwrap().group("g").unwrap();
+    let queues: Vec<String> = (0..QUEUES).map(|i| names.hash_queue(i)).collect();
     let members = vec!["a".to_owned(), "b".to_owned()];
     // The deep queues are the two that the count share gives one instance.
     let share = keyorder_core::assign::assign(&members, &queues);
@@ -56,7 +58,7 @@ async fn a_joining_instance_is_given_a_fair_share_of_the_backlog_not_of_the_queu
     let shallow: Vec<&String> = queues.iter().filter(|q| share[q.as_str()] == "b").collect();
     assert_eq!((deep.len(), shallow.len()), (2, 2));
 
-    // The library declares the topology; the test then fills chosen queues
+    // The library declares group g's topology; the test then fills chosen queues
     // directly (the ring's placement of a key is the broker's), one key per
     // queue, in the format the library publishes.
     let a = client().await;
@@ -77,7 +79,6 @@ async fn a_joining_instance_is_given_a_fair_share_of_the_backlog_not_of_the_queu
         for seq in 0..n {
             let mut headers = FieldTable::default();
             headers.insert(KEY_HEADER.into(), AMQPValue::LongString(key.into()));
-            headers.insert(EPOCH_HEADER.into(), AMQPValue::LongLongInt(i64::from(QUEUES)));
             let props = BasicProperties::default()
                 .with_headers(headers)
                 .with_message_id(format!("{key}-{seq}").into())
