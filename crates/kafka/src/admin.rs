@@ -9,7 +9,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use keyorder_core::key::{label, redact};
-use keyorder_core::{Admin, DeadLetter, Error, HaltedKey, HeadAction, HotKey, Result, ScopeInfo, SourceEvent};
+use keyorder_core::{
+    Admin, DeadLetter, Error, GroupInfo, HaltedKey, HeadAction, HotKey, Result, ScopeInfo, SourceEvent,
+};
+use rdkafka::admin::{AdminClient, AdminOptions};
+use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Headers;
 use rdkafka::{Message as _, Offset, TopicPartitionList};
@@ -363,6 +367,65 @@ impl Admin for KafkaAdmin {
         }
         // The owner is another process: ask it through the control topic.
         self.t.remote_resolve(&names, group, key, action).await
+    }
+
+    async fn groups(&self, category: &str) -> Result<Vec<GroupInfo>> {
+        let names = Names::new(category)?;
+        let suffix = format!(".{}", names.topic());
+        let c = self.consumer("keyorder-admin-groups")?;
+        let mut out: Vec<GroupInfo> = tokio::task::spawn_blocking(move || {
+            let list = c.fetch_group_list(None, Duration::from_secs(10))?;
+            Ok::<_, rdkafka::error::KafkaError>(
+                list.groups()
+                    .iter()
+                    .filter_map(|g| {
+                        let name = g.name().strip_suffix(suffix.as_str())?;
+                        (!name.is_empty()).then(|| GroupInfo {
+                            name: name.to_owned(),
+                            live_members: g.members().len(),
+                        })
+                    })
+                    .collect(),
+            )
+        })
+        .await
+        .map_err(kafka_err)?
+        .map_err(kafka_err)?;
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
+    async fn remove_group(&self, category: &str, group: &str) -> Result<()> {
+        let Some(found) = self.groups(category).await?.into_iter().find(|g| g.name == group) else {
+            return Err(Error::NotFound(format!(
+                "kafka: no consumer group `{group}` on `{category}` (see `keyorder groups list`)"
+            )));
+        };
+        if found.live_members > 0 {
+            return Err(Error::Config(format!(
+                "kafka: consumer group `{group}` of `{category}` has {} live member(s); stop them first, then remove it",
+                found.live_members
+            )));
+        }
+        let names = Names::new(category)?;
+        let admin: AdminClient<DefaultClientContext> = base_config(&self.t.cfg).create().map_err(kafka_err)?;
+        let id = names.group_id(group);
+        let results = admin
+            .delete_groups(
+                &[id.as_str()],
+                &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+            )
+            .await
+            .map_err(kafka_err)?;
+        for r in results {
+            if let Err((_, code)) = r {
+                return Err(Error::Broker(format!(
+                    "kafka: deleting consumer group `{id}`: {code} (the broker must support DeleteGroups)"
+                )));
+            }
+        }
+        tracing::warn!(category, group, "operator removed a consumer group");
+        Ok(())
     }
 }
 
