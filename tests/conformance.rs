@@ -316,7 +316,21 @@ impl RabbitHarness {
             self.base
         )
     }
+
+    /// The URL of the scenarios' clients: each consumer group has queues of
+    /// its own on RabbitMQ, and the scenarios publish before their group
+    /// `g` subscribes (the outbox's relay too), so the publishers declare
+    /// it (`groups=g`, as a deployment declares its groups).
+    fn publishing_url(&self) -> String {
+        format!("{}&{GROUPS}", self.url(self.topology))
+    }
 }
+
+/// The consumer groups the scenarios publish for before they subscribe
+/// (`crates/testkit/src/scenarios.rs` and `outbox.rs`: every group that
+/// receives messages is `g`).
+#[cfg(feature = "rabbitmq")]
+const GROUPS: &str = "groups=g";
 
 #[cfg(feature = "rabbitmq")]
 #[keyorder::async_trait]
@@ -328,7 +342,7 @@ impl Harness for RabbitHarness {
         keyorder::rabbitmq::CAPABILITIES
     }
     async fn client(&self) -> Result<Client> {
-        keyorder::connect(&self.url(self.topology)).await
+        keyorder::connect(&self.publishing_url()).await
     }
     async fn client_without_affinity(&self) -> Option<Result<Client>> {
         Some(keyorder::connect(&self.url("topology=plain")).await)
@@ -346,7 +360,7 @@ impl Harness for RabbitHarness {
         }
     }
     fn worker_url(&self) -> Option<String> {
-        Some(self.url(self.topology))
+        Some(self.publishing_url())
     }
     fn spreads(&self) -> bool {
         // One single-active-consumer queue: one instance at a time.
@@ -375,7 +389,7 @@ impl Harness for RabbitRestartHarness {
     }
     async fn client(&self) -> Result<Client> {
         keyorder::connect(&format!(
-            "{}?topology=hash&queues=8&queue_type=quorum&expires_ms=600000&consumer_timeout_ms=3600000",
+            "{}?topology=hash&queues=8&queue_type=quorum&expires_ms=600000&consumer_timeout_ms=3600000&{GROUPS}",
             self.base
         ))
         .await

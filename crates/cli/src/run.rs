@@ -42,7 +42,11 @@ pub(crate) fn with_setup(url: &str) -> String {
         with_default(url, "migrate", "true")
     } else if is_amqp(url) {
         // The consistent-hash topology is what demo and bench run by default.
-        with_default(url, "topology", "hash&queues=8")
+        // Each consumer group has queues of its own on RabbitMQ, declared
+        // when its subscription is built or by a publisher that names it:
+        // bench publishes its backlog before its subscriptions (group
+        // `keyorder`, see `builder`) are built.
+        with_default(&with_default(url, "topology", "hash&queues=8"), "groups", "keyorder")
     } else {
         url.to_owned()
     }
@@ -449,18 +453,10 @@ pub(crate) async fn pg_durability(url: &str) -> anyhow::Result<String> {
 /// middle of a later side's run.
 #[cfg(feature = "all-adapters")]
 pub(crate) async fn delete_amqp_queues(url: &str, category: &str) -> anyhow::Result<()> {
-    use keyorder::rabbitmq::lapin::options::QueueDeleteOptions;
-    use keyorder::rabbitmq::lapin::{Connection, ConnectionProperties};
-    use keyorder::rabbitmq::{Names, RabbitConfig};
-    let cfg = RabbitConfig::from_url(&url.parse()?)?;
-    let names = Names::new(category)?;
-    let conn = Connection::connect(&cfg.uri, ConnectionProperties::default()).await?;
-    let ch = conn.create_channel().await?;
-    for q in names.queues(cfg.topology).into_iter().chain([names.dlq()]) {
-        ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-            .await?;
-    }
-    let _ = conn.close(200, "bench queues deleted".into()).await;
+    // Every group's queues and exchanges, the entry exchange, the group
+    // registry and queues of the layout before consumer groups.
+    let t = keyorder::rabbitmq::RabbitTransport::from_url(&url.parse()?).await?;
+    t.delete_category(category).await?;
     Ok(())
 }
 
@@ -504,17 +500,17 @@ mod tests {
         // 8 hash queues x 32 over 2 instances: 128 each.
         assert_eq!(
             baseline_url("amqp://h/%2f?topology=hash&queues=8&consumer_timeout_ms=off", 2),
-            "amqp://h/%2f?consumer_timeout_ms=off&topology=plain&prefetch=128"
+            "amqp://h/%2f?consumer_timeout_ms=off&groups=keyorder&topology=plain&prefetch=128"
         );
         // The default topology of bench is hash with 8 queues.
         assert_eq!(
             baseline_url("amqp://h/%2f", 4),
-            "amqp://h/%2f?topology=plain&prefetch=64"
+            "amqp://h/%2f?groups=keyorder&topology=plain&prefetch=64"
         );
         // One single-active-consumer queue at prefetch 20 over 2 instances.
         assert_eq!(
             baseline_url("amqp://h/%2f?topology=sac&prefetch=20", 2),
-            "amqp://h/%2f?topology=plain&prefetch=10"
+            "amqp://h/%2f?groups=keyorder&topology=plain&prefetch=10"
         );
     }
 }

@@ -74,7 +74,8 @@ async fn delete_queue_removes_the_rabbitmq_topology_queues() {
     use keyorder::rabbitmq::lapin::{Connection, ConnectionProperties};
     use keyorder::rabbitmq::{Names, Topology};
     let base = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
-    let u = format!("{base}?topology=hash&queues=2");
+    // Every group has queues of its own: the publisher declares two.
+    let u = format!("{base}?topology=hash&queues=2&groups=g,h");
     let category = format!("cli-delete-{}", std::process::id());
     let client = keyorder::connect(&u).await.expect("RabbitMQ must be reachable");
     let publisher = client.publisher(&category).await.unwrap();
@@ -83,8 +84,14 @@ async fn delete_queue_removes_the_rabbitmq_topology_queues() {
         .await
         .unwrap();
     let names = Names::new(&category).unwrap();
-    let queues = names.queues(Topology::ConsistentHash { queues: 2 });
-    assert_eq!(queues.len(), 2);
+    let mut queues = Vec::new();
+    for g in ["g", "h"] {
+        let g = names.group(g).unwrap();
+        queues.extend(g.queues(Topology::ConsistentHash { queues: 2 }));
+        queues.push(g.dlq());
+    }
+    queues.push(names.registry());
+    assert_eq!(queues.len(), 7);
     let conn = Connection::connect(&base, ConnectionProperties::default())
         .await
         .unwrap();
@@ -104,6 +111,17 @@ async fn delete_queue_removes_the_rabbitmq_topology_queues() {
     for q in &queues {
         assert!(exists(q.clone()).await, "{q} exists after a publish");
     }
+    // A queue of the layout before consumer groups goes too.
+    let old = format!("{category}.sac");
+    let ch = conn.create_channel().await.unwrap();
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    ch.queue_declare(old.as_str().into(), durable, Default::default())
+        .await
+        .unwrap();
+    queues.push(old);
     let done = keyorder(&["delete-queue", "--url", &u, "--category", &category, "--yes"]);
     assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
     for q in &queues {
