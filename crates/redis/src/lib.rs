@@ -80,15 +80,23 @@ pub(crate) fn scrub(text: &str) -> String {
     out
 }
 
-/// Records `group` in the category's group registry (with its lease TTL, so
-/// an operator can tell live members from gone ones), before the group
+/// Records `group` in the category's group registry, before the group
 /// reads anything: trimming and reaping keep what a registered group has
-/// not passed. Idempotent.
-pub(crate) async fn register_group(t: &RedisTransport, names: &Names, group: &str, ttl: Duration) -> Result<()> {
+/// not passed. The entry names the sorted set its members heartbeat in and
+/// their lease TTL, so an operator can tell live members from gone ones.
+/// Idempotent.
+pub(crate) async fn register_group(
+    t: &RedisTransport,
+    names: &Names,
+    group: &str,
+    members: &str,
+    ttl: Duration,
+) -> Result<()> {
+    let entry = serde_json::json!({ "members": members, "ttl": ttl.as_millis() as u64 });
     redis::cmd("HSET")
         .arg(names.groups())
         .arg(group)
-        .arg(ttl.as_millis() as u64)
+        .arg(entry.to_string())
         .query_async::<i64>(&mut t.conn.clone())
         .await
         .map_err(broker)?;

@@ -47,9 +47,6 @@ impl GroupReader {
         mode: Mode,
     ) -> Result<Self> {
         let sent = Instant::now();
-        // The group registry first, before anything is read: from now on
-        // trimming and reaping keep what this group has not read.
-        crate::register_group(t, &names, &spec.group, spec.lease.ttl).await?;
         // At `0`, never `$`: nothing published before the group existed is skipped.
         let created: redis::RedisResult<Value> = redis::cmd("XGROUP")
             .arg("CREATE")
@@ -244,6 +241,9 @@ impl PlainSource {
             }
         };
         let scope = format!("{}/all", spec.category);
+        // The group registry first, before anything is read: from now on
+        // trimming and reaping keep what this group has not read.
+        crate::register_group(&t, &names, &spec.group, &names.members(&spec.group), spec.lease.ttl).await?;
         let reader = GroupReader::new(&t, names.clone(), &spec, stream, scope, mode).await?;
         let mut source = PlainSource {
             reader,
@@ -430,6 +430,15 @@ impl TransportSource for PlainSource {
             .is_none_or(|t| t.elapsed() >= self.spec.lease.heartbeat)
         {
             let sent = Instant::now();
+            // A heartbeat in the group's members (no leases): the operator
+            // sees the group as live and will not remove it.
+            let _: Value = crate::scripts::RENEW
+                .key(self.names.members(&self.spec.group))
+                .arg(&self.spec.instance)
+                .arg(self.spec.lease.ttl.as_millis() as u64)
+                .invoke_async(&mut self.t.conn.clone())
+                .await
+                .map_err(broker)?;
             self.reader.reclaim().await?;
             self.discover().await?;
             self.reader.lease.confirm(sent);

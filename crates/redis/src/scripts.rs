@@ -544,24 +544,38 @@ return out
     )
 });
 
+/// Live members of a registered group: heartbeats within the group's lease
+/// TTL, on the server's clock, in the members set its registry entry names
+/// (a correlated subscription's lives under the combined name).
+const LIVE: &str = r"
+local function live(category, group, entry)
+  local ok, e = pcall(cjson.decode, entry)
+  local members, ttl = category .. ':__members__:' .. group, 0
+  if ok and type(e) == 'table' then
+    members = e.members or members
+    ttl = tonumber(e.ttl) or 0
+  else
+    ttl = tonumber(entry) or 0
+  end
+  return redis.call('ZCOUNT', members, now_ms() - ttl, '+inf'), members
+end
+";
+
 /// The operator's list of a category's registered groups with their live
-/// members (a heartbeat within the group's lease TTL, on the server's clock).
+/// members.
 ///
 /// KEYS: registry. ARGV: category. Returns `{group, live}` per group.
 pub(crate) static GROUPS: LazyLock<Script> = LazyLock::new(|| {
-    script(
-        r"
-local now = now_ms()
-local out = {}
+    script(&format!(
+        r"{LIVE}
+local out = {{}}
 local all = redis.call('HGETALL', KEYS[1])
 for i = 1, #all, 2 do
-  local group, ttl = all[i], tonumber(all[i + 1]) or 0
-  local live = redis.call('ZCOUNT', ARGV[1] .. ':__members__:' .. group, now - ttl, '+inf')
-  out[#out + 1] = {group, live}
+  out[#out + 1] = {{all[i], (live(ARGV[1], all[i], all[i + 1]))}}
 end
 return out
-",
-    )
+"
+    ))
 });
 
 /// The operator's removal of a stopped group: its group on every indexed
@@ -571,21 +585,21 @@ return out
 /// KEYS: registry, index. ARGV: category, group. Returns 1 when removed,
 /// 0 when the group is not registered, `-n` while `n` members are live.
 pub(crate) static REMOVE_GROUP: LazyLock<Script> = LazyLock::new(|| {
-    script(
-        r"
+    script(&format!(
+        r"{LIVE}
 local c, group = ARGV[1], ARGV[2]
-local ttl = redis.call('HGET', KEYS[1], group)
-if not ttl then return 0 end
-local live = redis.call('ZCOUNT', c .. ':__members__:' .. group, now_ms() - tonumber(ttl), '+inf')
-if live > 0 then return -live end
+local entry = redis.call('HGET', KEYS[1], group)
+if not entry then return 0 end
+local n, members = live(c, group, entry)
+if n > 0 then return -n end
 for _, k in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
   redis.pcall('XGROUP', 'DESTROY', c .. ':' .. k, group)
   redis.call('DEL', c .. ':' .. k .. ':__lease__:' .. group)
 end
 redis.pcall('XGROUP', 'DESTROY', c .. ':__keyless__', group)
-redis.call('DEL', c .. ':__members__:' .. group, c .. ':__halted__:' .. group, c .. ':__resolved__:' .. group)
+redis.call('DEL', members, c .. ':__members__:' .. group, c .. ':__halted__:' .. group, c .. ':__resolved__:' .. group)
 redis.call('HDEL', KEYS[1], group)
 return 1
-",
-    )
+"
+    ))
 });

@@ -140,6 +140,12 @@ impl Source {
             .iter()
             .map(|n| listen(t.client.clone(), n.wake(), wake.clone()))
             .collect();
+        // The group registry of every category first, before anything is
+        // read: from now on trimming and reaping keep what this group has
+        // not read. Its members heartbeat under the control name.
+        for n in &names {
+            crate::register_group(&t, n, &spec.group, &ctl.members(&spec.group), spec.lease.ttl).await?;
+        }
         let mut keyless = Vec::new();
         for n in &names {
             keyless.push(
