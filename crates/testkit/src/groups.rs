@@ -246,15 +246,17 @@ async fn operate(admin: &dyn Admin, cfg: &OperatorConfig) -> Result<usize, Strin
     Ok(done)
 }
 
-/// C18: one scope holds a poison key and twelve healthy keys that keep
-/// flowing; the operator halts-and-resolves the poison key nine times (skip,
-/// resume, dead letter, three of each) from another process (in-process
+/// C18: one scope holds a poison key and sixteen healthy keys that keep
+/// flowing; the operator resolves the poison key's halt 24 times (skip,
+/// resume, dead letter, eight of each) from another process (in-process
 /// where the transport has one process). No healthy key applies a message
 /// twice or an older after a newer; the poison key's messages that were
 /// not skipped or dead-lettered run in order.
 pub(crate) async fn c18(ctx: &Ctx<'_>) -> Outcome {
-    const ACTIONS: [&str; 9] = [
-        "skip", "resume", "dlq", "resume", "dlq", "skip", "dlq", "skip", "resume",
+    // Eight of each, in an order where every action follows every other.
+    const ACTIONS: [&str; 24] = [
+        "skip", "resume", "dlq", "resume", "dlq", "skip", "dlq", "skip", "resume", "skip", "resume", "dlq", "resume",
+        "dlq", "skip", "dlq", "skip", "resume", "skip", "resume", "dlq", "resume", "dlq", "skip",
     ];
     let removed = ACTIONS.iter().filter(|a| **a != "resume").count() as u64;
     let cat = ctx.category("orders");
@@ -262,7 +264,7 @@ pub(crate) async fn c18(ctx: &Ctx<'_>) -> Outcome {
     let client = ctx.h.one_scope_client().await.map_err(err)?;
     ctx.switches.broken.store(true, Ordering::SeqCst);
     let poison_key = "poison".to_owned();
-    let healthy = keys("ok", 12);
+    let healthy = keys("ok", 16);
 
     // The poison key: every message fails while the scenario is broken.
     let publisher = client.publisher(&cat).await.map_err(err)?;
