@@ -242,8 +242,11 @@ impl PlainSource {
         };
         let scope = format!("{}/all", spec.category);
         // The group registry first, before anything is read: from now on
-        // trimming and reaping keep what this group has not read.
-        crate::register_group(&t, &names, &spec.group, &names.members(&spec.group), spec.lease.ttl).await?;
+        // trimming and reaping of the key streams keep what this group has
+        // not read (the single layout has no key streams: nothing to keep).
+        if wake.is_some() {
+            crate::register_group(&t, &names, &spec.group, &names.members(&spec.group), spec.lease.ttl).await?;
+        }
         let reader = GroupReader::new(&t, names.clone(), &spec, stream, scope, mode).await?;
         let mut source = PlainSource {
             reader,
