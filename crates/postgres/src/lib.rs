@@ -16,8 +16,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::FutureExt;
 use keyorder_core::{
-    Admin, Capabilities, DeadLetter, Error, HaltedKey, HeadAction, HotKey, Inbound, Message, OrderingKey, PublishFence,
-    Result, ScopeInfo, ScopeLease, Settle, SourceEvent, SourceSpec, Transport, TransportPublisher, TransportSource,
+    Admin, Capabilities, DeadLetter, Error, GroupInfo, HaltedKey, HeadAction, HotKey, Inbound, Message, OrderingKey,
+    PublishFence, Result, ScopeInfo, ScopeLease, Settle, SourceEvent, SourceSpec, Transport, TransportPublisher,
+    TransportSource,
 };
 use sqlx::postgres::{PgListener, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Row};
@@ -217,6 +218,19 @@ const TABLES: [&str; 12] = [
     "events",
     "plain_events",
     "queues",
+];
+
+/// The tables that hold rows of one consumer group (`remove_group` deletes
+/// from each, children first).
+const GROUP_TABLES: [&str; 8] = [
+    "acked",
+    "attempts",
+    "halted",
+    "dead",
+    "read_marks",
+    "members",
+    "slots",
+    "groups",
 ];
 
 /// Connections a transport opens, on demand, for settlements besides its
@@ -482,16 +496,38 @@ impl PgTransport {
         Ok(n as u32)
     }
 
-    /// The slot count consumer group `grp` of `queue` started with, recorded
-    /// at its first start; a different count is refused.
-    async fn group_slots(&self, queue: &str, grp: &str, slots: u32) -> Result<()> {
-        self.db
-            .exec(q(&self.sql.ensure_group).bind(queue).bind(grp).bind(slots as i32))
+    /// Joins consumer group `grp` of `queue`, creating it on its first
+    /// start: its slot count recorded (a different count is refused later),
+    /// and a slot row per slot with its cursor at the start of the log, so
+    /// a new group reads every event still retained. All in one
+    /// transaction holding the queue's row `for no key update`, which
+    /// retention takes `for share` before it reads the groups' cursors: a
+    /// retention statement that did not see the new group has committed
+    /// before the group's first read, so the group starts at the oldest
+    /// retained event and never reads a prefix of what that statement then
+    /// deletes (a hole in its stream).
+    async fn join_group(&self, queue: &str, grp: &str, slots: u32) -> Result<()> {
+        let pooled = self.cfg.pooled;
+        let mut tx = self.db.pool.begin().await.map_err(db)?;
+        q(&self.sql.lock_queue)
+            .bind(queue)
+            .persistent(!pooled)
+            .execute(&mut *tx)
             .await
             .map_err(|e| self.missing_schema(e))?;
-        let n: i32 = self
-            .db
-            .one(q(&self.sql.group_slots).bind(queue).bind(grp))
+        q(&self.sql.ensure_group)
+            .bind(queue)
+            .bind(grp)
+            .bind(slots as i32)
+            .persistent(!pooled)
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        let n: i32 = q(&self.sql.group_slots)
+            .bind(queue)
+            .bind(grp)
+            .persistent(!pooled)
+            .fetch_one(&mut *tx)
             .await
             .map_err(db)?
             .get(0);
@@ -501,7 +537,15 @@ impl PgTransport {
                  its slot leases and cursors are per slot; start a new group, or restore ?slots={n}"
             )));
         }
-        Ok(())
+        q(&self.sql.ensure_slots)
+            .bind(queue)
+            .bind(grp)
+            .bind(slots as i32)
+            .persistent(!pooled)
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        tx.commit().await.map_err(db)
     }
 }
 
@@ -547,16 +591,7 @@ impl Transport for PgTransport {
             return plain::open(self, spec).await;
         }
         let slots = self.slots_of(&spec.category).await?;
-        self.group_slots(&spec.category, &spec.group, slots).await?;
-        self.db
-            .exec(
-                q(&self.sql.ensure_slots)
-                    .bind(&spec.category)
-                    .bind(&spec.group)
-                    .bind(slots as i32),
-            )
-            .await
-            .map_err(db)?;
+        self.join_group(&spec.category, &spec.group, slots).await?;
         // LISTEN keeps session state: its own direct connection.
         let mut listener = PgListener::connect(self.direct_url()).await.map_err(db)?;
         listener.listen(&self.sql.channel).await.map_err(db)?;
@@ -825,6 +860,34 @@ async fn housekeeping_step(ex: &Exec, query: exec::PgQuery<'_>, what: &str) {
     }
 }
 
+/// Deletes, in each of `slots`, up to `batch` events every group of
+/// `queue` has passed, in a transaction that first takes the queue's row
+/// `for share`: a group created meanwhile waits for it (see
+/// `PgTransport::join_group`), and the statement's snapshot, taken after
+/// the lock, sees every group that exists.
+async fn retention(ex: &Exec, sql: &Sql, queue: &str, slots: &[i32], batch: u32) -> Result<()> {
+    let mut tx = ex.pool.begin().await.map_err(db)?;
+    q(&sql.share_queue)
+        .bind(queue)
+        .persistent(!ex.pooled)
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?;
+    let done = q(&sql.retention)
+        .bind(queue)
+        .bind(slots)
+        .bind(i64::from(batch))
+        .persistent(!ex.pooled)
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?;
+    tx.commit().await.map_err(db)?;
+    if done.rows_affected() > 0 {
+        tracing::debug!(deleted = done.rows_affected(), "retention");
+    }
+    Ok(())
+}
+
 impl PgSource {
     fn ms(d: Duration) -> f64 {
         d.as_millis() as f64
@@ -883,7 +946,8 @@ impl PgSource {
         let ttl = self.spec.lease.ttl;
         let sent = Instant::now();
         tracing::debug!(member = %me, owned = self.owned.len(), "maintain");
-        ex.exec(q(&sql.heartbeat).bind(queue).bind(grp).bind(me))
+        let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
+        ex.exec(q(&sql.heartbeat).bind(queue).bind(grp).bind(me).bind(ttl_ms))
             .await
             .map_err(db)?;
         // Renew what we hold; a slot not renewed is lost.
@@ -1067,8 +1131,9 @@ impl PgSource {
             let sweep = q(&sql.sweep_acked).bind(&queue).bind(&grp).bind(&me);
             housekeeping_step(&db, sweep, "acknowledgement sweep").await;
             if batch > 0 {
-                let retention = q(&sql.retention).bind(&queue).bind(&slots).bind(i64::from(batch));
-                housekeeping_step(&db, retention, "retention").await;
+                if let Err(e) = retention(&db, &sql, &queue, &slots, batch).await {
+                    tracing::warn!(error = %e, "postgres: retention failed; retried at the next heartbeat");
+                }
             }
         }));
     }
@@ -1661,6 +1726,78 @@ impl Admin for PgAdmin {
         if action == HeadAction::Skip {
             tracing::warn!(key = %label(&found), "operator skipped a halted head");
         }
+        Ok(())
+    }
+
+    /// Every group recorded for the queue (created at its first start, kept
+    /// while stopped, until removed), with the members seen within their
+    /// lease TTL.
+    async fn groups(&self, category: &str) -> Result<Vec<GroupInfo>> {
+        let rows = self
+            .t
+            .db
+            .all(q(&self.t.sql.groups).bind(category))
+            .await
+            .map_err(|e| self.t.missing_schema(e))?;
+        Ok(rows
+            .iter()
+            .map(|r| GroupInfo {
+                name: r.get(0),
+                live_members: r.get::<i64, _>(1) as usize,
+            })
+            .collect())
+    }
+
+    /// Deletes what the queue keeps for the group (its slot rows with their
+    /// cursors and leases, acknowledgements, attempt counts, read marks,
+    /// halted heads, dead letters, members), in one transaction holding the
+    /// queue's row like a group's creation does; retention then no longer
+    /// waits for it. The events stay (other groups may need them). A
+    /// subscription started with the group's name later creates it afresh,
+    /// at the oldest retained event.
+    async fn remove_group(&self, category: &str, group: &str) -> Result<()> {
+        let pooled = self.t.cfg.pooled;
+        let mut tx = self.t.db.pool.begin().await.map_err(db)?;
+        q(&self.t.sql.lock_queue)
+            .bind(category)
+            .persistent(!pooled)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| self.t.missing_schema(e))?;
+        let row = q(&self.t.sql.group_live)
+            .bind(category)
+            .bind(group)
+            .persistent(!pooled)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db)?;
+        let (known, members, leases): (bool, i64, i64) = (row.get(0), row.get(1), row.get(2));
+        if !known {
+            return Err(Error::NotFound(format!(
+                "consumer group `{group}` of queue `{category}`"
+            )));
+        }
+        if members > 0 || leases > 0 {
+            return Err(Error::Config(format!(
+                "postgres: consumer group `{group}` of queue `{category}` is running ({members} live members, \
+                 {leases} live slot leases): stop its subscriptions (or wait for their leases to expire), then \
+                 remove it"
+            )));
+        }
+        let s = &self.t.cfg.schema;
+        for table in GROUP_TABLES {
+            sqlx::query(AssertSqlSafe(format!(
+                "delete from {s}.{table} where queue = $1 and grp = $2"
+            )))
+            .persistent(false)
+            .bind(category)
+            .bind(group)
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        }
+        tx.commit().await.map_err(db)?;
+        tracing::info!(queue = category, group, "postgres: consumer group removed");
         Ok(())
     }
 }

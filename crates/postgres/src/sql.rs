@@ -6,7 +6,7 @@ use crate::shared::{after, after_position, commit_safe, read_order, LeaseSql, TX
 
 /// The embedded migrations (`crates/postgres/migrations`), in order: `{s}`
 /// stands for the schema.
-const MIGRATIONS: [(i64, &str, &str); 8] = [
+const MIGRATIONS: [(i64, &str, &str); 9] = [
     (1, "init", include_str!("../migrations/0001_init.sql")),
     (
         2,
@@ -31,6 +31,7 @@ const MIGRATIONS: [(i64, &str, &str); 8] = [
         "dead letters unique",
         include_str!("../migrations/0008_dead_unique.sql"),
     ),
+    (9, "member lease ttl", include_str!("../migrations/0009_member_ttl.sql")),
 ];
 
 /// The statements of one schema (`AssertSqlSafe`: the schema name is
@@ -45,6 +46,10 @@ pub(crate) struct Sql {
     pub(crate) ensure_group: Arc<str>,
     pub(crate) group_slots: Arc<str>,
     pub(crate) ensure_slots: Arc<str>,
+    pub(crate) lock_queue: Arc<str>,
+    pub(crate) share_queue: Arc<str>,
+    pub(crate) groups: Arc<str>,
+    pub(crate) group_live: Arc<str>,
     pub(crate) publish: Arc<str>,
     pub(crate) publish_fenced: Arc<str>,
     pub(crate) publish_fence_held: Arc<str>,
@@ -111,6 +116,30 @@ impl Sql {
                 "insert into {s}.slots (queue, grp, slot) select $1, $2, g from generate_series(0, $3 - 1) g \
                  on conflict do nothing",
             ),
+            // A group's creation and removal take the queue's row `for no
+            // key update`, retention takes it `for share` before it reads
+            // the groups' cursors: a group is never created (at the oldest
+            // retained event) behind a retention statement that did not see
+            // it, and never removed under one.
+            lock_queue: f("select 1 from {s}.queues where queue = $1 for no key update"),
+            share_queue: f("select 1 from {s}.queues where queue = $1 for share"),
+            // Every group of queue $1 with its live members (seen within
+            // their own lease TTL, on the database's clock).
+            groups: f(
+                "select g.grp, (select count(*) from {s}.members m where m.queue = g.queue and m.grp = g.grp \
+                 and m.last_seen + make_interval(secs => m.ttl_ms::float8 / 1000) > clock_timestamp()) \
+                 from {s}.groups g where g.queue = $1 order by g.grp",
+            ),
+            // Whether group $2 of queue $1 is recorded, and how many of its
+            // members and slot leases are live.
+            group_live: f(
+                "select exists (select 1 from {s}.groups where queue = $1 and grp = $2) \
+                 or exists (select 1 from {s}.slots where queue = $1 and grp = $2), \
+                 (select count(*) from {s}.members m where m.queue = $1 and m.grp = $2 \
+                  and m.last_seen + make_interval(secs => m.ttl_ms::float8 / 1000) > clock_timestamp()), \
+                 (select count(*) from {s}.slots where queue = $1 and grp = $2 and owner is not null \
+                  and lease_expiry > clock_timestamp())",
+            ),
             // The notification names the queue and the slot (`queue\nslot`),
             // so a consumer gives read room back to that slot only.
             publish: f(
@@ -139,7 +168,12 @@ impl Sql {
                  select $1, $2::int, $3::text, $4::text, $5::text, $6::jsonb, $7::bytea from f returning 1) \
                  select pg_notify($8, $1 || chr(10) || $2::int::text) from ins",
             ),
-            heartbeat: Arc::from(lease.heartbeat.as_str()),
+            // The shared heartbeat, with the member's lease TTL ($4, ms).
+            heartbeat: f(
+                "insert into {s}.members (queue, grp, member, last_seen, ttl_ms) \
+                 values ($1, $2, $3, clock_timestamp(), $4) on conflict (queue, grp, member) \
+                 do update set last_seen = clock_timestamp(), ttl_ms = excluded.ttl_ms",
+            ),
             live_members: Arc::from(lease.live_members.as_str()),
             leave: Arc::from(lease.leave.as_str()),
             renew: Arc::from(lease.renew.as_str()),
@@ -314,6 +348,10 @@ impl Sql {
             // Events every group of the queue has passed, in each of the
             // slots $2 (an `int[]`): below the lowest cursor (a halted head
             // is never below a cursor), up to $3 per slot, in one statement.
+            // Every group that ever subscribed has its slot rows, running or
+            // stopped, so a stopped group's cursor holds retention back
+            // until the group is removed. Runs after `share_queue`, in its
+            // transaction.
             retention: f(
                 "delete from {s}.events where id in (select d.id from unnest($2::int[]) as r(slot) \
                  cross join lateral (select cursor_txid, cursor_id from {s}.slots where queue = $1 \

@@ -170,7 +170,7 @@ async fn resolving_a_halt_under_flow_never_runs_an_acknowledged_message_again() 
     run.await.unwrap().unwrap();
 
     // No healthy key ever applied a message at or below one it had applied.
-    let applied = healthy.lock().unwrap();
+    let applied = healthy.lock().unwrap().clone();
     let mut violations = Vec::new();
     for (i, seqs) in applied.iter() {
         for w in seqs.windows(2) {
