@@ -156,6 +156,12 @@ async fn a_stopped_group_keeps_every_event_while_another_consumes_and_retention_
         passed > 0,
         "the stopped group's cursors moved over what it acknowledged"
     );
+    let events = format!("select count(*) from {schema}.events where queue = $1");
+    assert_eq!(
+        count(&pool, events.clone(), &q).await,
+        total as i64,
+        "nothing goes while a group that never consumed is recorded"
+    );
     admin.remove_group(&q, "idle").await.unwrap();
     let names: Vec<String> = admin.groups(&q).await.unwrap().into_iter().map(|g| g.name).collect();
     assert_eq!(names, vec!["fast".to_owned(), "paused".to_owned()]);
@@ -170,7 +176,6 @@ async fn a_stopped_group_keeps_every_event_while_another_consumes_and_retention_
             .await
             .unwrap();
     }
-    let events = format!("select count(*) from {schema}.events where queue = $1");
     assert_eq!(
         count(&pool, events, &q).await,
         total as i64 - passed,
