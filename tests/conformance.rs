@@ -347,6 +347,14 @@ impl Harness for RabbitHarness {
     async fn client_without_affinity(&self) -> Option<Result<Client>> {
         Some(keyorder::connect(&self.url("topology=plain")).await)
     }
+    async fn one_scope_client(&self) -> Result<Client> {
+        let topology = self.topology.replace("queues=8", "queues=1");
+        keyorder::connect(&format!("{}&{GROUPS}", self.url(&topology))).await
+    }
+    fn new_group_start(&self) -> keyorder_testkit::NewGroupStart {
+        // A group's queues take what is published once they are declared.
+        keyorder_testkit::NewGroupStart::Subscribed
+    }
     fn not_applicable(&self, scenario: Scenario) -> Option<String> {
         (scenario == Scenario::C14).then(|| {
             "runs on `rabbitmq-restart`: restarting the RabbitMQ every trial shares would disturb the others".to_owned()
