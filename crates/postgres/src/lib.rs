@@ -429,6 +429,15 @@ impl PgTransport {
     pub async fn delete_queue(&self, queue: &str) -> Result<u64> {
         let s = &self.cfg.schema;
         let mut tx = self.db.pool.begin().await.map_err(db)?;
+        // The queue's row first, as a group's creation, its removal and
+        // retention take it (retention then deletes events: taking the
+        // events' rows before the queue's could deadlock with it).
+        q(&self.sql.lock_queue)
+            .bind(queue)
+            .persistent(false)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| self.missing_schema(e))?;
         let live: i64 = sqlx::query(AssertSqlSafe(format!(
             "select (select count(*) from {s}.slots where queue = $1 and owner is not null \
              and lease_expiry > clock_timestamp()) + (select count(*) from {s}.plain_events where queue = $1 \
