@@ -20,6 +20,7 @@ mod groups;
 pub mod instance;
 pub mod outbox;
 pub mod pglog;
+pub mod proxy;
 pub mod scenarios;
 pub mod worker;
 
