@@ -259,7 +259,7 @@ impl Admin for RedisAdmin {
 
     async fn remove_group(&self, category: &str, group: &str) -> Result<()> {
         let n = Names::new(category)?;
-        let done: i64 = scripts::REMOVE_GROUP
+        let done: Vec<i64> = scripts::REMOVE_GROUP
             .key(n.groups())
             .key(n.index())
             .arg(category)
@@ -267,17 +267,21 @@ impl Admin for RedisAdmin {
             .invoke_async(&mut self.t.conn.clone())
             .await
             .map_err(broker)?;
-        match done {
-            1 => {
+        match done.as_slice() {
+            [1] => {
                 tracing::warn!(category, group, "operator removed a consumer group");
                 Ok(())
             }
-            0 => Err(Error::NotFound(format!(
-                "redis: no consumer group `{group}` is registered for `{category}` (see `keyorder groups`)"
+            [2, live] => Err(Error::Config(format!(
+                "redis: consumer group `{group}` of `{category}` has {live} live member(s); stop them first, then \
+                 remove it"
             ))),
-            live => Err(Error::Config(format!(
-                "redis: consumer group `{group}` of `{category}` has {} live member(s); stop them first, then remove it",
-                -live
+            [3, held] => Err(Error::Config(format!(
+                "redis: consumer group `{group}` of `{category}` still holds {held} lease(s) (a member that stopped \
+                 or stalled holds them until they expire); stop every member, wait for the lease TTL, then remove it"
+            ))),
+            _ => Err(Error::NotFound(format!(
+                "redis: no consumer group `{group}` is registered for `{category}` (see `keyorder groups list`)"
             ))),
         }
     }

@@ -60,44 +60,53 @@ pub const SINGLE_CAPABILITIES: Capabilities = Capabilities {
 };
 
 pub(crate) fn broker(e: redis::RedisError) -> Error {
-    Error::Broker(format!("redis: {}", scrub(&e.to_string())))
+    let text = e.to_string();
+    if text.contains(scripts::GROUP_REMOVED) {
+        return Error::Config(
+            "redis: this member's consumer group was removed by an operator (`keyorder groups remove`) while it ran; \
+             it stops: subscribe again to start the group afresh"
+                .into(),
+        );
+    }
+    Error::Broker(format!("redis: {}", scrub(&text)))
 }
 
 /// Redis names keys in its error texts in single quotes (`No such key
-/// '{c}:{k}'`); a key name carries an ordering key, which is user data, so
-/// each quoted name is replaced by its label before the text reaches a log
-/// or an [`Error`].
+/// '{c}:{k}'`); a key name carries an ordering key, which is user data and
+/// may itself hold quotes, so everything from the first quote to the last
+/// is replaced by one label before the text reaches a log or an [`Error`].
 pub(crate) fn scrub(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut rest = text;
-    while let Some(open) = rest.find('\'') {
-        let Some(len) = rest[open + 1..].find('\'') else { break };
-        out.push_str(&rest[..open]);
-        out.push_str(&keyorder_core::key::label(&rest[open + 1..open + 1 + len]));
-        rest = &rest[open + len + 2..];
-    }
-    out.push_str(rest);
-    out
+    let Some(first) = text.find('\'') else {
+        return text.to_owned();
+    };
+    let last = text.rfind('\'').filter(|&l| l > first).unwrap_or(text.len());
+    let inner = &text[first + 1..last];
+    let rest = text.get(last + 1..).unwrap_or("");
+    format!("{}'{}'{rest}", &text[..first], keyorder_core::key::label(inner))
 }
 
 /// Records `group` in the category's group registry, before the group
-/// reads anything: trimming and reaping keep what a registered group has
-/// not passed. The entry names the sorted set its members heartbeat in and
-/// their lease TTL, so an operator can tell live members from gone ones.
-/// Idempotent.
+/// reads anything, with this member's first heartbeat in the same step
+/// (see [`scripts::REGISTER`]): trimming and reaping keep what a registered
+/// group has not passed. The entry names the sorted set the group's
+/// members heartbeat in. Idempotent.
 pub(crate) async fn register_group(
     t: &RedisTransport,
     names: &Names,
     group: &str,
     members: &str,
+    owner: &str,
     ttl: Duration,
 ) -> Result<()> {
-    let entry = serde_json::json!({ "members": members, "ttl": ttl.as_millis() as u64 });
-    redis::cmd("HSET")
-        .arg(names.groups())
+    let _: i64 = scripts::REGISTER
+        .key(names.groups())
+        .key(members)
+        .key(names.keyless())
+        .arg(names.category())
         .arg(group)
-        .arg(entry.to_string())
-        .query_async::<i64>(&mut t.conn.clone())
+        .arg(owner)
+        .arg(ttl.as_millis() as u64)
+        .invoke_async(&mut t.conn.clone())
         .await
         .map_err(broker)?;
     Ok(())
@@ -416,8 +425,15 @@ mod scrub_tests {
         let text = "NOGROUP No such key 'orders:customer-42' or consumer group 'g' in XREADGROUP";
         let out = super::scrub(text);
         assert!(!out.contains("customer-42"), "{out}");
-        assert!(out.contains(&keyorder_core::key::label("orders:customer-42")), "{out}");
+        assert!(
+            out.starts_with("NOGROUP No such key 'k#") && out.ends_with("' in XREADGROUP"),
+            "{out}"
+        );
         assert_eq!(super::scrub("no quotes"), "no quotes");
-        assert_eq!(super::scrub("one ' quote"), "one ' quote");
+        // A key holding quotes leaks nothing either.
+        let out = super::scrub("No such key 'c:x'SECRET-4711' or consumer group 'g' in XREADGROUP");
+        assert!(!out.contains("SECRET"), "{out}");
+        let out = super::scrub("one 'SECRET quote");
+        assert!(!out.contains("SECRET"), "{out}");
     }
 }

@@ -245,7 +245,8 @@ impl PlainSource {
         // trimming and reaping of the key streams keep what this group has
         // not read (the single layout has no key streams: nothing to keep).
         if wake.is_some() {
-            crate::register_group(&t, &names, &spec.group, &names.members(&spec.group), spec.lease.ttl).await?;
+            let members = names.members(&spec.group);
+            crate::register_group(&t, &names, &spec.group, &members, &spec.instance, spec.lease.ttl).await?;
         }
         let reader = GroupReader::new(&t, names.clone(), &spec, stream, scope, mode).await?;
         let mut source = PlainSource {
@@ -263,6 +264,32 @@ impl PlainSource {
         };
         source.discover().await?;
         Ok(source)
+    }
+
+    /// Joins `keys`' streams again after a read met one without the group:
+    /// at `0` where the stream exists (it was reaped and published again),
+    /// and a stream that is gone is forgotten until discovery finds it.
+    async fn rejoin(&mut self, keys: &[String]) -> Result<()> {
+        let mut conn = self.t.conn.clone();
+        for k in keys {
+            let created: redis::RedisResult<Value> = redis::cmd("XGROUP")
+                .arg("CREATE")
+                .arg(self.names.stream(k))
+                .arg(&self.spec.group)
+                .arg("0")
+                .query_async(&mut conn)
+                .await;
+            match created {
+                Ok(_) => {}
+                Err(e) if e.code() == Some("BUSYGROUP") => {}
+                Err(_) => {
+                    // The stream is gone.
+                    self.streams.remove(k);
+                    self.dirty.remove(k);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Partitioned layout: joins the group on every indexed partition.
@@ -323,7 +350,19 @@ impl PlainSource {
             for _ in chunk {
                 cmd.arg(">");
             }
-            let r: Value = cmd.query_async(&mut self.t.conn.clone()).await.map_err(broker)?;
+            let r: Value = match cmd.query_async(&mut self.t.conn.clone()).await {
+                Ok(r) => r,
+                Err(e) if e.code() == Some("NOGROUP") => {
+                    // A stream of the chunk was reaped (every registered
+                    // group had read it to its end) and maybe published
+                    // again: join the new stream at its start, forget a
+                    // stream that is gone (discovery joins it when it comes
+                    // back), and read the chunk again on the next fetch.
+                    self.rejoin(chunk).await?;
+                    continue;
+                }
+                Err(e) => return Err(broker(e)),
+            };
             self.reader.lease.confirm(sent);
             for k in chunk {
                 self.dirty.remove(k);
@@ -435,13 +474,18 @@ impl TransportSource for PlainSource {
             let sent = Instant::now();
             // A heartbeat in the group's members (no leases): the operator
             // sees the group as live and will not remove it.
-            let _: Value = crate::scripts::RENEW
-                .key(self.names.members(&self.spec.group))
-                .arg(&self.spec.instance)
-                .arg(self.spec.lease.ttl.as_millis() as u64)
-                .invoke_async(&mut self.t.conn.clone())
-                .await
-                .map_err(broker)?;
+            if self.wake.is_some() {
+                let _: Value = crate::scripts::RENEW
+                    .key(self.names.members(&self.spec.group))
+                    .key(self.names.groups())
+                    .arg(&self.spec.instance)
+                    .arg(self.spec.lease.ttl.as_millis() as u64)
+                    .arg(&self.spec.group)
+                    .arg(1)
+                    .invoke_async(&mut self.t.conn.clone())
+                    .await
+                    .map_err(broker)?;
+            }
             self.reader.reclaim().await?;
             self.discover().await?;
             self.reader.lease.confirm(sent);

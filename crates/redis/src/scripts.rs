@@ -124,16 +124,37 @@ end
 /// reap), and joins each of the partition's streams that its category's
 /// index lists (a correlated partition has one stream per category).
 ///
-/// KEYS: generation counter, then per partition: lease, its n streams, their
-/// n indexes. ARGV: owner, ttl ms, group, then per partition: key, n.
-/// Returns per partition `{generation, joined...}`; generation 0 when held
-/// by another or no longer indexed anywhere.
+/// Fails the script with [`GROUP_REMOVED`] when `group` is missing from
+/// one of the registries `KEYS[from..from + n - 1]` (an operator removed it
+/// while this member ran).
+const REGISTERED: &str = r"
+local function registered(from, n, group)
+  for i = from, from + n - 1 do
+    if redis.call('HEXISTS', KEYS[i], group) == 0 then
+      return redis.error_reply('KEYORDER_GROUP_REMOVED')
+    end
+  end
+  return nil
+end
+";
+
+/// The error text a script answers when this member's group was removed.
+pub(crate) const GROUP_REMOVED: &str = "KEYORDER_GROUP_REMOVED";
+
+/// KEYS: generation counter, then the n category registries, then per
+/// partition: lease, its n streams, their n indexes. ARGV: owner, ttl ms,
+/// group, n, then per partition: key, n. Returns per partition
+/// `{generation, joined...}`; generation 0 when held by another or no
+/// longer indexed anywhere. Fails with [`GROUP_REMOVED`] when the group is
+/// no longer registered (no lease of a removed group is ever taken).
 pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     script(&format!(
-        r"{JOIN}
+        r"{JOIN}{REGISTERED}
 local out = {{}}
-local owner, ttl, group = ARGV[1], ARGV[2], ARGV[3]
-local ki, ai = 2, 4
+local owner, ttl, group, nreg = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local removed = registered(2, nreg, group)
+if removed then return removed end
+local ki, ai = 2 + nreg, 5
 while ai <= #ARGV do
   local key, n = ARGV[ai], tonumber(ARGV[ai + 1])
   ai = ai + 2
@@ -181,28 +202,70 @@ return 1
     ))
 });
 
-/// The heartbeat: records the member on the server's clock, renews every
-/// lease still held by this holder, and answers the live members.
+/// The heartbeat: checks that the group is still registered (fails with
+/// [`GROUP_REMOVED`] otherwise), records the member on the server's clock,
+/// renews every lease still held by this holder, and answers the live
+/// members.
 ///
-/// KEYS: members, then one lease per partition. ARGV: owner, ttl ms, then
-/// one generation per lease. Returns `{renewed flags, live members}`.
+/// KEYS: members, then the n category registries, then one lease per
+/// partition. ARGV: owner, ttl ms, group, n, then one generation per lease.
+/// Returns `{renewed flags, live members}`.
 pub(crate) static RENEW: LazyLock<Script> = LazyLock::new(|| {
-    script(
-        r"
+    script(&format!(
+        r"{REGISTERED}
+local nreg = tonumber(ARGV[4])
+local removed = registered(2, nreg, ARGV[3])
+if removed then return removed end
 local now = now_ms()
 local ttl = tonumber(ARGV[2])
 redis.call('ZADD', KEYS[1], now, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - 100 * ttl)
-local out = {}
-for i = 2, #KEYS do
-  if redis.call('GET', KEYS[i]) == ARGV[1] .. ':' .. ARGV[i + 1] then
+local out = {{}}
+for i = 2 + nreg, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[1] .. ':' .. ARGV[i + 3 - nreg] then
     redis.call('PEXPIRE', KEYS[i], ttl)
-    out[i - 1] = 1
+    out[#out + 1] = 1
   else
-    out[i - 1] = 0
+    out[#out + 1] = 0
   end
 end
-return {out, redis.call('ZRANGEBYSCORE', KEYS[1], now - ttl, '+inf')}
+return {{out, redis.call('ZRANGEBYSCORE', KEYS[1], now - ttl, '+inf')}}
+"
+    ))
+});
+
+/// Records a group in a category's registry and the member's first
+/// heartbeat in one step, so an operator never sees the group registered
+/// without a live member while it starts. The entry keeps the members set
+/// the group heartbeats in and the longest lease TTL any member registered
+/// with. A category without a registry (written by a version before it)
+/// first registers every group its keyless stream has (every subscription
+/// creates its group there), so an upgrade loses nothing.
+///
+/// KEYS: registry, members, keyless stream. ARGV: category, group, owner,
+/// ttl ms.
+pub(crate) static REGISTER: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        r"
+local c, group, owner, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('EXISTS', KEYS[3]) == 1 then
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[3])) do
+    for j = 1, #g, 2 do
+      if g[j] == 'name' then
+        local entry = cjson.encode({members = c .. ':__members__:' .. g[j + 1], ttl = 60000})
+        redis.call('HSETNX', KEYS[1], g[j + 1], entry)
+      end
+    end
+  end
+end
+local old = redis.call('HGET', KEYS[1], group)
+if old then
+  local ok, e = pcall(cjson.decode, old)
+  if ok and type(e) == 'table' and tonumber(e.ttl) then ttl = math.max(ttl, tonumber(e.ttl)) end
+end
+redis.call('HSET', KEYS[1], group, cjson.encode({members = KEYS[2], ttl = ttl}))
+redis.call('ZADD', KEYS[2], now_ms(), owner)
+return 1
 ",
     )
 });
@@ -544,19 +607,29 @@ return out
     )
 });
 
-/// Live members of a registered group: heartbeats within the group's lease
-/// TTL, on the server's clock, in the members set its registry entry names
-/// (a correlated subscription's lives under the combined name).
+/// A registered group's members set and lease TTL, from its registry entry
+/// (only a members set of that group's own form is believed: a damaged
+/// entry falls back to the category's), and its live members: heartbeats
+/// within the TTL, on the server's clock.
 const LIVE: &str = r"
-local function live(category, group, entry)
+local function entry_of(category, group, entry)
+  local own = category .. ':__members__:' .. group
+  local suffix = ':__members__:' .. group
   local ok, e = pcall(cjson.decode, entry)
-  local members, ttl = category .. ':__members__:' .. group, 0
+  local members, ttl = own, 60000
   if ok and type(e) == 'table' then
-    members = e.members or members
-    ttl = tonumber(e.ttl) or 0
-  else
-    ttl = tonumber(entry) or 0
+    if type(e.members) == 'string' and #e.members > #suffix
+      and string.sub(e.members, -#suffix) == suffix then
+      members = e.members
+    end
+    ttl = tonumber(e.ttl) or ttl
+  elseif tonumber(entry) then
+    ttl = tonumber(entry)
   end
+  return members, ttl
+end
+local function live(category, group, entry)
+  local members, ttl = entry_of(category, group, entry)
   return redis.call('ZCOUNT', members, now_ms() - ttl, '+inf'), members
 end
 ";
@@ -578,28 +651,46 @@ return out
     ))
 });
 
-/// The operator's removal of a stopped group: its group on every indexed
-/// stream and on the keyless stream, its leases, members, halted and
-/// resolved records, and its registry entry, in one step.
+/// The operator's removal of a stopped group, in one step: refused while a
+/// member heartbeats within the group's TTL or a lease of the group is
+/// still held (a member that stalled holds its leases until they expire);
+/// otherwise its group on every indexed stream and on the keyless stream,
+/// its leases, members, halted and resolved records (under the category's
+/// name and, for a correlated subscription, the combined name its members
+/// set carries), and its registry entry go. A member that comes back later
+/// finds its group removed at its next heartbeat or acquire and stops.
 ///
-/// KEYS: registry, index. ARGV: category, group. Returns 1 when removed,
-/// 0 when the group is not registered, `-n` while `n` members are live.
+/// KEYS: registry, index. ARGV: category, group. Returns `{1}` when
+/// removed, `{0}` when not registered, `{2, n}` while n members are live,
+/// `{3, n}` while n leases are held.
 pub(crate) static REMOVE_GROUP: LazyLock<Script> = LazyLock::new(|| {
     script(&format!(
         r"{LIVE}
 local c, group = ARGV[1], ARGV[2]
 local entry = redis.call('HGET', KEYS[1], group)
-if not entry then return 0 end
+if not entry then return {{0}} end
 local n, members = live(c, group, entry)
-if n > 0 then return -n end
-for _, k in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+if n > 0 then return {{2, n}} end
+local ctl = string.sub(members, 1, #members - #(':__members__:' .. group))
+local names = {{c}}
+if ctl ~= c then names[2] = ctl end
+local keys = redis.call('ZRANGE', KEYS[2], 0, -1)
+local held = 0
+for _, k in ipairs(keys) do
+  for _, name in ipairs(names) do
+    held = held + redis.call('EXISTS', name .. ':' .. k .. ':__lease__:' .. group)
+  end
+end
+if held > 0 then return {{3, held}} end
+for _, k in ipairs(keys) do
   redis.pcall('XGROUP', 'DESTROY', c .. ':' .. k, group)
-  redis.call('DEL', c .. ':' .. k .. ':__lease__:' .. group)
 end
 redis.pcall('XGROUP', 'DESTROY', c .. ':__keyless__', group)
-redis.call('DEL', members, c .. ':__members__:' .. group, c .. ':__halted__:' .. group, c .. ':__resolved__:' .. group)
+for _, name in ipairs(names) do
+  redis.call('DEL', name .. ':__members__:' .. group, name .. ':__halted__:' .. group, name .. ':__resolved__:' .. group)
+end
 redis.call('HDEL', KEYS[1], group)
-return 1
+return {{1}}
 "
     ))
 });

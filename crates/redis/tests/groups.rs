@@ -288,3 +288,174 @@ async fn groups_are_listed_and_a_stopped_group_is_removed_by_the_operator() {
     }
     a.close().await.unwrap();
 }
+
+fn spec_ttl(category: &str, group: &str, instance: &str, ttl: Duration, ordered: bool) -> SourceSpec {
+    SourceSpec {
+        lease: LeaseConfig {
+            ttl,
+            heartbeat: ttl / 4,
+            margin: ttl / 3,
+        },
+        ordered,
+        ..spec(category, group, instance)
+    }
+}
+
+async fn conn() -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+/// Review finding: an unordered (plain) group on the partitioned layout
+/// stalled forever on NOGROUP once another group reaped a stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_group_reads_a_reaped_key_again_after_a_publish() {
+    let t = transport("reap_idle_ms=1000").await;
+    let cat = category("plain-reaped");
+    let names = Names::new(&cat).unwrap();
+    let ks = keys("k", 0..2);
+    let first = publish(&t, &cat, &ks, 0..2).await;
+    let mut billing = t.open(&spec(&cat, "billing", "b1")).await.unwrap();
+    let mut audit = t
+        .open(&spec_ttl(&cat, "audit", "a1", Duration::from_secs(2), false))
+        .await
+        .unwrap();
+    let want: HashSet<String> = first.iter().cloned().collect();
+    for s in [&mut billing, &mut audit] {
+        let (got, e) = consume(s, &want, Duration::from_secs(30)).await;
+        assert_eq!(got.len(), want.len(), "{e:?}");
+    }
+    let until = tokio::time::Instant::now() + Duration::from_secs(30);
+    while index_len(&names).await > 0 {
+        assert!(tokio::time::Instant::now() < until, "no stream was reaped");
+        for s in [&mut billing, &mut audit] {
+            s.maintain().await.unwrap();
+            let _ = s.fetch(100, &HashSet::new(), Duration::from_millis(100)).await;
+        }
+    }
+    let again = publish(&t, &cat, &ks, 2..4).await;
+    let want: HashSet<String> = again.iter().cloned().collect();
+    let (got, e) = consume(&mut audit, &want, Duration::from_secs(20)).await;
+    assert!(
+        want.iter().all(|id| got.contains(id)),
+        "the plain group received {} of {} (last error: {e:?})",
+        want.iter().filter(|id| got.contains(*id)).count(),
+        want.len()
+    );
+    billing.close().await.unwrap();
+    audit.close().await.unwrap();
+}
+
+/// Review findings: liveness took the TTL of whichever member registered
+/// last, and a stalled member's leases did not hold a removal off; a member
+/// whose group was removed must stop, not recreate the group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removal_waits_for_the_longest_ttl_and_leases_and_a_removed_member_stops() {
+    let t = transport("").await;
+    let admin = t.admin();
+    let cat = category("ttl");
+    publish(&t, &cat, &keys("k", 0..2), 0..1).await;
+    // Y: a 30 s TTL; X: a 2 s TTL registered after it, then gone.
+    let mut y = t
+        .open(&spec_ttl(&cat, "g2", "y", Duration::from_secs(30), true))
+        .await
+        .unwrap();
+    y.maintain().await.unwrap();
+    let mut x = t
+        .open(&spec_ttl(&cat, "g2", "x", Duration::from_secs(2), true))
+        .await
+        .unwrap();
+    x.close().await.unwrap();
+    drop(x);
+    tokio::time::sleep(Duration::from_millis(2500)).await; // X's TTL lapses (a condition on time itself)
+    assert!(
+        matches!(admin.remove_group(&cat, "g2").await, Err(Error::Config(_))),
+        "Y is live"
+    );
+    y.close().await.unwrap();
+    drop(y);
+
+    // A member that stalls past its TTL while holding a lease.
+    let mut s = t
+        .open(&spec_ttl(&cat, "g3", "s", Duration::from_secs(2), true))
+        .await
+        .unwrap();
+    let _ = s.fetch(10, &HashSet::new(), Duration::from_millis(200)).await.unwrap();
+    let until = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match admin.remove_group(&cat, "g3").await {
+            Ok(()) => break,
+            Err(Error::Config(_)) => {
+                assert!(
+                    tokio::time::Instant::now() < until,
+                    "the stalled member's leases never expired"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    match s.maintain().await {
+        Err(Error::Config(why)) => assert!(why.contains("removed"), "{why}"),
+        other => panic!("a removed group's member went on: {other:?}"),
+    }
+}
+
+/// Review findings: a category written before the registry existed
+/// registers its groups (from the keyless stream) on the first subscribe,
+/// and a damaged registry entry does not break the operator's view.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgraded_category_registers_its_existing_groups() {
+    let t = transport("").await;
+    let cat = category("upgrade");
+    let names = Names::new(&cat).unwrap();
+    let old = publish(&t, &cat, &keys("k", 0..3), 0..2).await;
+    let mut shipping = t.open(&spec(&cat, "shipping", "s1")).await.unwrap();
+    let (got, e) = consume(&mut shipping, &old.iter().cloned().collect(), Duration::from_secs(30)).await;
+    assert_eq!(got.len(), old.len(), "{e:?}");
+    shipping.close().await.unwrap();
+    drop(shipping);
+    // As a version before the registry left it.
+    let _: i64 = redis::cmd("DEL")
+        .arg(names.groups())
+        .query_async(&mut conn().await)
+        .await
+        .unwrap();
+
+    let new = publish(&t, &cat, &keys("n", 0..3), 0..2).await;
+    let mut billing = t.open(&spec(&cat, "billing", "b1")).await.unwrap();
+    let (got, e) = consume(&mut billing, &new.iter().cloned().collect(), Duration::from_secs(30)).await;
+    assert!(new.iter().all(|id| got.contains(id)), "{e:?}");
+    // billing trims on its heartbeats (every 500 ms) what every group it
+    // knows of acknowledged: run it through several.
+    let until = tokio::time::Instant::now() + Duration::from_secs(2);
+    while tokio::time::Instant::now() < until {
+        billing.maintain().await.unwrap();
+        let _ = billing
+            .fetch(100, &HashSet::new(), Duration::from_millis(100))
+            .await
+            .unwrap();
+    }
+    billing.close().await.unwrap();
+    let mut shipping = t.open(&spec(&cat, "shipping", "s1")).await.unwrap();
+    let want: HashSet<String> = new.iter().cloned().collect();
+    let (got, e) = consume(&mut shipping, &want, Duration::from_secs(30)).await;
+    assert!(
+        want.iter().all(|id| got.contains(id)),
+        "shipping lost messages after the upgrade: {e:?}"
+    );
+    shipping.close().await.unwrap();
+
+    let _: i64 = redis::cmd("HSET")
+        .arg(names.groups())
+        .arg("damaged")
+        .arg(r#"{"members":["x"],"ttl":1}"#)
+        .query_async(&mut conn().await)
+        .await
+        .unwrap();
+    let groups = t.admin().groups(&cat).await.unwrap();
+    assert!(groups.iter().any(|g| g.name == "damaged"), "{groups:?}");
+}
