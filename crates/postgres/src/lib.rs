@@ -220,17 +220,18 @@ const TABLES: [&str; 12] = [
     "queues",
 ];
 
-/// The tables that hold rows of one consumer group (`remove_group` deletes
-/// from each, children first).
+/// The tables that hold rows of one consumer group, in the order
+/// `remove_group` deletes from them: the slot rows (which the fenced
+/// statements lock) and the group's row first, then what hangs off them.
 const GROUP_TABLES: [&str; 8] = [
+    "slots",
+    "groups",
     "acked",
     "attempts",
     "halted",
     "dead",
     "read_marks",
     "members",
-    "slots",
-    "groups",
 ];
 
 /// Connections a transport opens, on demand, for settlements besides its
@@ -428,16 +429,30 @@ impl PgTransport {
     /// ```
     pub async fn delete_queue(&self, queue: &str) -> Result<u64> {
         let s = &self.cfg.schema;
+        let what = format!("deleting queue `{queue}`");
         let mut tx = self.db.pool.begin().await.map_err(db)?;
-        // The queue's row first, as a group's creation, its removal and
-        // retention take it (retention then deletes events: taking the
-        // events' rows before the queue's could deadlock with it).
-        q(&self.sql.lock_queue)
-            .bind(queue)
+        sqlx::query("select set_config('lock_timeout', $1, true)")
+            .bind(REMOVAL_LOCK_TIMEOUT)
             .persistent(false)
             .execute(&mut *tx)
             .await
-            .map_err(|e| self.missing_schema(e))?;
+            .map_err(db)?;
+        // The queue's row first, as a group's creation, its removal and
+        // retention take it (retention then deletes events: taking the
+        // events' rows before the queue's could deadlock with it); then
+        // every slot row `for update`, like a group's removal (the fenced
+        // statements in flight commit first, later ones find nothing).
+        for lock in [&self.sql.lock_queue, &self.sql.lock_queue_group_slots] {
+            q(lock)
+                .bind(queue)
+                .persistent(false)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| match e {
+                    sqlx::Error::Database(_) if e.to_string().contains("does not exist") => self.missing_schema(e),
+                    e => removal_error(e, &what),
+                })?;
+        }
         let live: i64 = sqlx::query(AssertSqlSafe(format!(
             "select (select count(*) from {s}.slots where queue = $1 and owner is not null \
              and lease_expiry > clock_timestamp()) + (select count(*) from {s}.plain_events where queue = $1 \
@@ -455,6 +470,13 @@ impl PgTransport {
                  (or wait for their leases to expire), then delete it"
             )));
         }
+        // Generations never go back, should the queue's groups start again.
+        q(&self.sql.raise_floor_queue)
+            .bind(queue)
+            .persistent(false)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| removal_error(e, &what))?;
         let mut rows = 0;
         for table in TABLES {
             let done = sqlx::query(AssertSqlSafe(format!("delete from {s}.{table} where queue = $1")))
@@ -505,25 +527,60 @@ impl PgTransport {
         Ok(n as u32)
     }
 
-    /// Joins consumer group `grp` of `queue`, creating it on its first
-    /// start: its slot count recorded (a different count is refused later),
-    /// and a slot row per slot with its cursor at the start of the log, so
-    /// a new group reads every event still retained. All in one
-    /// transaction holding the queue's row `for no key update`, which
-    /// retention takes `for share` before it reads the groups' cursors: a
-    /// retention statement that did not see the new group has committed
-    /// before the group's first read, so the group starts at the oldest
-    /// retained event and never reads a prefix of what that statement then
-    /// deletes (a hole in its stream).
-    async fn join_group(&self, queue: &str, grp: &str, slots: u32) -> Result<()> {
+    /// Joins consumer group `grp` of `queue` as member `spec.instance`,
+    /// creating the group on its first start: its slot count recorded (a
+    /// different count is refused later), and a slot row per slot with its
+    /// cursor at the start of the log, so a new group reads every event
+    /// still retained, and its generation at the floor (above every
+    /// generation a removed group of that name handed out). All in one
+    /// transaction that first makes sure the queue's row exists (a
+    /// `delete_queue` may have committed since `slots_of`) and holds it
+    /// `for no key update`, which retention takes `for share` before it
+    /// reads the groups' cursors: a retention statement that did not see the
+    /// new group has committed before the group's first read, so the group
+    /// starts at the oldest retained event and never reads a prefix of what
+    /// that statement then deletes (a hole in its stream). The member's row
+    /// is written in the same transaction, so a removal that comes after
+    /// sees a live member (before its first heartbeat). Returns the group's
+    /// epoch, which the member's heartbeats check.
+    async fn join_group(&self, spec: &SourceSpec, slots: u32) -> Result<i64> {
+        let (queue, grp) = (spec.category.as_str(), spec.group.as_str());
         let pooled = self.cfg.pooled;
         let mut tx = self.db.pool.begin().await.map_err(db)?;
-        q(&self.sql.lock_queue)
-            .bind(queue)
-            .persistent(!pooled)
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| self.missing_schema(e))?;
+        // Created if missing, then locked; a deletion that commits in
+        // between leaves nothing to lock (the locking read skips the
+        // deleted row), so create it again.
+        let mut tries = 0;
+        let n: i32 = loop {
+            q(&self.sql.ensure_queue)
+                .bind(queue)
+                .bind(slots as i32)
+                .persistent(!pooled)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| self.missing_schema(e))?;
+            let row = q(&self.sql.lock_queue_slots)
+                .bind(queue)
+                .persistent(!pooled)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(db)?;
+            match row {
+                Some(r) => break r.get(0),
+                None if tries < 5 => tries += 1,
+                None => {
+                    return Err(Error::Broker(format!(
+                        "postgres: queue `{queue}` was deleted again and again while this member joined it; retrying"
+                    )))
+                }
+            }
+        };
+        if n as u32 != slots {
+            return Err(Error::Config(format!(
+                "queue `{queue}` has {n} slots but this transport is configured with {slots}: a different slot \
+                 count would move keys between owners; use ?slots={n}"
+            )));
+        }
         q(&self.sql.ensure_group)
             .bind(queue)
             .bind(grp)
@@ -532,14 +589,14 @@ impl PgTransport {
             .execute(&mut *tx)
             .await
             .map_err(db)?;
-        let n: i32 = q(&self.sql.group_slots)
+        let row = q(&self.sql.group_slots)
             .bind(queue)
             .bind(grp)
             .persistent(!pooled)
             .fetch_one(&mut *tx)
             .await
-            .map_err(db)?
-            .get(0);
+            .map_err(db)?;
+        let (n, epoch): (i32, i64) = (row.get(0), row.get(1));
         if n as u32 != slots {
             return Err(Error::Config(format!(
                 "consumer group `{grp}` of queue `{queue}` started with {n} slots, the queue now has {slots}: \
@@ -554,8 +611,53 @@ impl PgTransport {
             .execute(&mut *tx)
             .await
             .map_err(db)?;
-        tx.commit().await.map_err(db)
+        q(&self.sql.join_member)
+            .bind(queue)
+            .bind(grp)
+            .bind(&spec.instance)
+            .bind(ttl_ms(spec.lease.ttl))
+            .persistent(!pooled)
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        tx.commit().await.map_err(db)?;
+        Ok(epoch)
     }
+}
+
+/// A lease TTL in milliseconds, as a member row records it.
+fn ttl_ms(ttl: Duration) -> i64 {
+    i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// How long a group's removal (or a queue's deletion) waits for a lock
+/// before it gives up: it holds the queue's row meanwhile, which retention
+/// and new groups of the queue wait for.
+const REMOVAL_LOCK_TIMEOUT: &str = "10s";
+
+/// The error of a member whose group is gone.
+fn group_removed(queue: &str, grp: &str) -> Error {
+    Error::Config(format!(
+        "postgres: consumer group `{grp}` of queue `{queue}` was removed by an operator (`keyorder groups remove`, \
+         or `keyorder delete-queue` for the whole queue) while this member ran: the subscription stops; subscribe \
+         again to start the group afresh (at the oldest retained event)"
+    ))
+}
+
+/// A removal's lock wait that ran out becomes an error that says why and
+/// what to do.
+fn removal_error(e: sqlx::Error, what: &str) -> Error {
+    if let sqlx::Error::Database(d) = &e {
+        if d.code().as_deref() == Some("55P03") {
+            return Error::Config(format!(
+                "postgres: {what} was not done: a settlement, read or heartbeat of it (or retention, or another \
+                 operator action) held its rows for more than {REMOVAL_LOCK_TIMEOUT} (a stalled handler's \
+                 statement, a transaction left open behind a pooler); nothing was deleted: try again, or end the \
+                 blocking session (pg_stat_activity shows it)"
+            ));
+        }
+    }
+    db(e)
 }
 
 /// The slot of a key: `stable_hash(key) % slots` (FNV-1a 64, see
@@ -600,14 +702,26 @@ impl Transport for PgTransport {
             return plain::open(self, spec).await;
         }
         let slots = self.slots_of(&spec.category).await?;
-        self.join_group(&spec.category, &spec.group, slots).await?;
+        let epoch = self.join_group(spec, slots).await?;
         // LISTEN keeps session state: its own direct connection.
-        let mut listener = PgListener::connect(self.direct_url()).await.map_err(db)?;
-        listener.listen(&self.sql.channel).await.map_err(db)?;
+        let listener = match self.listen().await {
+            Ok(l) => l,
+            Err(e) => {
+                // Best effort: the member row written by `join_group` goes
+                // (else it would hold off the group's removal for its TTL).
+                let leave = q(&self.sql.leave)
+                    .bind(&spec.category)
+                    .bind(&spec.group)
+                    .bind(&spec.instance);
+                let _ = self.db.exec(leave).await;
+                return Err(e);
+            }
+        };
         let mut source = PgSource {
             t: self.clone(),
             spec: spec.clone(),
             slots,
+            epoch,
             owned: BTreeMap::new(),
             events: Vec::new(),
             listener,
@@ -623,6 +737,14 @@ impl Transport for PgTransport {
 
     fn admin(&self) -> Arc<dyn Admin> {
         Arc::new(PgAdmin { t: self.clone() })
+    }
+}
+
+impl PgTransport {
+    async fn listen(&self) -> Result<PgListener> {
+        let mut listener = PgListener::connect(self.direct_url()).await.map_err(db)?;
+        listener.listen(&self.sql.channel).await.map_err(db)?;
+        Ok(listener)
     }
 }
 
@@ -792,6 +914,8 @@ struct PgSource {
     t: PgTransport,
     spec: SourceSpec,
     slots: u32,
+    /// The epoch of the group this member joined (`join_group`).
+    epoch: i64,
     owned: BTreeMap<u32, Owned>,
     events: Vec<SourceEvent>,
     listener: PgListener,
@@ -955,10 +1079,26 @@ impl PgSource {
         let ttl = self.spec.lease.ttl;
         let sent = Instant::now();
         tracing::debug!(member = %me, owned = self.owned.len(), "maintain");
-        let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
-        ex.exec(q(&sql.heartbeat).bind(queue).bind(grp).bind(me).bind(ttl_ms))
+        // The heartbeat finds the group it joined, or the group was removed
+        // under this member (stalled past its lease meanwhile): it stops,
+        // rather than run on with no slot to acquire.
+        let seen = ex
+            .opt(
+                q(&sql.heartbeat)
+                    .bind(queue)
+                    .bind(grp)
+                    .bind(me)
+                    .bind(ttl_ms(ttl))
+                    .bind(self.epoch),
+            )
             .await
             .map_err(db)?;
+        if seen.is_none() {
+            for (_, o) in std::mem::take(&mut self.owned) {
+                o.lease.lose();
+            }
+            return Err(group_removed(queue, grp));
+        }
         // Renew what we hold; a slot not renewed is lost.
         let held: Vec<i32> = self.owned.keys().map(|s| *s as i32).collect();
         let renewed: HashMap<u32, i64> = ex
@@ -1108,6 +1248,17 @@ impl PgSource {
                 },
             );
             return Ok(true);
+        }
+        // Held by another member, or gone with its group.
+        let exists: bool = self
+            .t
+            .db
+            .one(self.on_slot(&self.t.sql.slot_of_group, slot).bind(self.epoch))
+            .await
+            .map_err(db)?
+            .get(0);
+        if !exists {
+            return Err(group_removed(&self.spec.category, &self.spec.group));
         }
         Ok(false)
     }
@@ -1763,16 +1914,45 @@ impl Admin for PgAdmin {
     /// queue's row like a group's creation does; retention then no longer
     /// waits for it. The events stay (other groups may need them). A
     /// subscription started with the group's name later creates it afresh,
-    /// at the oldest retained event.
+    /// at the oldest retained event, with generations above the removed
+    /// group's.
+    ///
+    /// The group's row and slot rows are taken `for update` before anything
+    /// is checked or deleted: a heartbeat, settlement or read in flight
+    /// commits first (and is seen: a live member or lease refuses the
+    /// removal), one that comes after finds nothing (its member stops with
+    /// an error naming the removal). The slot rows go before the tables
+    /// that hang off them. A lock held longer than ten seconds fails the
+    /// removal (nothing deleted) rather than hold the queue's row, which
+    /// retention and new groups wait for.
     async fn remove_group(&self, category: &str, group: &str) -> Result<()> {
+        let what = format!("removing consumer group `{group}` of queue `{category}`");
         let pooled = self.t.cfg.pooled;
         let mut tx = self.t.db.pool.begin().await.map_err(db)?;
+        sqlx::query("select set_config('lock_timeout', $1, true)")
+            .bind(REMOVAL_LOCK_TIMEOUT)
+            .persistent(false)
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
         q(&self.t.sql.lock_queue)
             .bind(category)
             .persistent(!pooled)
             .execute(&mut *tx)
             .await
-            .map_err(|e| self.t.missing_schema(e))?;
+            .map_err(|e| match e {
+                sqlx::Error::Database(_) if e.to_string().contains("does not exist") => self.t.missing_schema(e),
+                e => removal_error(e, &what),
+            })?;
+        for lock in [&self.t.sql.lock_group, &self.t.sql.lock_group_slots] {
+            q(lock)
+                .bind(category)
+                .bind(group)
+                .persistent(!pooled)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| removal_error(e, &what))?;
+        }
         let row = q(&self.t.sql.group_live)
             .bind(category)
             .bind(group)
@@ -1793,6 +1973,13 @@ impl Admin for PgAdmin {
                  remove it"
             )));
         }
+        q(&self.t.sql.raise_floor)
+            .bind(category)
+            .bind(group)
+            .persistent(!pooled)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| removal_error(e, &what))?;
         let s = &self.t.cfg.schema;
         for table in GROUP_TABLES {
             sqlx::query(AssertSqlSafe(format!(
@@ -1803,7 +1990,7 @@ impl Admin for PgAdmin {
             .bind(group)
             .execute(&mut *tx)
             .await
-            .map_err(db)?;
+            .map_err(|e| removal_error(e, &what))?;
         }
         tx.commit().await.map_err(db)?;
         tracing::info!(queue = category, group, "postgres: consumer group removed");

@@ -6,7 +6,7 @@ use crate::shared::{after, after_position, commit_safe, read_order, LeaseSql, TX
 
 /// The embedded migrations (`crates/postgres/migrations`), in order: `{s}`
 /// stands for the schema.
-const MIGRATIONS: [(i64, &str, &str); 9] = [
+const MIGRATIONS: [(i64, &str, &str); 10] = [
     (1, "init", include_str!("../migrations/0001_init.sql")),
     (
         2,
@@ -32,7 +32,13 @@ const MIGRATIONS: [(i64, &str, &str); 9] = [
         include_str!("../migrations/0008_dead_unique.sql"),
     ),
     (9, "member lease ttl", include_str!("../migrations/0009_member_ttl.sql")),
+    (10, "group epochs", include_str!("../migrations/0010_group_epochs.sql")),
 ];
+
+/// The longest member lease TTL the liveness checks compute with (ten
+/// years, in ms): a recorded TTL near `i64::MAX` ms would overflow the
+/// interval (and the timestamp it is added to).
+const TTL_CAP_MS: &str = "315360000000";
 
 /// The statements of one schema (`AssertSqlSafe`: the schema name is
 /// validated as an identifier before it is formatted in).
@@ -47,6 +53,14 @@ pub(crate) struct Sql {
     pub(crate) group_slots: Arc<str>,
     pub(crate) ensure_slots: Arc<str>,
     pub(crate) lock_queue: Arc<str>,
+    pub(crate) lock_queue_slots: Arc<str>,
+    pub(crate) lock_group: Arc<str>,
+    pub(crate) lock_group_slots: Arc<str>,
+    pub(crate) lock_queue_group_slots: Arc<str>,
+    pub(crate) raise_floor: Arc<str>,
+    pub(crate) raise_floor_queue: Arc<str>,
+    pub(crate) slot_of_group: Arc<str>,
+    pub(crate) join_member: Arc<str>,
     pub(crate) share_queue: Arc<str>,
     pub(crate) groups: Arc<str>,
     pub(crate) group_live: Arc<str>,
@@ -91,6 +105,7 @@ impl Sql {
                     .replace("{commit_safe}", &commit_safe("e"))
                     .replace("{read_order}", &read_order("e"))
                     .replace("{txid}", TXID_COLUMN)
+                    .replace("{ttl_cap}", TTL_CAP_MS)
                     .replace("{s}", schema),
             )
         };
@@ -111,10 +126,39 @@ impl Sql {
             ensure_queue: f("insert into {s}.queues (queue, slots) values ($1, $2) on conflict (queue) do nothing"),
             queue_slots: f("select slots from {s}.queues where queue = $1"),
             ensure_group: f("insert into {s}.groups (queue, grp, slots) values ($1, $2, $3) on conflict do nothing"),
-            group_slots: f("select slots from {s}.groups where queue = $1 and grp = $2"),
+            group_slots: f("select slots, epoch from {s}.groups where queue = $1 and grp = $2"),
+            // A new group's slot rows start at the generation floor, which
+            // is at least every generation a removed group of the same name
+            // handed out: its first acquire is above them all.
             ensure_slots: f(
-                "insert into {s}.slots (queue, grp, slot) select $1, $2, g from generate_series(0, $3 - 1) g \
+                "insert into {s}.slots (queue, grp, slot, generation) select $1, $2, g, \
+                 coalesce((select generation from {s}.generation_floor), 0) from generate_series(0, $3 - 1) g \
                  on conflict do nothing",
+            ),
+            // Before a group's (or a queue's) slot rows go: the floor rises
+            // to their highest generation.
+            raise_floor: f(
+                "insert into {s}.generation_floor (one, generation) select true, coalesce(max(generation), 0) \
+                 from {s}.slots where queue = $1 and grp = $2 on conflict (one) do update \
+                 set generation = greatest({s}.generation_floor.generation, excluded.generation)",
+            ),
+            raise_floor_queue: f(
+                "insert into {s}.generation_floor (one, generation) select true, coalesce(max(generation), 0) \
+                 from {s}.slots where queue = $1 on conflict (one) do update \
+                 set generation = greatest({s}.generation_floor.generation, excluded.generation)",
+            ),
+            // Whether slot $3 of group $2 of queue $1 exists in the group
+            // of epoch $4 (the one this member joined).
+            slot_of_group: f(
+                "select exists (select 1 from {s}.slots s join {s}.groups g on g.queue = s.queue and g.grp = s.grp \
+                 where s.queue = $1 and s.grp = $2 and s.slot = $3 and g.epoch = $4)",
+            ),
+            // The member's row, written with the group's creation (in its
+            // transaction): a removal that comes after sees a live member.
+            join_member: f(
+                "insert into {s}.members (queue, grp, member, last_seen, ttl_ms) \
+                 values ($1, $2, $3, clock_timestamp(), $4) on conflict (queue, grp, member) \
+                 do update set last_seen = clock_timestamp(), ttl_ms = excluded.ttl_ms",
             ),
             // A group's creation and removal take the queue's row `for no
             // key update`, retention takes it `for share` before it reads
@@ -122,13 +166,26 @@ impl Sql {
             // retained event) behind a retention statement that did not see
             // it, and never removed under one.
             lock_queue: f("select 1 from {s}.queues where queue = $1 for no key update"),
+            lock_queue_slots: f("select slots from {s}.queues where queue = $1 for no key update"),
+            // A removal takes the group's row and its slot rows `for
+            // update`: a heartbeat (which takes the group row `for key
+            // share`) and the fenced statements in flight (settlements,
+            // reads and cursor moves take the slot row `for key share`)
+            // commit first, and those that come after find nothing.
+            lock_group: f("select 1 from {s}.groups where queue = $1 and grp = $2 for update"),
+            lock_group_slots: f(
+                "select 1 from {s}.slots where queue = $1 and grp = $2 order by slot for update",
+            ),
+            lock_queue_group_slots: f(
+                "select 1 from {s}.slots where queue = $1 order by grp, slot for update",
+            ),
             share_queue: f("select 1 from {s}.queues where queue = $1 for share"),
             // Every group of queue $1 with its live members (seen within
             // their own lease TTL, on the database's clock).
             groups: f(
                 "select g.grp, (select count(*) from {s}.members m where m.queue = g.queue and m.grp = g.grp \
-                 and m.last_seen + make_interval(secs => m.ttl_ms::float8 / 1000) > clock_timestamp()) \
-                 from {s}.groups g where g.queue = $1 order by g.grp",
+                 and m.last_seen + make_interval(secs => least(m.ttl_ms, {ttl_cap})::float8 / 1000) \
+                 > clock_timestamp()) from {s}.groups g where g.queue = $1 order by g.grp",
             ),
             // Whether group $2 of queue $1 is recorded, and how many of its
             // members and slot leases are live.
@@ -136,7 +193,8 @@ impl Sql {
                 "select exists (select 1 from {s}.groups where queue = $1 and grp = $2) \
                  or exists (select 1 from {s}.slots where queue = $1 and grp = $2), \
                  (select count(*) from {s}.members m where m.queue = $1 and m.grp = $2 \
-                  and m.last_seen + make_interval(secs => m.ttl_ms::float8 / 1000) > clock_timestamp()), \
+                  and m.last_seen + make_interval(secs => least(m.ttl_ms, {ttl_cap})::float8 / 1000) \
+                  > clock_timestamp()), \
                  (select count(*) from {s}.slots where queue = $1 and grp = $2 and owner is not null \
                   and lease_expiry > clock_timestamp())",
             ),
@@ -168,11 +226,17 @@ impl Sql {
                  select $1, $2::int, $3::text, $4::text, $5::text, $6::jsonb, $7::bytea from f returning 1) \
                  select pg_notify($8, $1 || chr(10) || $2::int::text) from ins",
             ),
-            // The shared heartbeat, with the member's lease TTL ($4, ms).
+            // The shared heartbeat, with the member's lease TTL ($4, ms),
+            // while the group of epoch $5 (the one the member joined) is
+            // recorded: no row back once it was removed (or removed and
+            // created again). The group row `for key share`: a removal
+            // (which takes it `for update`) sees this heartbeat, or this
+            // heartbeat waits for it and then finds nothing.
             heartbeat: f(
-                "insert into {s}.members (queue, grp, member, last_seen, ttl_ms) \
-                 values ($1, $2, $3, clock_timestamp(), $4) on conflict (queue, grp, member) \
-                 do update set last_seen = clock_timestamp(), ttl_ms = excluded.ttl_ms",
+                "with g as (select 1 from {s}.groups where queue = $1 and grp = $2 and epoch = $5 for key share) \
+                 insert into {s}.members (queue, grp, member, last_seen, ttl_ms) \
+                 select $1, $2, $3, clock_timestamp(), $4 from g on conflict (queue, grp, member) \
+                 do update set last_seen = clock_timestamp(), ttl_ms = excluded.ttl_ms returning 1",
             ),
             live_members: Arc::from(lease.live_members.as_str()),
             leave: Arc::from(lease.leave.as_str()),
@@ -204,19 +268,23 @@ impl Sql {
             // attempts recorded for it; the statement also moves the slot's
             // read mark to the last row read, durably before any of them is
             // delivered (monotonic, so a stale owner's late mark is harmless).
+            // The owned slot rows are taken `for key share`, like a
+            // settlement's: a group's removal waits for a read that passed
+            // the fence, so its mark never outlives the group.
             // The final order names `got`'s columns: a bare `txid` would be
             // the output column `txid::text`, and text order puts
             // transaction id 100000 before 99999 (a key's events came out
             // of order whenever one read spanned a change in digit count).
             read: f(
-                "with r as (select * from unnest($3::int[], $4::bigint[], $5::text[], $6::bigint[], $8::int[]) \
+                "with req as (select * from unnest($3::int[], $4::bigint[], $5::text[], $6::bigint[], $8::int[]) \
                   as r(slot, gen, rtx, rid, lim)), \
+                 r as (select q.* from req q join {s}.slots s on s.queue = $1 and s.grp = $2 and s.slot = q.slot \
+                  and s.owner = $7 and s.generation = q.gen and s.lease_expiry > clock_timestamp() \
+                  for key share of s), \
                  got as (select r.slot, e.id, e.txid, e.key, e.message_id, e.correlation_id, e.headers, \
                   e.payload, (select a.attempts from {s}.attempts a where a.queue = $1 and a.grp = $2 \
                    and a.event_id = e.id offset 0) as recorded \
-                  from r join {s}.slots s on s.queue = $1 and s.grp = $2 and s.slot = r.slot and s.owner = $7 \
-                  and s.generation = r.gen and s.lease_expiry > clock_timestamp() \
-                  cross join lateral (select e.* from {s}.events e where e.queue = $1 and e.slot = r.slot \
+                  from r cross join lateral (select e.* from {s}.events e where e.queue = $1 and e.slot = r.slot \
                    and {after_read} \
                    and {commit_safe} \
                    and not exists (select 1 from {s}.acked a where a.queue = $1 and a.grp = $2 \

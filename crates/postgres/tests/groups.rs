@@ -253,7 +253,8 @@ async fn a_new_group_starts_at_the_oldest_retained_event_even_during_retention()
         let s = spec(&q, "new");
         async move { t.open(&s).await.unwrap() }
     });
-    let lock = format!("select 1 from {schema}.queues");
+    // (`waiting` matches a `like` pattern: any locking read of the row.)
+    let lock = format!("select % from {schema}.queues");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while !opening.is_finished() && waiting(&pool, &lock).await == 0 {
         assert!(
