@@ -137,7 +137,7 @@ impl Admin for RabbitAdmin {
         if queue_state(&conn, &n.registry()).await?.is_none() {
             return Ok(Vec::new());
         }
-        let registry = Registry::lock(&conn, &n, self.t.cfg.expires_ms).await?;
+        let registry = Registry::lock(&conn, &n, true).await?;
         let records = registry.records();
         registry.release().await?;
         let mut out = Vec::new();
@@ -164,15 +164,27 @@ impl Admin for RabbitAdmin {
                 "rabbitmq: category `{category}` has no consumer group `{group}` (`groups` lists the ones it has)"
             ))
         };
-        if queue_state(&conn, &n.registry()).await?.is_none() {
+        // Whether any queue of the group exists (it may have queues but no
+        // record: a registry lost or deleted).
+        let has_queues = || async {
+            for q in [g.hash_queue(0), g.sac_queue(), g.plain_queue(), g.dlq(), g.members()] {
+                if queue_state(&conn, &q).await?.is_some() {
+                    return Ok::<_, Error>(true);
+                }
+            }
+            Ok(false)
+        };
+        if queue_state(&conn, &n.registry()).await?.is_none() && !has_queues().await? {
             return Err(unknown());
         }
-        let mut registry = Registry::lock(&conn, &n, self.t.cfg.expires_ms).await?;
+        let mut registry = Registry::lock(&conn, &n, true).await?;
         let res = async {
-            let Some(recorded) = registry.records().get(group).cloned() else {
-                return Err(unknown());
+            let topology = match registry.records().get(group) {
+                Some(recorded) => parse_topology(recorded),
+                // Removed like a group of unknown topology.
+                None if has_queues().await? => None,
+                None => return Err(unknown()),
             };
-            let topology = parse_topology(&recorded);
             // Members, and any consumer of its queues (a source of a version
             // without the members queue, a tool).
             let mut live = 0;
@@ -207,7 +219,7 @@ impl RabbitAdmin {
         if queue_state(&conn, &n.registry()).await?.is_none() {
             return Ok(self.t.cfg.topology);
         }
-        let registry = Registry::lock(&conn, n, self.t.cfg.expires_ms).await?;
+        let registry = Registry::lock(&conn, n, true).await?;
         let recorded = registry.records().get(g.group()).cloned();
         registry.release().await?;
         Ok(recorded

@@ -20,7 +20,8 @@ use keyorder_core::{
     TransportSource, KEY_HEADER,
 };
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::types::MAX_SHORT_STRING_LENGTH;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::Confirmation;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
@@ -227,49 +228,69 @@ impl RabbitTransport {
     /// Returns the queues deleted. Stop the category's subscriptions first:
     /// a running one loses its queues.
     pub async fn delete_category(&self, category: &str) -> Result<Vec<String>> {
-        use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
         let n = Names::new(category)?;
         let conn = self.connection().await?;
-        let mut gone = Vec::new();
-        if topology::queue_state(&conn, &n.registry()).await?.is_some() {
-            let mut registry = topology::Registry::lock(&conn, &n, self.cfg.expires_ms).await?;
-            let res = async {
-                for (group, recorded) in registry.records() {
-                    let g = n.group(&group)?;
-                    gone.extend(topology::delete_group(&conn, &g, topology::parse_topology(&recorded)).await?);
-                    registry.remove(&group);
-                    self.forget(g.base());
-                }
-                Ok::<_, Error>(())
+        // Everything is deleted while the registry's lock is held, the
+        // lock queue last: a group declared meanwhile by another process
+        // waits, then finds no registry and declares the category anew.
+        let registry = topology::Registry::lock(&conn, &n, true).await?;
+        let res = async {
+            let mut gone = Vec::new();
+            for (group, recorded) in registry.records() {
+                let g = n.group(&group)?;
+                gone.extend(topology::delete_group(&conn, &g, topology::parse_topology(&recorded)).await?);
+                self.forget(g.base());
             }
-            .await;
-            let released = registry.release().await;
-            res.and(released)?;
+            gone.extend(self.delete_category_names(&conn, &n).await?);
+            Ok::<_, Error>(gone)
         }
-        let mut queues = vec![n.registry(), n.registry_lock()];
+        .await;
+        match res {
+            Ok(mut gone) => {
+                registry.delete(&n.registry_lock()).await?;
+                gone.push(n.registry_lock());
+                self.forget(category);
+                Ok(gone)
+            }
+            Err(e) => {
+                let _ = registry.release().await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Deletes the category-level names (registry, entry exchange, the
+    /// layout before consumer groups) that exist; returns the queues.
+    async fn delete_category_names(&self, conn: &Connection, n: &Names) -> Result<Vec<String>> {
+        use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+        let mut gone = Vec::new();
+        let mut queues = vec![n.registry()];
         queues.extend(n.legacy_queues());
         for i in 1..1024 {
-            if topology::queue_state(&conn, &n.legacy_hash_queue(i)).await?.is_none() {
+            if topology::queue_state(conn, &n.legacy_hash_queue(i)).await?.is_none() {
                 break;
             }
             queues.push(n.legacy_hash_queue(i));
         }
         let ch = conn.create_channel().await.map_err(amqp)?;
         for q in queues {
-            if topology::queue_state(&conn, &q).await?.is_some() {
+            if topology::queue_state(conn, &q).await?.is_some() {
                 ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
                     .await
                     .map_err(amqp)?;
                 gone.push(q);
             }
         }
-        for x in [n.entry(), n.legacy_hash_exchange(), format!("{category}.presence")] {
+        for x in [
+            n.entry(),
+            n.legacy_hash_exchange(),
+            format!("{}.presence", n.category()),
+        ] {
             ch.exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
                 .await
                 .map_err(amqp)?;
         }
         let _ = ch.close(200, "deleted".into()).await;
-        self.forget(category);
         Ok(gone)
     }
 
@@ -288,10 +309,23 @@ impl RabbitTransport {
     /// entry exchange and records the group; once per transport.
     pub(crate) async fn ensure_group(&self, names: &Names, group: &GroupNames) -> Result<()> {
         self.ensure_category(names).await?;
+        let conn = self.connection().await?;
         if self.was_declared(group.base()) {
-            return Ok(());
+            // Declared here before: still there, unless another process
+            // removed the group (or deleted the category) since.
+            let mut there = true;
+            for q in [&group.queues(self.cfg.topology)[0], &group.members()] {
+                there = there && topology::queue_state(&conn, q).await?.is_some();
+            }
+            if there {
+                return Ok(());
+            }
+            tracing::info!(group = %group.base(), "rabbitmq: the group was removed since this process declared it; declaring it again");
+            self.forget(group.base());
+            self.forget(names.category());
+            self.ensure_category(names).await?;
         }
-        topology::ensure_group(&*self.connection().await?, &self.cfg, names, group).await?;
+        topology::ensure_group(&conn, &self.cfg, names, group).await?;
         self.declared_now(group.base());
         Ok(())
     }
@@ -456,24 +490,50 @@ fn long(s: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(s))
 }
 
+/// `value` as an AMQP short string (at most 255 bytes); a longer one is
+/// refused naming `what` and the limit (never the value: user data).
+pub(crate) fn short(what: &str, value: &str) -> Result<ShortString> {
+    ShortString::try_new(value).map_err(|_| {
+        Error::Config(format!(
+            "rabbitmq: the {what} is {} bytes; AMQP carries at most {MAX_SHORT_STRING_LENGTH} bytes there, so \
+             the message was not published (nothing was stored): shorten it",
+            value.len()
+        ))
+    })
+}
+
 /// The AMQP properties of a message: id, correlation id, persistent
-/// delivery, headers (the key in [`KEY_HEADER`]).
-pub(crate) fn properties(message: &Message) -> BasicProperties {
+/// delivery, headers (the key in [`KEY_HEADER`]). A message id,
+/// correlation id or header name over 255 bytes is refused
+/// (`Error::Config`), in the caller's `publish`.
+pub(crate) fn properties(message: &Message) -> Result<BasicProperties> {
     let mut headers = FieldTable::default();
     for (k, v) in message.headers() {
-        headers.insert(k.as_str().into(), long(v));
+        headers.insert(short("header name", k)?, long(v));
     }
     if let Some(k) = message.key() {
         headers.insert(KEY_HEADER.into(), long(k.as_str()));
     }
     let mut props = BasicProperties::default()
-        .with_message_id(message.id().into())
+        .with_message_id(short("message id", message.id())?)
         .with_delivery_mode(2)
         .with_headers(headers);
     if let Some(c) = message.correlation_id() {
-        props = props.with_correlation_id(c.into());
+        props = props.with_correlation_id(short("correlation id", c)?);
     }
-    props
+    Ok(props)
+}
+
+/// The routing key of a keyless message: a hash of its id (16 hex
+/// digits), so every id fits and keyless messages spread over a ring.
+fn keyless_routing_key(id: &str) -> String {
+    // FNV-1a, 64 bits: stable across processes and versions.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in id.as_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{h:016x}")
 }
 
 struct RabbitPublisher {
@@ -493,6 +553,8 @@ impl fmt::Debug for RabbitPublisher {
 #[async_trait]
 impl TransportPublisher for RabbitPublisher {
     async fn publish(&self, message: Message) -> Result<()> {
+        // Refused before anything is sent.
+        let props = properties(&message)?;
         let mut slot = self.channel.lock().await;
         let ch = match slot.as_ref() {
             Some(ch) if ch.status().connected() => ch.clone(),
@@ -503,12 +565,13 @@ impl TransportPublisher for RabbitPublisher {
             }
         };
         drop(slot);
-        // Keyless messages spread by their id.
+        // Keyless messages spread by a hash of their id (an id may be
+        // longer than a routing key can be).
         let key = message
             .key()
-            .map_or_else(|| message.id().to_owned(), |k| k.as_str().to_owned());
+            .map_or_else(|| keyless_routing_key(message.id()), |k| k.as_str().to_owned());
         let entry = self.names.entry();
-        match publish_confirmed(&ch, &entry, &key, message.payload(), properties(&message)).await {
+        match publish_confirmed(&ch, &entry, &key, message.payload(), props).await {
             Err(Error::NotFound(_)) => Err(Error::Config(format!(
                 "rabbitmq: no consumer group of category `{c}` has its queues declared, so the message was not \
                  stored (nothing was published): each group's queues are declared when its first subscription is \

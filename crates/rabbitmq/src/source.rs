@@ -42,8 +42,8 @@ use tokio::time::Instant;
 use crate::config::Topology;
 use crate::plan::{Plan, PLAN_HEADER};
 use crate::settle::{Held, RabbitSettle};
-use crate::topology::{amqp, declare_aux, private_queue, GroupNames};
-use crate::{confirm_channel, connect_uri, RabbitTransport, EPOCH_HEADER};
+use crate::topology::{amqp, private_queue, GroupNames};
+use crate::{confirm_channel, connect_uri, short, RabbitTransport, EPOCH_HEADER};
 
 /// How long a shutdown or hand-over waits for the broker's close-ok.
 const CLOSE_WAIT: Duration = Duration::from_secs(5);
@@ -220,15 +220,13 @@ impl Source {
         let uri = self.t.cfg.uri_with_heartbeat(self.heartbeat_secs());
         let conn = Arc::new(connect_uri(&uri, &self.t.cfg.display).await?);
         let dlq_channel = confirm_channel(&conn).await?;
-        if self.t.cfg.declare {
-            // It expires with the group's other queues (`expires_ms`).
-            declare_aux(&conn, &self.names.members(), self.t.cfg.expires_ms).await?;
-        }
+        // Declared with the group (`ensure_group`), never here: a group
+        // removed meanwhile is not half re-created by its members queue.
         let member_channel = conn.create_channel().await.map_err(amqp)?;
         let member = member_channel
             .basic_consume(
                 self.names.members().as_str().into(),
-                format!("{}-member", self.spec.instance).as_str().into(),
+                short("instance id", &format!("{}-member", self.spec.instance))?,
                 BasicConsumeOptions {
                     no_ack: true,
                     ..Default::default()
@@ -236,7 +234,7 @@ impl Source {
                 FieldTable::default(),
             )
             .await
-            .map_err(amqp)?;
+            .map_err(|e| self.gone(&self.names.members(), e))?;
         let presence = if self.spreads() {
             let ch = conn.create_channel().await.map_err(amqp)?;
             ch.exchange_declare(
@@ -301,6 +299,27 @@ impl Source {
         Ok(())
     }
 
+    /// A consume refused: a queue that no longer exists means the group
+    /// was removed (or its category deleted) by another process; this
+    /// transport forgets that it declared the group, so building the
+    /// subscription again declares it anew.
+    fn gone(&self, queue: &str, e: lapin::Error) -> keyorder_core::Error {
+        let text = e.to_string();
+        if !(text.contains("NOT_FOUND") || text.contains("404")) {
+            return amqp(e);
+        }
+        self.t.forget(self.names.base());
+        self.t.forget(self.names.category());
+        keyorder_core::Error::NotFound(format!(
+            "rabbitmq: queue `{queue}` of group `{}` of category `{}` no longer exists: the group was removed \
+             (`Admin::remove_group`, `keyorder groups remove`) or its category deleted (`keyorder delete-queue`) \
+             by another process. Build the subscription again to declare the group anew (it then receives what is \
+             published from then on)",
+            self.names.group(),
+            self.names.category()
+        ))
+    }
+
     async fn consume(&mut self, queue: &str, sent: Instant) -> Result<()> {
         let Some(link) = &self.link else { return Ok(()) };
         let ch = link.conn.create_channel().await.map_err(amqp)?;
@@ -313,16 +332,16 @@ impl Source {
         // whose clocks agree within a hand-over (the lease TTL).
         self.generation = now_ms().max(self.generation + 1);
         let generation = self.generation;
-        let tag = format!("{}-{generation}", self.spec.instance);
+        let tag = short("instance id", &format!("{}-{generation}", self.spec.instance))?;
         let mut args = FieldTable::default();
         if let Some(ms) = self.timeout_arg {
             // A halted head stays unacknowledged: no redelivery while halted.
             args.insert("x-consumer-timeout".into(), AMQPValue::LongLongInt(ms));
         }
         let mut consumer = ch
-            .basic_consume(queue.into(), tag.as_str().into(), BasicConsumeOptions::default(), args)
+            .basic_consume(queue.into(), tag, BasicConsumeOptions::default(), args)
             .await
-            .map_err(amqp)?;
+            .map_err(|e| self.gone(queue, e))?;
         let scope: Arc<str> = Arc::from(format!("{}/{queue}", self.names.category()));
         let lease = ScopeLease::new(scope.clone(), generation, &self.spec.lease, sent);
         let tx = self.tx.clone();

@@ -229,6 +229,7 @@ pub(crate) fn parse_topology(s: &str) -> Option<Topology> {
         _ => s
             .strip_prefix("hash:")
             .and_then(|n| n.parse().ok())
+            .filter(|n| (1..=1024).contains(n))
             .map(|queues| Topology::ConsistentHash { queues }),
     }
 }
@@ -387,23 +388,36 @@ pub(crate) struct Registry {
     read: Vec<(u64, Record)>,
     /// Tags to acknowledge at release (removed groups, duplicates).
     drop: Vec<u64>,
+    /// Tags of messages that are no valid record (returned at release).
+    skipped: Vec<u64>,
 }
 
-/// How long a registry lock is waited for.
-const LOCK_WAIT: Duration = Duration::from_secs(30);
+/// How long a registry lock is waited for. The lock is held only to read,
+/// compare and record a group (a few round trips, never while a group's
+/// queues are declared), so a wait this long means a holder that stalled.
+const LOCK_WAIT: Duration = Duration::from_secs(120);
 
 impl Registry {
     /// Takes the lock of `names`' registry (an exclusive consumer on its
-    /// lock queue, waited for up to 30 s) and reads every record.
-    pub(crate) async fn lock(conn: &Connection, names: &Names, expires: Option<u32>) -> Result<Registry> {
+    /// lock queue, waited for up to [`LOCK_WAIT`]) and reads every record.
+    /// With `declare`, the registry and lock queues are declared first
+    /// (and again when another process deleted them meanwhile:
+    /// `delete_category`); without, they must exist.
+    pub(crate) async fn lock(conn: &Connection, names: &Names, declare: bool) -> Result<Registry> {
         let registry = names.registry();
         let lock = names.registry_lock();
-        for q in [&registry, &lock] {
-            declare_aux(conn, q, expires).await?;
-        }
         let deadline = tokio::time::Instant::now() + LOCK_WAIT;
         let mut pause = Duration::from_millis(10);
+        let mut declared = false;
         let (ch, lock_consumer) = loop {
+            if declare && !declared {
+                // Never `x-expires`: nothing consumes them while the groups
+                // run, and a registry that expired would let drift through.
+                for q in [&registry, &lock] {
+                    declare_aux(conn, q, None).await?;
+                }
+                declared = true;
+            }
             let ch = conn.create_channel().await.map_err(amqp)?;
             ch.confirm_select(ConfirmSelectOptions::default()).await.map_err(amqp)?;
             match ch
@@ -420,28 +434,39 @@ impl Registry {
                 .await
             {
                 Ok(consumer) => break (ch, consumer),
+                Err(e) if not_found(&e) && declare => {
+                    // Deleted by `delete_category` while this waited.
+                    declared = false;
+                }
+                Err(e) if not_found(&e) => {
+                    return Err(Error::Config(format!(
+                        "rabbitmq: queue `{lock}` (the lock of the group registry `{registry}`) is missing; set \
+                         `declare=true` or create it (see the table in the crate's `topology` module)"
+                    )))
+                }
                 Err(e) => {
                     let text = e.to_string();
                     if !(text.contains("ACCESS_REFUSED") || text.contains("403")) {
                         return Err(amqp(e));
                     }
-                    if tokio::time::Instant::now() >= deadline {
-                        return Err(Error::Broker(format!(
-                            "rabbitmq: the group registry of `{}` stayed locked for {} s (another process holds an \
-                             exclusive consumer on `{lock}`)",
-                            names.category(),
-                            LOCK_WAIT.as_secs()
-                        )));
-                    }
-                    // Held by another process: it releases within a few
-                    // round trips.
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_millis(200));
                 }
             }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(Error::Broker(format!(
+                    "rabbitmq: the group registry of `{}` stayed locked for {} s (another process holds an \
+                     exclusive consumer on `{lock}` and stalled: it is released when that process's connection \
+                     closes)",
+                    names.category(),
+                    LOCK_WAIT.as_secs()
+                )));
+            }
+            // Held by another process: it releases within a few round trips.
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(200));
         };
         let mut read = Vec::new();
         let mut drop = Vec::new();
+        let mut skipped = Vec::new();
         while let Some(m) = ch
             .basic_get(registry.as_str().into(), BasicGetOptions::default())
             .await
@@ -450,14 +475,26 @@ impl Registry {
             let tag = m.delivery.delivery_tag;
             let v: Value = serde_json::from_slice(&m.delivery.data).unwrap_or(Value::Null);
             let field = |k: &str| v.get(k).and_then(Value::as_str).map(str::to_owned);
-            // Anything but a record is left as it is.
-            if let (Some(group), Some(topology)) = (field("group"), field("topology")) {
-                if read.iter().any(|(_, r): &(u64, Record)| r.group == group) {
-                    drop.push(tag);
-                } else {
-                    read.push((tag, Record { group, topology }));
+            let record = match (field("group"), field("topology")) {
+                (Some(group), Some(topology)) if names.group(&group).is_ok() && parse_topology(&topology).is_some() => {
+                    Some(Record { group, topology })
                 }
+                _ => None,
+            };
+            match record {
+                Some(r) if read.iter().any(|(_, o): &(u64, Record)| o.group == r.group) => drop.push(tag),
+                Some(r) => read.push((tag, r)),
+                // Not a record keyorder wrote: left as it is, and skipped
+                // (it names no group that could be used).
+                None => skipped.push(tag),
             }
+        }
+        if !skipped.is_empty() {
+            tracing::warn!(
+                registry = %registry,
+                skipped = skipped.len(),
+                "rabbitmq: the group registry holds records that are not a valid group and topology; skipped"
+            );
         }
         Ok(Registry {
             ch,
@@ -465,6 +502,7 @@ impl Registry {
             queue: registry,
             read,
             drop,
+            skipped,
         })
     }
 
@@ -527,7 +565,7 @@ impl Registry {
                 .await
                 .map_err(amqp)?;
         }
-        for (tag, _) in &self.read {
+        for tag in self.read.iter().map(|(t, _)| t).chain(&self.skipped) {
             self.ch
                 .basic_nack(
                     *tag,
@@ -555,10 +593,33 @@ impl Registry {
     }
 }
 
+impl Registry {
+    /// Ends the lock of a registry that was deleted while it was held
+    /// (`delete_category`): deletes the lock queue (which ends this
+    /// consumer; a process waiting for the lock declares both anew).
+    pub(crate) async fn delete(self, lock: &str) -> Result<()> {
+        let res = self
+            .ch
+            .queue_delete(lock.into(), QueueDeleteOptions::default())
+            .await
+            .map(|_| ())
+            .map_err(amqp);
+        let _ = self.ch.close(200, "registry deleted".into()).await;
+        res
+    }
+}
+
 /// Declares a classic queue of keyorder's own (registry, lock, members)
 /// with `expires`; one that exists with other arguments (another process's
 /// `expires_ms`) is used as it is.
 pub(crate) async fn declare_aux(conn: &Connection, queue: &str, expires: Option<u32>) -> Result<()> {
+    declare_own(conn, queue, QueueType::Classic, expires, "a queue of keyorder's own").await
+}
+
+/// Declares `queue` (durable, of type `qt`, with `expires`) on a channel of
+/// its own; one that exists with other arguments (an earlier version's
+/// `x-expires`, another process's `expires_ms`) is used as it is.
+async fn declare_own(conn: &Connection, queue: &str, qt: QueueType, expires: Option<u32>, what: &str) -> Result<()> {
     let ch = conn.create_channel().await.map_err(amqp)?;
     match ch
         .queue_declare(
@@ -567,7 +628,7 @@ pub(crate) async fn declare_aux(conn: &Connection, queue: &str, expires: Option<
                 durable: true,
                 ..Default::default()
             },
-            queue_args(QueueType::Classic, false, expires),
+            queue_args(qt, false, expires),
         )
         .await
     {
@@ -576,87 +637,215 @@ pub(crate) async fn declare_aux(conn: &Connection, queue: &str, expires: Option<
             Ok(())
         }
         Err(e) if e.to_string().contains("PRECONDITION_FAILED") => match queue_state(conn, queue).await? {
-            Some(_) => Ok(()),
+            Some(_) => {
+                tracing::debug!(queue, what, "rabbitmq: exists with other arguments; used as it is");
+                Ok(())
+            }
             None => Err(amqp(e)),
         },
         Err(e) => Err(amqp(e)),
     }
 }
 
-/// Declares (or, with `declare=false`, verifies) the topology of one
-/// group behind its category's entry exchange, and records the group in
-/// the registry. A group recorded with another topology is refused.
-pub(crate) async fn ensure_group(conn: &Connection, cfg: &RabbitConfig, names: &Names, g: &GroupNames) -> Result<()> {
-    if !cfg.declare {
-        return verify_group(conn, cfg, names, g).await;
+/// Passive checks of queues on one channel (a refused check closes its
+/// channel: the next check opens another).
+struct Probe<'a> {
+    conn: &'a Connection,
+    ch: Option<Channel>,
+}
+
+impl<'a> Probe<'a> {
+    fn new(conn: &'a Connection) -> Self {
+        Probe { conn, ch: None }
     }
-    let mut registry = Registry::lock(conn, names, cfg.expires_ms).await?;
-    let res = declare_group(conn, cfg, names, g, &mut registry).await;
+
+    async fn queue(&mut self, queue: &str) -> Result<bool> {
+        let ch = match &self.ch {
+            Some(ch) if ch.status().connected() => ch.clone(),
+            _ => {
+                let ch = self.conn.create_channel().await.map_err(amqp)?;
+                self.ch = Some(ch.clone());
+                ch
+            }
+        };
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        match ch.queue_declare(queue.into(), passive, FieldTable::default()).await {
+            Ok(_) => Ok(true),
+            Err(e) if not_found(&e) => {
+                self.ch = None;
+                Ok(false)
+            }
+            Err(e) => Err(amqp(e)),
+        }
+    }
+
+    /// How many hash queues `g` has, counted from `from` (which exists).
+    async fn hash_count(&mut self, g: &GroupNames, from: u16) -> Result<u16> {
+        let mut n = from;
+        while n < 1024 && self.queue(&g.hash_queue(n)).await? {
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    async fn close(self) {
+        if let Some(ch) = self.ch {
+            let _ = ch.close(200, "checked".into()).await;
+        }
+    }
+}
+
+/// The refusal of `wanted` for group `g`, declared with `had`.
+fn drift(g: &GroupNames, had: Topology, wanted: Topology, how: &str) -> Error {
+    Error::Config(format!(
+        "rabbitmq: group `{}` of category `{}` {how} {} and is now asked for {}: a group's topology and queue \
+         count are fixed (keys would move, or queues would fill that no consumer reads). Keep `{}` in the URLs \
+         of this group's subscriptions and of publishers that name it in `groups=`, or stop the group, drain it \
+         and remove it (`Admin::remove_group`, `keyorder groups remove`) before declaring it anew",
+        g.group(),
+        g.category(),
+        describe(had),
+        describe(wanted),
+        url_options(had)
+    ))
+}
+
+/// Checks the queues group `g` already has against `wanted`: a hash queue
+/// beyond its count, or a queue of another kind, is refused; without a
+/// registry `record` (a registry lost or deleted, or that expired under an
+/// earlier version), so is a ring with fewer queues. The record alone does
+/// not suffice: RabbitMQ does not compare a custom exchange's arguments,
+/// and a queue declared beside the record would take keys.
+async fn check_queues(conn: &Connection, g: &GroupNames, wanted: Topology, recorded: bool) -> Result<()> {
+    let mut p = Probe::new(conn);
+    let res = async {
+        let had = "has queues of topology";
+        match wanted {
+            Topology::ConsistentHash { queues } => {
+                if queues < 1024 && p.queue(&g.hash_queue(queues)).await? {
+                    let m = p.hash_count(g, queues + 1).await?;
+                    return Err(drift(g, Topology::ConsistentHash { queues: m }, wanted, had));
+                }
+                if !recorded && p.queue(&g.hash_queue(0)).await? && !p.queue(&g.hash_queue(queues - 1)).await? {
+                    let m = p.hash_count(g, 1).await?;
+                    return Err(drift(g, Topology::ConsistentHash { queues: m }, wanted, had));
+                }
+            }
+            Topology::SingleActiveConsumer | Topology::Plain => {
+                if p.queue(&g.hash_queue(0)).await? {
+                    let m = p.hash_count(g, 1).await?;
+                    return Err(drift(g, Topology::ConsistentHash { queues: m }, wanted, had));
+                }
+            }
+        }
+        for other in [Topology::SingleActiveConsumer, Topology::Plain] {
+            if other != wanted && p.queue(&g.queues(other)[0]).await? {
+                return Err(drift(g, other, wanted, had));
+            }
+        }
+        Ok(())
+    }
+    .await;
+    p.close().await;
+    res
+}
+
+/// Reads, compares and (when new) records group `g`'s topology under the
+/// registry's lock, with the group's existing queues checked against it;
+/// the lock is held for these few round trips only.
+async fn reserve(conn: &Connection, cfg: &RabbitConfig, names: &Names, g: &GroupNames) -> Result<()> {
+    let declare = cfg.declare;
+    if !declare && queue_state(conn, &names.registry()).await?.is_none() {
+        // A manually declared topology without a registry: its queues.
+        return check_queues(conn, g, cfg.topology, false).await;
+    }
+    let mut registry = Registry::lock(conn, names, declare).await?;
+    let res = async {
+        let recorded = registry.records().get(g.group()).and_then(|t| parse_topology(t));
+        if let Some(had) = recorded {
+            if had != cfg.topology {
+                return Err(drift(g, had, cfg.topology, "was declared with topology"));
+            }
+        }
+        check_queues(conn, g, cfg.topology, recorded.is_some()).await?;
+        if recorded.is_none() && declare {
+            registry.add(g.group(), &describe(cfg.topology)).await?;
+        }
+        Ok(())
+    }
+    .await;
     let released = registry.release().await;
     res.and(released)
 }
 
-async fn declare_group(
-    conn: &Connection,
-    cfg: &RabbitConfig,
-    names: &Names,
-    g: &GroupNames,
-    registry: &mut Registry,
-) -> Result<()> {
-    let wanted = describe(cfg.topology);
-    let recorded = registry.records().get(g.group()).cloned();
-    if let Some(had) = &recorded {
-        if *had != wanted {
-            let had_url = parse_topology(had).map_or_else(|| had.clone(), url_options);
-            return Err(Error::Config(format!(
-                "rabbitmq: group `{}` of category `{}` was declared with topology {had} and is now asked for \
-                 {wanted}: a group's topology and queue count are fixed (keys would move or be consumed twice). \
-                 Keep `{had_url}` in the URLs of this group's subscriptions and of publishers that name it in \
-                 `groups=`, or stop the group, drain it and remove it (`Admin::remove_group`) before declaring it \
-                 anew",
-                g.group(),
-                g.category()
-            )));
-        }
+/// Declares (or, with `declare=false`, verifies) the topology of one
+/// group behind its category's entry exchange, and records the group in
+/// the registry. A group recorded with another topology, or whose queues
+/// say it has another one, is refused. The registry's lock is held only
+/// to read and record; the queues are declared after (declarations are
+/// idempotent: two processes declaring one group declare the same).
+pub(crate) async fn ensure_group(conn: &Connection, cfg: &RabbitConfig, names: &Names, g: &GroupNames) -> Result<()> {
+    reserve(conn, cfg, names, g).await?;
+    if cfg.declare {
+        declare_group(conn, cfg, names, g).await
+    } else {
+        verify_group(conn, cfg, names, g).await
     }
-    if let (None, Topology::ConsistentHash { queues }) = (&recorded, cfg.topology) {
-        // Not recorded (a registry that expired): more queues than asked
-        // for would mean keys move.
-        if queues < 1024 && queue_state(conn, &g.hash_queue(queues)).await?.is_some() {
-            return Err(Error::Config(format!(
-                "rabbitmq: group `{}` of category `{}` has more hash queues than queues={queues} (`{}` exists): the \
-                 queue count is fixed for a group (keys would move); keep the count it was declared with, or drain \
-                 and remove the group first",
-                g.group(),
-                g.category(),
-                g.hash_queue(queues)
-            )));
-        }
-    }
+}
+
+async fn declare_group(conn: &Connection, cfg: &RabbitConfig, names: &Names, g: &GroupNames) -> Result<()> {
     let qt = cfg.queue_type;
-    let queue = |name: String, sac: bool| {
-        let expected = if sac {
-            format!("x-queue-type={}, x-single-active-consumer=true", qt.name())
-        } else {
-            format!("x-queue-type={}", qt.name())
-        };
-        (name, sac, expected)
+    // Dead letters never expire (nothing consumes them while the group
+    // runs). One declared by an earlier version with `x-expires` is used
+    // as it is.
+    declare_own(conn, &g.dlq(), qt, None, "the group's dead-letter queue").await?;
+    declare_aux(conn, &g.members(), cfg.expires_ms).await?;
+    let ch = conn.create_channel().await.map_err(amqp)?;
+    let res = declare_on(&ch, cfg, names, g).await;
+    let _ = ch.close(200, "declared".into()).await;
+    res
+}
+
+/// The group's queues, exchange and bindings, on one channel.
+async fn declare_on(ch: &Channel, cfg: &RabbitConfig, names: &Names, g: &GroupNames) -> Result<()> {
+    let qt = cfg.queue_type;
+    let entry = names.entry();
+    // Again here: another process may have deleted the category since
+    // this one declared it (`delete_category`).
+    ch.exchange_declare(
+        entry.as_str().into(),
+        ExchangeKind::Fanout,
+        ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .map_err(|e| {
+        explain(
+            e,
+            &format!("exchange `{entry}`"),
+            "keyorder needs it as a durable fanout exchange",
+        )
+    })?;
+    let sac = cfg.topology != Topology::Plain;
+    let expected = if sac {
+        format!("x-queue-type={}, x-single-active-consumer=true", qt.name())
+    } else {
+        format!("x-queue-type={}", qt.name())
     };
-    let mut queues = match cfg.topology {
-        Topology::Plain => vec![queue(g.plain_queue(), false)],
-        Topology::SingleActiveConsumer => vec![queue(g.sac_queue(), true)],
-        Topology::ConsistentHash { queues } => (0..queues).map(|i| queue(g.hash_queue(i), true)).collect(),
-    };
-    queues.push(queue(g.dlq(), false));
-    for (name, sac, expected) in &queues {
-        let ch = conn.create_channel().await.map_err(amqp)?;
+    for name in g.queues(cfg.topology) {
         ch.queue_declare(
             name.as_str().into(),
             QueueDeclareOptions {
                 durable: true,
                 ..Default::default()
             },
-            queue_args(qt, *sac, cfg.expires_ms),
+            queue_args(qt, sac, cfg.expires_ms),
         )
         .await
         .map_err(|e| {
@@ -666,10 +855,7 @@ async fn declare_group(
                 &format!("keyorder needs it with {expected}: delete it (after draining) or fix its arguments"),
             )
         })?;
-        let _ = ch.close(200, "declared".into()).await;
     }
-    declare_aux(conn, &g.members(), cfg.expires_ms).await?;
-    let ch = conn.create_channel().await.map_err(amqp)?;
     match cfg.topology {
         Topology::ConsistentHash { queues: count } => {
             let x = g.hash_exchange();
@@ -707,7 +893,7 @@ async fn declare_group(
             }
             ch.exchange_bind(
                 x.as_str().into(),
-                names.entry().as_str().into(),
+                entry.as_str().into(),
                 "".into(),
                 ExchangeBindOptions::default(),
                 FieldTable::default(),
@@ -719,7 +905,7 @@ async fn declare_group(
             let q = &g.queues(cfg.topology)[0];
             ch.queue_bind(
                 q.as_str().into(),
-                names.entry().as_str().into(),
+                entry.as_str().into(),
                 "".into(),
                 QueueBindOptions::default(),
                 FieldTable::default(),
@@ -728,14 +914,12 @@ async fn declare_group(
             .map_err(amqp)?;
         }
     }
-    let _ = ch.close(200, "bound".into()).await;
-    if recorded.is_none() {
-        registry.add(g.group(), &wanted).await?;
-    }
     Ok(())
 }
 
-/// `declare=false`: every name of the group must exist (passive checks).
+/// `declare=false`: every name of the group must exist (passive checks);
+/// the topology was compared with the registry's record and the group's
+/// queues before ([`reserve`]).
 async fn verify_group(conn: &Connection, cfg: &RabbitConfig, names: &Names, g: &GroupNames) -> Result<()> {
     let create = "set `declare=true` or create it (see the table in the crate's `topology` module)";
     if !exchange_exists(conn, &names.entry(), ExchangeKind::Fanout).await? {
