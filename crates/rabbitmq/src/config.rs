@@ -90,7 +90,7 @@ impl std::fmt::Display for ConsumerTimeout {
 /// | `queue_type` | `quorum` | `quorum` or `classic` |
 /// | `declare` | `true` | create the topology; `false` only verifies it (manual topology) |
 /// | `prefetch` | `32` | unacknowledged deliveries per queue and consumer (at most 32 on quorum queues with `hash` or `sac`) |
-/// | `expires_ms` | none | delete a queue unused (no consumer) this long (`x-expires`; for tests and short-lived categories). Publishing is not use: a queue that expires while a backlog is published to it is deleted with its messages |
+/// | `expires_ms` | none | delete a group's queue unused (no consumer) this long (`x-expires`; for tests and short-lived categories; never the registry, its lock or a dead-letter queue). Publishing is not use: a queue that expires while a backlog is published to it is deleted with its messages |
 /// | `consumer_timeout_ms` | see below | how long a halted head may stay unacknowledged: a whole number of ms, or `off` |
 /// | `groups` | none | consumer groups (comma-separated) whose topology a publisher declares before its first publish, so they keep what is published before their first consumer starts |
 ///
@@ -136,7 +136,8 @@ pub struct RabbitConfig {
     pub declare: bool,
     /// Unacknowledged deliveries per queue and consumer.
     pub prefetch: u16,
-    /// `x-expires` of every queue, if set.
+    /// `x-expires` of each group's queues, if set (never the registry, its
+    /// lock or a dead-letter queue).
     pub expires_ms: Option<u32>,
     /// The `consumer_timeout` stated in the URL, if any.
     pub consumer_timeout: Option<ConsumerTimeout>,

@@ -6,9 +6,9 @@
 //!
 //! | Name | Kind | What |
 //! |---|---|---|
-//! | `{c}:entry` | fanout exchange | publishers publish here, routing key = the key (a keyless message: its id); every group's topology is bound to it |
-//! | `{c}:groups` | classic queue, one persistent message per group (`{"group": g, "topology": "hash:8"}`) | the group registry: `Admin::groups`, the topology each group was declared with (a different one is refused), what `remove_group` and `keyorder delete-queue` delete |
-//! | `{c}:groups-lock` | classic queue, never holds a message | the registry's lock: whoever reads or changes the registry (and declares a group) holds an exclusive consumer on it |
+//! | `{c}:entry` | fanout exchange | publishers publish here, routing key = the key (a keyless message: a hash of its id); every group's topology is bound to it |
+//! | `{c}:groups` | classic queue (whatever `queue_type`: not replicated), never `x-expires`, one persistent message per group (`{"group": g, "topology": "hash:8"}`) | the group registry: `Admin::groups`, the topology each group was declared with (a different one is refused), what `remove_group` and `keyorder delete-queue` delete; a message that is no valid record is skipped |
+//! | `{c}:groups-lock` | classic queue, never `x-expires`, never holds a message | the registry's lock: whoever reads or changes the registry holds an exclusive consumer on it, for a few round trips (a group's queues are declared after it is released) |
 //!
 //! Group `{g}` of category `{c}` (its base name `{c}:{g}`):
 //!
@@ -18,7 +18,7 @@
 //! | `{c}:{g}.hash.{i}` | queue, single active consumer, bound to `{c}:{g}.hash` with weight W (`RING_WEIGHT`) | one of the group's N queues |
 //! | `{c}:{g}.sac` | queue, single active consumer, bound to `{c}:entry` | the `sac` topology |
 //! | `{c}:{g}.plain` | queue, bound to `{c}:entry` | the `plain` topology |
-//! | `{c}:{g}.dlq` | queue | the group's dead letters (published with a confirm, then the head is acknowledged) |
+//! | `{c}:{g}.dlq` | queue, never `x-expires` | the group's dead letters (published with a confirm, then the head is acknowledged) |
 //! | `{c}:{g}.members` | classic queue, never holds a message | every running source of the group consumes it: its consumer count is the group's live members |
 //! | `{c}:{g}.presence` | fanout exchange (transient) | the group's instances announce themselves every heartbeat (`hash`) |
 //!
@@ -38,9 +38,13 @@
 //!
 //! The drift checks hold per group: a group is recorded in the registry with
 //! its topology (and N), and declaring it with another one (another N, `sac`
-//! for a `hash` group, ...) is refused with the fix; the queue type and the
-//! single-active-consumer argument are checked by the broker on every
-//! declaration (406).
+//! for a `hash` group, ...) is refused with the fix, with `declare=false`
+//! too; the group's existing queues are checked as well (a hash queue
+//! beyond N or a queue of another kind is refused; without a record, so is
+//! a ring of fewer queues), since RabbitMQ does not compare a custom
+//! exchange's arguments (`x-keyorder-queues` enforces nothing by itself).
+//! The queue type and the single-active-consumer argument are checked by
+//! the broker on every declaration (406).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
