@@ -722,6 +722,7 @@ impl Transport for PgTransport {
             spec: spec.clone(),
             slots,
             epoch,
+            removed: false,
             owned: BTreeMap::new(),
             events: Vec::new(),
             listener,
@@ -916,6 +917,9 @@ struct PgSource {
     slots: u32,
     /// The epoch of the group this member joined (`join_group`).
     epoch: i64,
+    /// The group was found removed: nothing of it is left to release (and
+    /// a member of the same name in a group created again keeps its rows).
+    removed: bool,
     owned: BTreeMap<u32, Owned>,
     events: Vec<SourceEvent>,
     listener: PgListener,
@@ -1094,9 +1098,7 @@ impl PgSource {
             .await
             .map_err(db)?;
         if seen.is_none() {
-            for (_, o) in std::mem::take(&mut self.owned) {
-                o.lease.lose();
-            }
+            self.gone();
             return Err(group_removed(queue, grp));
         }
         // Renew what we hold; a slot not renewed is lost.
@@ -1192,6 +1194,15 @@ impl PgSource {
         Ok(())
     }
 
+    /// The group this member joined is gone: every lease is lost, and
+    /// `close` releases nothing.
+    fn gone(&mut self) {
+        self.removed = true;
+        for (_, o) in std::mem::take(&mut self.owned) {
+            o.lease.lose();
+        }
+    }
+
     /// `sql` with this subscription's queue, group and `slot` bound as
     /// `$1`-`$3`.
     fn on_slot(
@@ -1258,6 +1269,7 @@ impl PgSource {
             .map_err(db)?
             .get(0);
         if !exists {
+            self.gone();
             return Err(group_removed(&self.spec.category, &self.spec.group));
         }
         Ok(false)
@@ -1570,6 +1582,9 @@ impl TransportSource for PgSource {
         // The housekeeping in flight first: it ends on its own.
         if let Some(h) = self.housekeeping.take() {
             let _ = h.await;
+        }
+        if self.removed {
+            return Ok(());
         }
         self.advance_cursors().await?;
         let slots: Vec<u32> = self.owned.keys().copied().collect();

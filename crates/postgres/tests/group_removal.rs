@@ -202,13 +202,27 @@ async fn a_stalled_member_of_a_removed_group_stops_with_an_error() {
     remove_once_expired(&t, &q).await;
     config_removed(stalled.maintain().await, "removed");
     let _ = stalled.close().await;
-    // Removed and created again by another member.
+    // Removed and created again by a member of the same name (a restarted
+    // pod): the stalled one stops, and closing it leaves the new member's
+    // leases alone.
     let q = queue("again");
     let mut stalled = t.open(&spec(&q, "a")).await.unwrap();
     remove_once_expired(&t, &q).await;
-    let mut fresh = t.open(&spec(&q, "b")).await.unwrap();
+    let mut fresh = t.open(&spec(&q, "a")).await.unwrap();
+    let owned =
+        |scopes: Vec<keyorder_core::ScopeInfo>| scopes.into_iter().map(|s| (s.owner, s.generation)).collect::<Vec<_>>();
+    let before = owned(t.admin().scopes(&q, "g").await.unwrap());
+    assert!(
+        before.iter().all(|(owner, _)| owner.as_deref() == Some("a")),
+        "{before:?}"
+    );
     config_removed(stalled.maintain().await, "removed and created again");
-    let _ = stalled.close().await;
+    stalled.close().await.unwrap();
+    assert_eq!(
+        owned(t.admin().scopes(&q, "g").await.unwrap()),
+        before,
+        "closing the stopped member released the new member's leases"
+    );
     fresh.maintain().await.unwrap();
     fresh.close().await.unwrap();
 }
