@@ -16,6 +16,7 @@ use keyorder_core::{Capabilities, Client, LeaseConfig, Result};
 pub mod broken;
 pub mod checker;
 pub mod eventlog;
+mod faults;
 mod groups;
 pub mod instance;
 pub mod outbox;
@@ -40,6 +41,30 @@ pub enum NewGroupStart {
     Retained,
     /// What is published after the group's first subscription was built.
     Subscribed,
+}
+
+/// How a worker process's broker connections go through a fault proxy
+/// (C19).
+#[derive(Debug, Clone)]
+pub struct FaultRoute {
+    /// The broker's address: what the proxy forwards to.
+    pub upstream: std::net::SocketAddr,
+    /// The port the proxy must listen on (0: any). A broker that advertises
+    /// a listener (Kafka) is reached at that port under `hosts`.
+    pub port: u16,
+    /// The worker's URL, with `{proxy}` standing for the proxy's
+    /// `host:port`.
+    pub url: String,
+    /// Host names the worker alone must resolve to the proxy's address (a
+    /// broker's advertised listener).
+    pub hosts: Vec<String>,
+}
+
+impl FaultRoute {
+    /// The worker URL through a proxy at `proxy`.
+    pub fn url_via(&self, proxy: std::net::SocketAddr) -> String {
+        self.url.replace("{proxy}", &proxy.to_string())
+    }
 }
 
 /// What a transport gives the suite.
@@ -113,6 +138,12 @@ pub trait Harness: Send + Sync {
     /// already shared, or is the key itself).
     async fn one_scope_client(&self) -> Result<Client> {
         self.client().await
+    }
+
+    /// How a worker process reaches the broker through a fault proxy
+    /// (C19), where the harness knows.
+    fn fault_route(&self) -> Option<FaultRoute> {
+        None
     }
 
     /// What a consumer group that subscribes for the first time receives.

@@ -1,4 +1,4 @@
-//! Scenarios C1-C18, written once.
+//! Scenarios C1-C20, written once.
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -57,6 +57,10 @@ pub enum Scenario {
     C17,
     /// C18 the operator resolves a halt while the scope flows.
     C18,
+    /// C19 connection faults between a worker and its broker.
+    C19,
+    /// C20 a worker whose clock is far off.
+    C20,
 }
 
 pub(crate) type Outcome = std::result::Result<(), String>;
@@ -67,7 +71,7 @@ pub(crate) fn err(e: impl std::fmt::Display) -> String {
 
 impl Scenario {
     /// Every scenario, in order.
-    pub const ALL: [Scenario; 18] = [
+    pub const ALL: [Scenario; 20] = [
         Scenario::C1,
         Scenario::C2,
         Scenario::C3,
@@ -86,6 +90,8 @@ impl Scenario {
         Scenario::C16,
         Scenario::C17,
         Scenario::C18,
+        Scenario::C19,
+        Scenario::C20,
     ];
 
     /// The trial name's scenario part, e.g. `c1_per_key_order`.
@@ -109,6 +115,8 @@ impl Scenario {
             Scenario::C16 => "c16_rebalance",
             Scenario::C17 => "c17_many_groups",
             Scenario::C18 => "c18_resolve_under_flow",
+            Scenario::C19 => "c19_connection_faults",
+            Scenario::C20 => "c20_clock_skew",
         }
     }
 
@@ -138,6 +146,11 @@ impl Scenario {
                 ),
             ]),
             Scenario::C11 => need(&[("correlated_ownership", caps.correlated_ownership)]),
+            Scenario::C19 | Scenario::C20 => need(&[(
+                "multi_process (a fault between a worker process and its broker needs a broker shared across \
+                 processes)",
+                caps.multi_process,
+            )]),
             Scenario::C14 => need(&[(
                 "persistent (the test broker keeps nothing across a restart)",
                 caps.persistent,
@@ -150,7 +163,7 @@ impl Scenario {
     /// Runs the scenario; `Err` explains the failure.
     pub async fn run(self, harness: &dyn Harness) -> Outcome {
         let mut ctx = Ctx::new(harness, self);
-        if matches!(self, Scenario::C6 | Scenario::C7) {
+        if matches!(self, Scenario::C6 | Scenario::C7 | Scenario::C19 | Scenario::C20) {
             // Separate processes share the event log in PostgreSQL.
             let log = PgEventLog::connect(&harness.event_log_url(), &ctx.ns)
                 .await
@@ -176,6 +189,8 @@ impl Scenario {
             Scenario::C11 => c11(&ctx).await,
             Scenario::C17 => crate::groups::c17(&ctx).await,
             Scenario::C18 => crate::groups::c18(&ctx).await,
+            Scenario::C19 => crate::faults::c19(&ctx).await,
+            Scenario::C20 => crate::faults::c20(&ctx).await,
             #[allow(unreachable_patterns)]
             _ => Err(format!("{}: no runner", self.slug())),
         }
@@ -951,7 +966,7 @@ async fn c16(ctx: &Ctx<'_>) -> Outcome {
 }
 
 impl Ctx<'_> {
-    fn worker_config(
+    pub(crate) fn worker_config(
         &self,
         category: &str,
         instance: &str,
@@ -984,7 +999,7 @@ impl Ctx<'_> {
 
     /// Waits until `instance` is inside a handler (started, not ended) of a
     /// message with sequence >= `seq`; returns that message's key.
-    async fn wait_held(&self, instance: &str, seq: u64) -> Result<String, String> {
+    pub(crate) async fn wait_held(&self, instance: &str, seq: u64) -> Result<String, String> {
         let log = self.log.clone();
         let found = Arc::new(std::sync::Mutex::new(None));
         let f = found.clone();

@@ -34,6 +34,18 @@ pub(crate) const HOLDING_LINE: &str = "KEYORDER_WORKER_HOLDING ";
 /// worker prints once its held publish returned.
 pub(crate) const RELEASED_LINE: &str = "KEYORDER_WORKER_RELEASED ";
 
+/// How a worker process is started beyond its configuration: extra
+/// environment (a faked clock: `LD_PRELOAD` of libfaketime and `FAKETIME`)
+/// and host names it alone resolves to other addresses (a broker's
+/// advertised listener to a fault proxy; needs `unshare` and root).
+#[derive(Debug, Clone, Default)]
+pub struct Launch {
+    /// Extra environment variables.
+    pub env: Vec<(String, String)>,
+    /// `(host name, IP)` pairs of the worker's private `/etc/hosts`.
+    pub hosts: Vec<(String, std::net::IpAddr)>,
+}
+
 /// What a worker process runs.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct WorkerConfig {
@@ -175,8 +187,13 @@ impl WorkerProcess {
     /// Spawns this executable as a worker with `cfg`; returns once the
     /// worker's subscription is built.
     pub async fn spawn(cfg: &WorkerConfig) -> std::result::Result<WorkerProcess, String> {
+        Self::spawn_in(cfg, &Launch::default()).await
+    }
+
+    /// [`WorkerProcess::spawn`] with `launch`'s environment and host names.
+    pub async fn spawn_in(cfg: &WorkerConfig, launch: &Launch) -> std::result::Result<WorkerProcess, String> {
         let json = serde_json::to_string(cfg).map_err(|e| e.to_string())?;
-        Self::spawn_with(WORKER_ENV, json, &cfg.instance).await
+        Self::spawn_launch(WORKER_ENV, json, &cfg.instance, launch).await
     }
 
     /// Spawns this executable with `json` in the environment variable `env`
@@ -187,8 +204,39 @@ impl WorkerProcess {
         json: String,
         instance: &str,
     ) -> std::result::Result<WorkerProcess, String> {
+        Self::spawn_launch(env, json, instance, &Launch::default()).await
+    }
+
+    async fn spawn_launch(
+        env: &str,
+        json: String,
+        instance: &str,
+        launch: &Launch,
+    ) -> std::result::Result<WorkerProcess, String> {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-        let mut child = Command::new(exe)
+        let mut command = if launch.hosts.is_empty() {
+            Command::new(exe)
+        } else {
+            // A private /etc/hosts in a mount namespace of its own: the
+            // worker resolves these names (a broker's advertised listener)
+            // to a fault proxy, every other process to the broker itself.
+            let file =
+                std::env::temp_dir().join(format!("keyorder-hosts-{instance}-{}", uuid::Uuid::new_v4().simple()));
+            let mut text = String::from("127.0.0.1 localhost\n");
+            for (name, ip) in &launch.hosts {
+                text.push_str(&format!("{ip} {name}\n"));
+            }
+            std::fs::write(&file, text).map_err(|e| format!("writing {}: {e}", file.display()))?;
+            let mut c = Command::new("unshare");
+            c.args(["--mount", "--propagation", "private", "sh", "-c"])
+                .arg(r#"mount --bind "$1" /etc/hosts && shift && exec "$@""#)
+                .arg("sh")
+                .arg(&file)
+                .arg(exe);
+            c
+        };
+        command.envs(launch.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        let mut child = command
             .env(env, json)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
