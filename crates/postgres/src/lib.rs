@@ -1158,6 +1158,19 @@ impl PgSource {
                 }
             }
         }
+        if self.waiting {
+            // Held by other members, or gone with the group (removed after
+            // this heartbeat): one look for the whole group, not one per slot.
+            let rows: i64 = ex
+                .one(q(&sql.group_slot_rows).bind(queue).bind(grp).bind(self.epoch))
+                .await
+                .map_err(db)?
+                .get(0);
+            if rows < i64::from(self.slots) {
+                self.gone();
+                return Err(group_removed(queue, grp));
+            }
+        }
         // Operator actions on halted heads of our slots.
         let slots: Vec<i32> = self.owned.keys().map(|s| *s as i32).collect();
         if !slots.is_empty() {
@@ -1259,18 +1272,6 @@ impl PgSource {
                 },
             );
             return Ok(true);
-        }
-        // Held by another member, or gone with its group.
-        let exists: bool = self
-            .t
-            .db
-            .one(self.on_slot(&self.t.sql.slot_of_group, slot).bind(self.epoch))
-            .await
-            .map_err(db)?
-            .get(0);
-        if !exists {
-            self.gone();
-            return Err(group_removed(&self.spec.category, &self.spec.group));
         }
         Ok(false)
     }

@@ -59,7 +59,7 @@ pub(crate) struct Sql {
     pub(crate) lock_queue_group_slots: Arc<str>,
     pub(crate) raise_floor: Arc<str>,
     pub(crate) raise_floor_queue: Arc<str>,
-    pub(crate) slot_of_group: Arc<str>,
+    pub(crate) group_slot_rows: Arc<str>,
     pub(crate) join_member: Arc<str>,
     pub(crate) share_queue: Arc<str>,
     pub(crate) groups: Arc<str>,
@@ -147,11 +147,11 @@ impl Sql {
                  from {s}.slots where queue = $1 on conflict (one) do update \
                  set generation = greatest({s}.generation_floor.generation, excluded.generation)",
             ),
-            // Whether slot $3 of group $2 of queue $1 exists in the group
-            // of epoch $4 (the one this member joined).
-            slot_of_group: f(
-                "select exists (select 1 from {s}.slots s join {s}.groups g on g.queue = s.queue and g.grp = s.grp \
-                 where s.queue = $1 and s.grp = $2 and s.slot = $3 and g.epoch = $4)",
+            // The slot rows of group $2 of queue $1 while it is the group
+            // of epoch $3 (the one a member joined): none once it is gone.
+            group_slot_rows: f(
+                "select count(*) from {s}.slots s join {s}.groups g on g.queue = s.queue and g.grp = s.grp \
+                 where s.queue = $1 and s.grp = $2 and g.epoch = $3",
             ),
             // The member's row, written with the group's creation (in its
             // transaction): a removal that comes after sees a live member.

@@ -507,3 +507,36 @@ async fn a_huge_member_ttl_counts_as_live() {
         other => panic!("removing a group with a live member: {other:?}"),
     }
 }
+
+/// A member whose group's slot rows are gone (its group row left, as by
+/// a hand-made deletion) stops with the same error at its next step,
+/// rather than wait for slots that no longer exist.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_whose_slot_rows_are_gone_stops_with_an_error() {
+    let schema = "keyorder_removal_slots";
+    let t = common::transport(schema, 2).await;
+    let pool = sqlx::PgPool::connect(&common::url()).await.unwrap();
+    let q = queue("slots");
+    let mut source = t.open(&spec(&q, "a")).await.unwrap();
+    sqlx::query(AssertSqlSafe(format!("delete from {schema}.slots where queue = $1")))
+        .bind(&q)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let end = deadline(60);
+    loop {
+        match source.maintain().await {
+            Ok(_) => {
+                assert!(
+                    tokio::time::Instant::now() < end,
+                    "the member ran on without its slot rows"
+                );
+                source
+                    .fetch(10, &HashSet::new(), Duration::from_millis(100))
+                    .await
+                    .unwrap();
+            }
+            r => break config_removed(r, "slot rows gone"),
+        }
+    }
+}
