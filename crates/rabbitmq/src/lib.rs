@@ -307,10 +307,16 @@ impl RabbitTransport {
 
     /// Declares (or verifies) one group's topology behind the category's
     /// entry exchange and records the group; once per transport.
-    pub(crate) async fn ensure_group(&self, names: &Names, group: &GroupNames) -> Result<()> {
+    /// With `recheck` (a subscription's build), a group declared here
+    /// before is checked to be still there (two passive declarations; not
+    /// on every publisher's creation).
+    pub(crate) async fn ensure_group(&self, names: &Names, group: &GroupNames, recheck: bool) -> Result<()> {
         self.ensure_category(names).await?;
         let conn = self.connection().await?;
         if self.was_declared(group.base()) {
+            if !recheck {
+                return Ok(());
+            }
             // Declared here before: still there, unless another process
             // removed the group (or deleted the category) since.
             let mut there = true;
@@ -408,7 +414,7 @@ impl Transport for RabbitTransport {
         self.ensure_category(&names).await?;
         // The groups the URL names keep what is published from now on.
         for g in &self.cfg.groups {
-            self.ensure_group(&names, &names.group(g)?).await?;
+            self.ensure_group(&names, &names.group(g)?, false).await?;
         }
         Ok(Arc::new(RabbitPublisher {
             t: self.clone(),
@@ -431,7 +437,7 @@ impl Transport for RabbitTransport {
         };
         let names = Names::new(&spec.category)?;
         let group = names.group(&spec.group)?;
-        self.ensure_group(&names, &group).await?;
+        self.ensure_group(&names, &group, true).await?;
         // Operators in other processes ask the consumers themselves for
         // their hot keys and halted heads (see `control`).
         self.answer_for(group.base());
