@@ -26,7 +26,7 @@ use futures::FutureExt;
 use tokio::time::Instant;
 
 use crate::error::Error;
-use crate::handler::{Handler, HandlerError};
+use crate::handler::{Handler, HandlerError, Settled, Settlement};
 use crate::key::OrderingKey;
 use crate::lease::LeaseState;
 use crate::lease::ScopeLease;
@@ -189,6 +189,11 @@ struct Inner {
     waiters: AtomicUsize,
     stopping: Stop,
     stats: Arc<Stats>,
+    /// Told of every delivery's settlement, when the application asked.
+    observer: std::sync::OnceLock<crate::handler::SettledHook>,
+    /// Scopes a handler's store fenced (`HandlerError::Fenced`), for the
+    /// subscription to hand back to the broker.
+    store_fenced: Mutex<Vec<Arc<str>>>,
 }
 
 /// The keyed dispatcher. Cheap to clone; clones share one state.
@@ -246,8 +251,23 @@ impl Dispatcher {
                 waiters: AtomicUsize::new(0),
                 stopping: Stop::new(),
                 stats,
+                observer: std::sync::OnceLock::new(),
+                store_fenced: Mutex::new(Vec::new()),
             }),
         }
+    }
+
+    /// Scopes whose handler's store refused a fencing token since the last
+    /// call: the subscription hands them back to the broker, which gives
+    /// them out again under a newer generation.
+    pub fn take_store_fenced(&self) -> Vec<Arc<str>> {
+        std::mem::take(&mut *self.inner.store_fenced.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Tells `hook` of every delivery's settlement from now on (once; a
+    /// second call is ignored).
+    pub fn on_settled(&self, hook: crate::handler::SettledHook) {
+        let _ = self.inner.observer.set(hook);
     }
 
     /// The counters.
@@ -954,10 +974,7 @@ impl Inner {
         let max = self.cfg.max_attempts();
         match self.usable(job).await {
             Some(true) => {}
-            Some(false) => {
-                bump(&self.stats.self_fence_discards, "keyorder_self_fence_discards_total");
-                return Outcome::Lost;
-            }
+            Some(false) => return self.discarded(job),
             None => return Outcome::Stopped,
         }
         loop {
@@ -966,16 +983,10 @@ impl Inner {
             }
             match lease.state() {
                 LeaseState::Fresh => {}
-                LeaseState::Lost => {
-                    bump(&self.stats.self_fence_discards, "keyorder_self_fence_discards_total");
-                    return Outcome::Lost;
-                }
+                LeaseState::Lost => return self.discarded(job),
                 LeaseState::Stale => match self.usable(job).await {
                     Some(true) => {}
-                    Some(false) => {
-                        bump(&self.stats.self_fence_discards, "keyorder_self_fence_discards_total");
-                        return Outcome::Lost;
-                    }
+                    Some(false) => return self.discarded(job),
                     None => return Outcome::Stopped,
                 },
             }
@@ -1012,6 +1023,22 @@ impl Inner {
                 let run = AssertUnwindSafe(self.handler.handle(delivery)).catch_unwind();
                 match tracing::Instrument::instrument(run, span).await {
                     Ok(Ok(())) => return Outcome::Applied,
+                    Ok(Err(HandlerError::Fenced(e))) => {
+                        bump(&self.stats.handler_fenced, "keyorder_handler_fenced_total");
+                        tracing::warn!(
+                            scope = %lease.scope(),
+                            token = lease.generation(),
+                            error = %e,
+                            "the handler's store refused the fencing token; not acknowledged, scope given up"
+                        );
+                        job.lease.lose();
+                        self.store_fenced
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .push(lease.scope().clone());
+                        self.report(job, Settlement::Fenced);
+                        return Outcome::Lost;
+                    }
                     Ok(Err(HandlerError::Retryable(e))) => (e.to_string(), false),
                     Ok(Err(HandlerError::Poison(e))) => (e.to_string(), true),
                     Err(_) => {
@@ -1040,7 +1067,27 @@ impl Inner {
     fn fenced(&self, job: &Job) -> Outcome {
         bump(&self.stats.fence_rejections, "keyorder_fence_rejections_total");
         job.lease.lose();
+        self.report(job, Settlement::Fenced);
         Outcome::Lost
+    }
+
+    /// The self-fence discards a job whose scope was lost, before it ran.
+    fn discarded(&self, job: &Job) -> Outcome {
+        bump(&self.stats.self_fence_discards, "keyorder_self_fence_discards_total");
+        self.report(job, Settlement::Discarded);
+        Outcome::Lost
+    }
+
+    /// Tells the application's observer, if any, how `job` ended.
+    fn report(&self, job: &Job, settlement: Settlement) {
+        if let Some(hook) = self.observer.get() {
+            hook.call(&Settled {
+                id: job.message.id().to_owned(),
+                key_label: job.key.as_ref().map(OrderingKey::label),
+                fencing_token: job.lease.generation(),
+                settlement,
+            });
+        }
     }
 
     /// Runs a broker settlement until it succeeds, is fenced, or shutdown.
@@ -1072,6 +1119,7 @@ impl Inner {
         match self.settle_until(job, "ack", |j| j.settle.ack()).await {
             Ok(()) => {
                 bump(&self.stats.applied, "keyorder_applied_total");
+                self.report(job, Settlement::Acknowledged);
                 Outcome::Done
             }
             Err(outcome) => outcome,
@@ -1093,6 +1141,7 @@ impl Inner {
             PoisonPolicy::Park { .. } => match self.settle_until(job, "park", |j| j.settle.park(reason)).await {
                 Ok(()) => {
                     bump(&self.stats.parked, "keyorder_parked_total");
+                    self.report(job, Settlement::Parked);
                     tracing::warn!(key = %label, id = job.message.id(), reason, "head parked; key released (gap)");
                     Outcome::Done
                 }
@@ -1101,6 +1150,7 @@ impl Inner {
             PoisonPolicy::Halt => match self.settle_until(job, "halt", |j| j.settle.halt(reason)).await {
                 Ok(()) => {
                     bump(&self.stats.halts, "keyorder_halts_total");
+                    self.report(job, Settlement::Halted);
                     self.stats.halted_now.fetch_add(1, Ordering::Relaxed);
                     metrics::gauge!("keyorder_halted_keys").increment(1.0);
                     tracing::error!(key = %label, id = job.message.id(), reason, "key halted at a poison head");

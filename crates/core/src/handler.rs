@@ -7,7 +7,8 @@ use crate::message::Delivery;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
-/// Why a handler failed: retry with back-off, or apply the poison policy at once.
+/// Why a handler failed: retry with back-off, apply the poison policy at
+/// once, or the handler's own store refused this delivery's fencing token.
 ///
 /// `?` on any error type gives a retryable error.
 pub enum HandlerError {
@@ -15,6 +16,12 @@ pub enum HandlerError {
     Retryable(BoxError),
     /// The message can never succeed: the poison policy applies at once.
     Poison(BoxError),
+    /// The handler's own store refused [`Delivery::fencing_token`] as stale
+    /// (it has seen a newer owner's): nothing is acknowledged, nothing is
+    /// recorded as applied, the delivery's scope is given up here (its
+    /// buffered work goes, as when the broker's fence rejects an owner) and
+    /// it is counted in `Stats::handler_fenced`.
+    Fenced(BoxError),
 }
 
 impl HandlerError {
@@ -26,9 +33,83 @@ impl HandlerError {
     pub fn poison(err: impl Into<BoxError>) -> Self {
         HandlerError::Poison(err.into())
     }
+    /// The handler's store refused the delivery's fencing token (see
+    /// [`HandlerError::Fenced`]).
+    ///
+    /// ```
+    /// use keyorder_core::{Delivery, HandlerError, HandlerResult};
+    /// // A store that keeps the highest token it accepted per scope.
+    /// fn apply(d: &Delivery, highest_seen: u64) -> HandlerResult {
+    ///     if d.fencing_token() < highest_seen {
+    ///         return Err(HandlerError::fenced("store saw a newer owner's token"));
+    ///     }
+    ///     Ok(())
+    /// }
+    /// ```
+    pub fn fenced(err: impl Into<BoxError>) -> Self {
+        HandlerError::Fenced(err.into())
+    }
     /// Whether the poison policy applies at once.
     pub fn is_poison(&self) -> bool {
         matches!(self, HandlerError::Poison(_))
+    }
+    /// Whether the handler's store refused the fencing token.
+    pub fn is_fenced(&self) -> bool {
+        matches!(self, HandlerError::Fenced(_))
+    }
+}
+
+/// How a delivery ended in this process, as
+/// [`crate::SubscriptionBuilder::on_settled`] reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Settlement {
+    /// Applied: the handler returned `Ok` and the broker acknowledged it.
+    Acknowledged,
+    /// Dead-lettered by the poison policy, durably confirmed.
+    Parked,
+    /// Its key halted at it (it stays as the key's head).
+    Halted,
+    /// Rejected by a fence: the broker's (this owner lost the scope) or the
+    /// handler's own store ([`HandlerError::Fenced`]). Not acknowledged: the
+    /// scope's next owner delivers it.
+    Fenced,
+    /// Discarded before it ran: its scope was lost (self-fence). Not
+    /// acknowledged: the scope's next owner delivers it.
+    Discarded,
+}
+
+/// One delivery's settlement (see [`Settlement`]).
+#[derive(Debug, Clone)]
+pub struct Settled {
+    /// The message id.
+    pub id: String,
+    /// The key's label (`k#...`), `None` for a keyless message.
+    pub key_label: Option<String>,
+    /// The fencing token the delivery carried.
+    pub fencing_token: u64,
+    /// How it ended.
+    pub settlement: Settlement,
+}
+
+/// A callback told of every delivery's settlement.
+#[derive(Clone)]
+pub struct SettledHook(std::sync::Arc<dyn Fn(&Settled) + Send + Sync>);
+
+impl SettledHook {
+    /// Wraps `f`.
+    pub fn new(f: impl Fn(&Settled) + Send + Sync + 'static) -> Self {
+        SettledHook(std::sync::Arc::new(f))
+    }
+    /// Calls it.
+    pub fn call(&self, settled: &Settled) {
+        (self.0)(settled);
+    }
+}
+
+impl fmt::Debug for SettledHook {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("SettledHook")
     }
 }
 
@@ -43,6 +124,7 @@ impl fmt::Debug for HandlerError {
         match self {
             HandlerError::Retryable(e) => write!(f, "Retryable({e})"),
             HandlerError::Poison(e) => write!(f, "Poison({e})"),
+            HandlerError::Fenced(e) => write!(f, "Fenced({e})"),
         }
     }
 }
@@ -52,6 +134,7 @@ impl fmt::Display for HandlerError {
         match self {
             HandlerError::Retryable(e) => write!(f, "retryable: {e}"),
             HandlerError::Poison(e) => write!(f, "poison: {e}"),
+            HandlerError::Fenced(e) => write!(f, "fenced by the handler's store: {e}"),
         }
     }
 }

@@ -43,6 +43,9 @@ stats! {
     halted_now,
     /// Broker operations rejected by the fence (stale owner).
     fence_rejections,
+    /// Deliveries whose handler's own store refused the fencing token
+    /// (`HandlerError::Fenced`): not acknowledged, scope given up.
+    handler_fenced,
     /// Times the self-fence paused a scope whose ownership was not confirmed recently.
     self_fence_pauses,
     /// Buffered deliveries discarded because their scope was lost.

@@ -52,6 +52,7 @@ pub struct SubscriptionBuilder {
     lease: LeaseConfig,
     instance: Option<String>,
     batch: usize,
+    observer: Option<crate::handler::SettledHook>,
 }
 
 impl SubscriptionBuilder {
@@ -69,6 +70,7 @@ impl SubscriptionBuilder {
             lease: LeaseConfig::default(),
             instance: None,
             batch: 256,
+            observer: None,
         }
     }
 
@@ -159,6 +161,28 @@ impl SubscriptionBuilder {
         self.lease = lease;
         self
     }
+    /// Calls `hook` with every delivery's settlement in this process
+    /// (acknowledged, parked, halted, fenced, discarded), as it happens, for
+    /// an application that records outcomes per message rather than reading
+    /// the aggregate [`crate::Stats`]. Keep it quick: it runs on the
+    /// dispatcher's workers.
+    ///
+    /// ```
+    /// # use keyorder_core::{Client, MemoryTransport, Settlement};
+    /// # use std::sync::Arc;
+    /// let client = Client::new(Arc::new(MemoryTransport::new()));
+    /// let builder = client.subscribe("orders", "billing").on_settled(|s| {
+    ///     if s.settlement == Settlement::Fenced {
+    ///         eprintln!("{} not applied here (token {})", s.id, s.fencing_token);
+    ///     }
+    /// });
+    /// # let _ = builder;
+    /// ```
+    pub fn on_settled(mut self, hook: impl Fn(&crate::Settled) + Send + Sync + 'static) -> Self {
+        self.observer = Some(crate::handler::SettledHook::new(hook));
+        self
+    }
+
     /// This instance's id (default: a fresh UUID).
     pub fn instance_id(mut self, id: impl Into<String>) -> Self {
         self.instance = Some(id.into());
@@ -295,6 +319,7 @@ impl SubscriptionBuilder {
             batch: self.batch,
             stats: Arc::new(Stats::default()),
             transport: name,
+            observer: self.observer,
         })
     }
 }
@@ -310,6 +335,7 @@ pub struct Subscription {
     batch: usize,
     stats: Arc<Stats>,
     transport: String,
+    observer: Option<crate::handler::SettledHook>,
 }
 
 impl fmt::Debug for Subscription {
@@ -352,6 +378,9 @@ impl Subscription {
     /// the instance's scopes are handed over.
     pub async fn run<H: Handler>(mut self, handler: H, shutdown: impl Future<Output = ()> + Send) -> Result<RunReport> {
         let dispatcher = Dispatcher::new(self.dispatch, Arc::new(handler), self.stats.clone());
+        if let Some(hook) = self.observer.take() {
+            dispatcher.on_settled(hook);
+        }
         let mut loop_state = LoopState::default();
         tokio::pin!(shutdown);
         // How long shutdown waits for the step in flight (at most the lease
@@ -420,6 +449,12 @@ impl Subscription {
                     dispatcher.release(&key, drop_head);
                 }
             }
+        }
+        // A scope whose handler's store refused its token goes back to the
+        // broker once drained, to be given out under a newer generation.
+        for scope in dispatcher.take_store_fenced() {
+            st.paused.remove(&scope);
+            st.revoking.insert(scope);
         }
         // Work of lost leases goes, halted heads included; a revoked scope
         // sheds again what came back since (a handler that halted meanwhile).

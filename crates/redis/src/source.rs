@@ -526,7 +526,7 @@ impl Source {
         for p in self.parts.values() {
             for s in &p.streams {
                 if s.acked.swap(false, Ordering::Relaxed) {
-                    pipe.invoke_script(&crate::scripts::TRIM.key(&s.stream).key(self.cats[s.cat].groups()));
+                    pipe.invoke_script(crate::scripts::TRIM.key(&s.stream).key(self.cats[s.cat].groups()));
                     n += 1;
                 }
             }
