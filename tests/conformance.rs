@@ -449,6 +449,18 @@ struct KafkaHarness {
 }
 
 #[cfg(feature = "kafka")]
+impl KafkaHarness {
+    /// The ttl is the group session timeout; the broker assigns after about half of it.
+    fn lease_config() -> keyorder::LeaseConfig {
+        keyorder::LeaseConfig {
+            ttl: std::time::Duration::from_secs(6),
+            heartbeat: std::time::Duration::from_millis(500),
+            margin: std::time::Duration::from_secs(2),
+        }
+    }
+}
+
+#[cfg(feature = "kafka")]
 #[keyorder::async_trait]
 impl Harness for KafkaHarness {
     fn name(&self) -> &str {
@@ -481,20 +493,15 @@ impl Harness for KafkaHarness {
                     .to_owned(),
             ),
             Scenario::C19 => Some(
-                "not built yet: librdkafka connects to the broker's advertised listener, so the fault proxy needs a \
-                 broker of its own that advertises a host name the faulted worker alone resolves to the proxy"
+                "runs on `kafka-faults`: librdkafka connects to the broker's advertised listener, so the fault \
+                 proxy stands behind a broker of its own that advertises a host name"
                     .to_owned(),
             ),
             _ => None,
         }
     }
     fn lease(&self) -> keyorder::LeaseConfig {
-        // ttl is the group session timeout; the broker assigns after about half of it.
-        keyorder::LeaseConfig {
-            ttl: std::time::Duration::from_secs(6),
-            heartbeat: std::time::Duration::from_millis(500),
-            margin: std::time::Duration::from_secs(2),
-        }
+        KafkaHarness::lease_config()
     }
     fn worker_url(&self) -> Option<String> {
         Some(self.url.clone())
@@ -554,6 +561,49 @@ const OPEN_DEFECTS: &[(&str, Scenario, &str)] = &[
     ),
 ];
 
+/// A Kafka-protocol broker of its own for C19 (`KAFKA_FAULTS_BROKERS`, the
+/// second tansu `scripts/services` starts on 127.0.0.1:9094): it advertises
+/// the host name `keyorder-kafka-faults`, which every process resolves to
+/// 127.0.0.1 (`/etc/hosts`) and a faulted worker alone, in a mount namespace
+/// with its own `/etc/hosts`, to its fault proxy.
+#[cfg(feature = "kafka")]
+struct KafkaFaultsHarness {
+    url: String,
+    host: String,
+    port: u16,
+}
+
+#[cfg(feature = "kafka")]
+#[keyorder::async_trait]
+impl Harness for KafkaFaultsHarness {
+    fn name(&self) -> &str {
+        "kafka-faults"
+    }
+    fn capabilities(&self) -> Capabilities {
+        keyorder::kafka::CAPABILITIES
+    }
+    async fn client(&self) -> Result<Client> {
+        keyorder::connect(&self.url).await
+    }
+    fn not_applicable(&self, scenario: Scenario) -> Option<String> {
+        (scenario != Scenario::C19).then(|| "runs on `kafka`; this broker exists for C19".to_owned())
+    }
+    fn lease(&self) -> keyorder::LeaseConfig {
+        KafkaHarness::lease_config()
+    }
+    fn worker_url(&self) -> Option<String> {
+        Some(self.url.clone())
+    }
+    fn fault_route(&self) -> Option<keyorder_testkit::FaultRoute> {
+        Some(keyorder_testkit::FaultRoute {
+            upstream: std::net::SocketAddr::from(([127, 0, 0, 1], self.port)),
+            port: self.port,
+            url: self.url.clone(),
+            hosts: vec![self.host.clone()],
+        })
+    }
+}
+
 fn harnesses() -> Vec<Arc<dyn Harness>> {
     #[allow(unused_mut)]
     let mut all: Vec<Arc<dyn Harness>> = vec![Arc::new(MemoryHarness {
@@ -610,6 +660,13 @@ fn harnesses() -> Vec<Arc<dyn Harness>> {
         // and an instance can be given only empty partitions).
         all.push(Arc::new(KafkaHarness {
             url: format!("kafka://{brokers}?partitions=4&fetch_wait_ms=10"),
+        }));
+        let faults = std::env::var("KAFKA_FAULTS_BROKERS").unwrap_or_else(|_| "keyorder-kafka-faults:9094".into());
+        let (host, port) = faults.rsplit_once(':').unwrap_or(("keyorder-kafka-faults", "9094"));
+        all.push(Arc::new(KafkaFaultsHarness {
+            url: format!("kafka://{faults}?partitions=4&fetch_wait_ms=10"),
+            host: host.to_owned(),
+            port: port.parse().unwrap_or(9094),
         }));
     }
     all

@@ -1,4 +1,4 @@
-//! The keyorder conformance suite: scenarios C1-C18 of
+//! The keyorder conformance suite: scenarios C1-C20 of
 //! `shared/design/CONFORMANCE.md`, written once as functions over a
 //! [`Harness`] that each adapter implements, and the one [`checker`] that
 //! judges their event logs.

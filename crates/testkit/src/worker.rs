@@ -222,7 +222,10 @@ impl WorkerProcess {
             // to a fault proxy, every other process to the broker itself.
             let file =
                 std::env::temp_dir().join(format!("keyorder-hosts-{instance}-{}", uuid::Uuid::new_v4().simple()));
-            let mut text = String::from("127.0.0.1 localhost\n");
+            let mut text = String::new();
+            if !launch.hosts.iter().any(|(name, _)| name == "localhost") {
+                text.push_str("127.0.0.1 localhost\n");
+            }
             for (name, ip) in &launch.hosts {
                 text.push_str(&format!("{ip} {name}\n"));
             }
