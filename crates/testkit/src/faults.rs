@@ -227,30 +227,114 @@ pub(crate) async fn c19(ctx: &Ctx<'_>) -> Outcome {
     .assert_ok()
 }
 
-/// Where libfaketime is (`KEYORDER_FAKETIME_LIB`, else Debian's path).
-fn faketime_lib() -> Result<String, String> {
-    let lib = std::env::var("KEYORDER_FAKETIME_LIB")
-        .unwrap_or_else(|_| "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1".into());
-    if std::path::Path::new(&lib).exists() {
-        Ok(lib)
-    } else {
-        Err(format!(
-            "libfaketime is missing at {lib}: run scripts/services (it installs Debian's libfaketime)"
-        ))
-    }
+/// A preload library of this suite's own that shifts the wall clock
+/// (`clock_gettime` of the realtime clocks, `gettimeofday`, `time`) by
+/// `KEYORDER_SKEW_MS` and leaves the monotonic clocks alone: clock skew
+/// between hosts is a wall-clock matter. A C11 timed wait's deadline is
+/// shifted back, as a host whose clock is off waits in its own clock's
+/// terms (librdkafka computes its waits' deadlines from the wall clock;
+/// under libfaketime every one of them lasted the skew longer, so a Kafka
+/// worker never started). Compiled once per run with the system C
+/// compiler.
+const SKEW_C: &str = r#"
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdlib.h>
+#include <sys/time.h>
+#include <threads.h>
+#include <time.h>
+
+static long long skew_ns(void) {
+    const char *s = getenv("KEYORDER_SKEW_MS");
+    return s ? atoll(s) * 1000000LL : 0;
+}
+
+static void shift(struct timespec *ts) {
+    long long n = (long long)ts->tv_sec * 1000000000LL + ts->tv_nsec + skew_ns();
+    ts->tv_sec = n / 1000000000LL;
+    ts->tv_nsec = n % 1000000000LL;
+    if (ts->tv_nsec < 0) { ts->tv_nsec += 1000000000LL; ts->tv_sec -= 1; }
+}
+
+int clock_gettime(clockid_t id, struct timespec *ts) {
+    static int (*real)(clockid_t, struct timespec *) = 0;
+    if (!real) real = (int (*)(clockid_t, struct timespec *))dlsym(RTLD_NEXT, "clock_gettime");
+    int r = real(id, ts);
+    if (r == 0 && (id == CLOCK_REALTIME || id == CLOCK_REALTIME_COARSE)) shift(ts);
+    return r;
+}
+
+int gettimeofday(struct timeval *tv, void *tz) {
+    struct timespec ts;
+    int r = clock_gettime(CLOCK_REALTIME, &ts);
+    (void)tz;
+    if (r == 0 && tv) { tv->tv_sec = ts.tv_sec; tv->tv_usec = ts.tv_nsec / 1000; }
+    return r;
+}
+
+time_t time(time_t *t) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    if (t) *t = ts.tv_sec;
+    return ts.tv_sec;
+}
+
+/* A C11 timed wait takes a realtime deadline, computed from the shifted
+   clock: the kernel waits on the real one, so shift the deadline back (a
+   host whose clock is off waits in its own clock's terms). */
+int cnd_timedwait(cnd_t *restrict cond, mtx_t *restrict mtx, const struct timespec *restrict at) {
+    static int (*real)(cnd_t *, mtx_t *, const struct timespec *) = 0;
+    if (!real) real = (int (*)(cnd_t *, mtx_t *, const struct timespec *))dlsym(RTLD_NEXT, "cnd_timedwait");
+    struct timespec back = *at;
+    long long n = (long long)back.tv_sec * 1000000000LL + back.tv_nsec - skew_ns();
+    back.tv_sec = n / 1000000000LL;
+    back.tv_nsec = n % 1000000000LL;
+    if (back.tv_nsec < 0) { back.tv_nsec += 1000000000LL; back.tv_sec -= 1; }
+    return real(cond, mtx, &back);
+}
+"#;
+
+/// Builds the skew library (once per process) and returns its path.
+fn skew_lib() -> Result<String, String> {
+    static BUILT: std::sync::OnceLock<Result<String, String>> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let dir = std::env::temp_dir().join(format!("keyorder-skew-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+            let src = dir.join("skew.c");
+            let lib = dir.join("libkeyorder_skew.so");
+            std::fs::write(&src, SKEW_C).map_err(|e| format!("{}: {e}", src.display()))?;
+            let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+            let out = std::process::Command::new(&cc)
+                .args(["-shared", "-fPIC", "-O2", "-o"])
+                .arg(&lib)
+                .arg(&src)
+                .arg("-ldl")
+                .output()
+                .map_err(|e| format!("the clock-skew scenario compiles a preload library with `{cc}`: {e}"))?;
+            if !out.status.success() {
+                return Err(format!(
+                    "compiling the clock-skew library failed: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                ));
+            }
+            Ok(lib.display().to_string())
+        })
+        .clone()
 }
 
 /// C20: one worker process with its wall clock 60 s ahead, and in a second
-/// run 60 s behind (libfaketime), among normal workers through a crash
+/// run 60 s behind (a preload library shifts its wall clock), among normal
+/// workers through a crash
 /// (`kill -9` inside a handler), a join and a graceful leave. Checker:
 /// order, loss, overlap; and per key, the fencing tokens of its applied
 /// messages never go down from one owner to the next.
 pub(crate) async fn c20(ctx: &Ctx<'_>) -> Outcome {
-    let lib = faketime_lib()?;
-    for (run, offset) in [("ahead", "+60s"), ("behind", "-60s")] {
+    let lib = skew_lib()?;
+    for (run, offset) in [("ahead", "60000"), ("behind", "-60000")] {
         skewed_run(ctx, run, offset, &lib)
             .await
-            .map_err(|e| format!("clock {offset} ({run}): {e}"))?;
+            .map_err(|e| format!("clock {offset} ms ({run}): {e}"))?;
     }
     Ok(())
 }
@@ -263,8 +347,7 @@ async fn skewed_run(ctx: &Ctx<'_>, run: &str, offset: &str, lib: &str) -> Outcom
     let skewed = Launch {
         env: vec![
             ("LD_PRELOAD".into(), lib.to_owned()),
-            ("FAKETIME".into(), offset.to_owned()),
-            ("DONT_FAKE_MONOTONIC".into(), "1".into()),
+            ("KEYORDER_SKEW_MS".into(), offset.to_owned()),
         ],
         hosts: Vec::new(),
     };
