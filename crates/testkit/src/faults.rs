@@ -6,9 +6,9 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::checker::{Expectation, Published};
+use crate::checker::Expectation;
 use crate::eventlog::{Event, EventLog};
-use crate::instance::{keys, publish_range, wait_until};
+use crate::instance::{keys, publish_range, publish_stream, wait_until};
 use crate::proxy::FaultProxy;
 use crate::scenarios::{ensure, err, Ctx, Outcome};
 use crate::worker::{Launch, WorkerProcess};
@@ -31,28 +31,6 @@ async fn proxied(route: &FaultRoute, n: u8) -> Result<(FaultProxy, String, Launc
     };
     let url = route.url_via(proxy.addr());
     Ok((proxy, url, launch))
-}
-
-/// Publishes one round of `keys` every 20 ms from `from` on until `stop` is
-/// set (at most 4 minutes, so a hung scenario stays bounded).
-fn stream(
-    client: keyorder_core::Client,
-    cat: String,
-    ks: Vec<String>,
-    from: u64,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) -> tokio::task::JoinHandle<keyorder_core::Result<Vec<Published>>> {
-    tokio::spawn(async move {
-        let mut all = Vec::new();
-        let mut seq = from;
-        let started = tokio::time::Instant::now();
-        while !*stop.borrow_and_update() && started.elapsed() < Duration::from_secs(240) {
-            all.extend(publish_range(&client, &cat, &ks, seq..seq + 1, 0).await?);
-            seq += 1;
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        Ok(all)
-    })
 }
 
 async fn events(log: &Arc<dyn EventLog>) -> Vec<Event> {
@@ -167,7 +145,15 @@ pub(crate) async fn c19(ctx: &Ctx<'_>) -> Outcome {
     let s1 = w1.terminate().await?;
     let w3 = WorkerProcess::spawn(&ctx.worker_config(&cat, "w3", None, Duration::ZERO, 4)?).await?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let producer = stream(client.clone(), cat.clone(), ks.clone(), 20, stop_rx);
+    let producer = publish_stream(
+        client.clone(),
+        cat.clone(),
+        ks.clone(),
+        20,
+        0,
+        Duration::from_millis(20),
+        stop_rx,
+    );
     let held = ctx.wait_held("w2", 20).await;
     let key = match held {
         Ok(k) => k,
@@ -357,7 +343,15 @@ async fn skewed_run(ctx: &Ctx<'_>, run: &str, offset: &str, lib: &str) -> Outcom
     let wn1 = WorkerProcess::spawn(&ctx.worker_config(&cat, &n1, Some(4), Duration::from_secs(3600), 4)?).await?;
     let ws = WorkerProcess::spawn_in(&ctx.worker_config(&cat, &sk, None, Duration::ZERO, 4)?, &skewed).await?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let producer = stream(client.clone(), cat.clone(), ks.clone(), 0, stop_rx);
+    let producer = publish_stream(
+        client.clone(),
+        cat.clone(),
+        ks.clone(),
+        0,
+        0,
+        Duration::from_millis(20),
+        stop_rx,
+    );
     let outcome = async {
         // A crash inside a handler: the skewed worker takes over.
         ctx.wait_held(&n1, 4).await?;

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::checker::{Expectation, Published};
 use crate::eventlog::{EventLog, MemoryEventLog};
-use crate::instance::{keys, logging_handler, publish_range, wait_until, Instance, Payload};
+use crate::instance::{keys, logging_handler, publish_range, publish_stream, wait_until, Instance, Payload};
 use crate::scenarios::{ensure, err, stop_all, Ctx, Outcome};
 use crate::worker::{Connector, WorkerProcess};
 use crate::NewGroupStart;
@@ -289,21 +289,16 @@ pub(crate) async fn c18(ctx: &Ctx<'_>) -> Outcome {
         .await?;
 
     // The healthy keys flow (1 ms handlers) until the operator is done.
-    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
-    let flow = {
-        let (producer, cat, healthy) = (client.clone(), cat.clone(), healthy.clone());
-        tokio::spawn(async move {
-            let mut all = Vec::new();
-            let mut seq = 0;
-            let started = tokio::time::Instant::now();
-            while !*stop_rx.borrow_and_update() && started.elapsed() < Duration::from_secs(240) {
-                all.extend(publish_range(&producer, &cat, &healthy, seq..seq + 1, 1).await?);
-                seq += 1;
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            Ok::<_, keyorder_core::Error>(all)
-        })
-    };
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let flow = publish_stream(
+        client.clone(),
+        cat.clone(),
+        healthy.clone(),
+        0,
+        1,
+        Duration::from_millis(10),
+        stop_rx,
+    );
     let cfg = OperatorConfig {
         url: ctx.h.worker_url().unwrap_or_default(),
         category: cat.clone(),

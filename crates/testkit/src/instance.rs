@@ -228,6 +228,32 @@ pub async fn publish_range(
     Ok(out)
 }
 
+/// Publishes one round of `keys` (sequence `from`, then `from + 1`, ...,
+/// handlers sleeping `sleep_ms`) every `every` until `stop` is set, at most
+/// 4 minutes so a hung scenario stays bounded; returns what was
+/// acknowledged.
+pub fn publish_stream(
+    client: Client,
+    category: String,
+    keys: Vec<String>,
+    from: u64,
+    sleep_ms: u64,
+    every: Duration,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> JoinHandle<Result<Vec<Published>>> {
+    tokio::spawn(async move {
+        let mut all = Vec::new();
+        let mut seq = from;
+        let started = tokio::time::Instant::now();
+        while !*stop.borrow_and_update() && started.elapsed() < Duration::from_secs(240) {
+            all.extend(publish_range(&client, &category, &keys, seq..seq + 1, sleep_ms).await?);
+            seq += 1;
+            tokio::time::sleep(every).await;
+        }
+        Ok(all)
+    })
+}
+
 /// `n` distinct test keys with a prefix.
 pub fn keys(prefix: &str, n: usize) -> Vec<String> {
     (0..n).map(|i| format!("{prefix}-{i}")).collect()

@@ -13,7 +13,7 @@ use tokio::sync::Barrier;
 
 use crate::checker::{check, Expectation, Published};
 use crate::eventlog::{EventLog, MemoryEventLog};
-use crate::instance::{keys, publish_keys, publish_range, wait_until, Instance, Payload, Switches};
+use crate::instance::{keys, publish_keys, publish_range, publish_stream, wait_until, Instance, Payload, Switches};
 use crate::pglog::PgEventLog;
 use crate::worker::{WorkerConfig, WorkerProcess};
 use crate::Harness;
@@ -873,26 +873,19 @@ async fn c15(ctx: &Ctx<'_>) -> Outcome {
 async fn c16(ctx: &Ctx<'_>) -> Outcome {
     let cat = ctx.category("orders");
     let producer_client = ctx.client().await?;
-    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
-    let producer = {
-        let cat = cat.clone();
-        tokio::spawn(async move {
-            let ks = keys("k", 12);
-            let mut all = Vec::new();
-            let mut seq = 0;
-            // The stream runs until the last instance has joined and applied
-            // something (a bounded stream could end before a slow rebalance
-            // hands the third instance a partition, leaving it nothing to
-            // apply); at most 4 minutes, so a hung scenario stays bounded.
-            let started = tokio::time::Instant::now();
-            while !*stop_rx.borrow_and_update() && started.elapsed() < Duration::from_secs(240) {
-                all.extend(publish_range(&producer_client, &cat, &ks, seq..seq + 1, 1).await?);
-                seq += 1;
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-            Ok::<_, keyorder_core::Error>(all)
-        })
-    };
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    // The stream runs until the last instance has joined and applied
+    // something (a bounded stream could end before a slow rebalance hands
+    // the third instance a partition, leaving it nothing to apply).
+    let producer = publish_stream(
+        producer_client,
+        cat.clone(),
+        keys("k", 12),
+        0,
+        1,
+        Duration::from_millis(5),
+        stop_rx,
+    );
     let c1 = ctx.client().await?;
     let i1 = ctx.start(ctx.ordered(&c1, &cat, "g"), "i1").await?;
     let log = ctx.log.clone();
