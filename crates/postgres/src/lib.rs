@@ -717,6 +717,7 @@ impl Transport for PgTransport {
                 return Err(e);
             }
         };
+        let kept = Arc::new(Mutex::new(Kept::default()));
         let mut source = PgSource {
             t: self.clone(),
             spec: spec.clone(),
@@ -730,8 +731,11 @@ impl Transport for PgTransport {
             housekeeping: None,
             waiting: false,
             rotate: 0,
+            kept: kept.clone(),
+            keeper: None,
         };
         source.maintain_now().await?;
+        source.keeper = Some(self.spawn_keeper(spec, epoch, kept)?);
         source.announce().await;
         Ok(Box::new(source))
     }
@@ -742,6 +746,45 @@ impl Transport for PgTransport {
 }
 
 impl PgTransport {
+    /// Starts the keeper of a source's leases (see [`Kept`]): every
+    /// heartbeat, on a connection of its own, one statement records the
+    /// member as seen and renews the slots it holds, whatever the source's
+    /// loop is doing. Renewed in `maintain`, a renewal waited behind the
+    /// loop's reads, settlements and acquisitions: at 400 ms round trips
+    /// `maintain` ran about every 7 s and a 3 s lease lapsed again and
+    /// again (issue 34). The connection skips the pool's liveness round
+    /// trip (a failed statement drops it; the next heartbeat tries again).
+    fn spawn_keeper(
+        &self,
+        spec: &SourceSpec,
+        epoch: i64,
+        kept: Arc<Mutex<Kept>>,
+    ) -> Result<tokio::task::JoinHandle<()>> {
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .test_before_acquire(false)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_lazy(&self.cfg.url)
+            .map_err(db)?;
+        let ex = Exec {
+            pool,
+            pooled: self.cfg.pooled,
+        };
+        let sql = self.sql.clone();
+        let spec = spec.clone();
+        Ok(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(spec.lease.heartbeat.max(Duration::from_millis(10)));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                if !keep_round(&ex, &sql, &spec, epoch, &kept).await {
+                    break;
+                }
+            }
+            ex.pool.close().await;
+        }))
+    }
+
     async fn listen(&self) -> Result<PgListener> {
         let mut listener = PgListener::connect(self.direct_url()).await.map_err(db)?;
         listener.listen(&self.sql.channel).await.map_err(db)?;
@@ -911,6 +954,74 @@ fn lock(track: &Mutex<Track>) -> std::sync::MutexGuard<'_, Track> {
     track.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The leases a source's keeper renews (`PgTransport::spawn_keeper`),
+/// and what its renewals found, for the source's next `maintain`.
+#[derive(Default)]
+struct Kept {
+    /// Slot -> the generation and lease the source holds it under.
+    held: BTreeMap<u32, (i64, Arc<ScopeLease>)>,
+    /// Slots a renewal found lost (their leases are marked lost already).
+    lost: Vec<u32>,
+    /// The heartbeat found the group gone.
+    gone: bool,
+}
+
+/// One round of the keeper: heartbeat and renewal in one statement. Each
+/// lease renewed at the generation it is held under is confirmed as of
+/// when the statement was *sent*; one held but not renewed is lost. A
+/// slot the source acquired or freed meanwhile is left alone. `false` once
+/// the group is gone (the keeper stops).
+async fn keep_round(ex: &Exec, sql: &Sql, spec: &SourceSpec, epoch: i64, kept: &Mutex<Kept>) -> bool {
+    let held: Vec<(u32, i64)> = lock_kept(kept).held.iter().map(|(s, (g, _))| (*s, *g)).collect();
+    let sent = Instant::now();
+    let row = ex
+        .one(
+            q(&sql.keep)
+                .bind(&spec.category)
+                .bind(&spec.group)
+                .bind(&spec.instance)
+                .bind(ttl_ms(spec.lease.ttl))
+                .bind(epoch)
+                .bind(held.iter().map(|(s, _)| *s as i32).collect::<Vec<_>>()),
+        )
+        .await;
+    let row = match row {
+        Ok(row) => row,
+        Err(e) => {
+            tracing::warn!(error = %e, "postgres: lease renewal failed; retried at the next heartbeat");
+            return true;
+        }
+    };
+    let seen: i64 = row.get(0);
+    let slots: Vec<i32> = row.get(1);
+    let generations: Vec<i64> = row.get(2);
+    let renewed: HashMap<u32, i64> = slots.iter().map(|s| *s as u32).zip(generations).collect();
+    let mut kept = lock_kept(kept);
+    if seen == 0 {
+        kept.gone = true;
+        return false;
+    }
+    for (slot, generation) in held {
+        if kept.held.get(&slot).map(|(g, _)| *g) != Some(generation) {
+            continue;
+        }
+        if renewed.get(&slot) == Some(&generation) {
+            if let Some((_, lease)) = kept.held.get(&slot) {
+                lease.confirm(sent);
+            }
+        } else if let Some((_, lease)) = kept.held.remove(&slot) {
+            tracing::warn!(slot, generation, "slot lease lost");
+            lease.lose();
+            kept.lost.push(slot);
+        }
+    }
+    true
+}
+
+fn lock_kept(kept: &Mutex<Kept>) -> std::sync::MutexGuard<'_, Kept> {
+    kept.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 struct PgSource {
     t: PgTransport,
     spec: SourceSpec,
@@ -931,6 +1042,18 @@ struct PgSource {
     waiting: bool,
     /// The slot number where the next read's ties start (modulo the slot count).
     rotate: usize,
+    /// What the keeper renews and found (the owned slots' leases).
+    kept: Arc<Mutex<Kept>>,
+    /// The keeper's task (heartbeat and renewal every heartbeat).
+    keeper: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for PgSource {
+    fn drop(&mut self) {
+        if let Some(k) = self.keeper.take() {
+            k.abort();
+        }
+    }
 }
 
 impl fmt::Debug for PgSource {
@@ -1073,7 +1196,8 @@ impl PgSource {
         }
     }
 
-    /// Heartbeat, lease renewal, rebalance, cursor advance, operator actions.
+    /// Rebalance, cursor advance, operator actions (the heartbeat and the
+    /// lease renewals are the keeper's, see `PgTransport::spawn_keeper`).
     async fn maintain_now(&mut self) -> Result<()> {
         let sql = self.t.sql.clone();
         let ex = self.t.db.clone();
@@ -1081,56 +1205,11 @@ impl PgSource {
         let spec = self.spec.clone();
         let (queue, grp, me) = (&spec.category, &spec.group, &spec.instance);
         let ttl = self.spec.lease.ttl;
-        let sent = Instant::now();
+        let started = Instant::now();
         tracing::debug!(member = %me, owned = self.owned.len(), "maintain");
-        // The heartbeat finds the group it joined, or the group was removed
-        // under this member (stalled past its lease meanwhile): it stops,
-        // rather than run on with no slot to acquire.
-        let seen = ex
-            .opt(
-                q(&sql.heartbeat)
-                    .bind(queue)
-                    .bind(grp)
-                    .bind(me)
-                    .bind(ttl_ms(ttl))
-                    .bind(self.epoch),
-            )
-            .await
-            .map_err(db)?;
-        if seen.is_none() {
-            self.gone();
-            return Err(group_removed(queue, grp));
-        }
-        // Renew what we hold; a slot not renewed is lost.
-        let held: Vec<i32> = self.owned.keys().map(|s| *s as i32).collect();
-        let renewed: HashMap<u32, i64> = ex
-            .all(
-                q(&sql.renew)
-                    .bind(queue)
-                    .bind(grp)
-                    .bind(me)
-                    .bind(Self::ms(ttl))
-                    .bind(&held),
-            )
-            .await
-            .map_err(db)?
-            .iter()
-            .map(|r| (r.get::<i32, _>(0) as u32, r.get::<i64, _>(1)))
-            .collect();
-        let mut lost = Vec::new();
-        for (slot, o) in &self.owned {
-            if renewed.get(slot) == Some(&o.generation) {
-                o.lease.confirm(sent);
-            } else {
-                lost.push(*slot);
-            }
-        }
-        for slot in lost {
-            if let Some(o) = self.owned.remove(&slot) {
-                tracing::warn!(slot, generation = o.generation, "slot lease lost");
-                o.lease.lose();
-            }
-        }
+        // The keeper heartbeats and renews on its own cadence; what it
+        // found (a lease lost, the group removed) is taken first.
+        self.take_kept()?;
         self.advance_cursors().await?;
         self.housekeep();
         // Fair share over live members, by the database's clock.
@@ -1142,7 +1221,10 @@ impl PgSource {
             .map(|r| r.get::<String, _>(0))
             .collect();
         self.waiting = false;
-        if !live.is_empty() {
+        // A member that does not find itself live (its keeper's heartbeats
+        // failing) leaves the shares as they are.
+        if live.iter().any(|m| m == me) {
+            let mut wanted = Vec::new();
             for slot in 0..self.slots {
                 let want = &live[slot as usize % live.len()];
                 let mine = want == me;
@@ -1151,11 +1233,14 @@ impl PgSource {
                         o.revoking = true;
                         self.events.push(SourceEvent::Revoke(o.lease.scope().clone()));
                     }
-                } else if mine && !self.acquire(slot, sent).await? {
-                    // Still held by its previous owner (handing it over, or
-                    // expiring): look again soon.
-                    self.waiting = true;
+                } else if mine {
+                    wanted.push(slot);
                 }
+            }
+            if !wanted.is_empty() && self.acquire(&wanted).await? < wanted.len() {
+                // Some still held by their previous owner (handing over,
+                // or expiring): look again soon.
+                self.waiting = true;
             }
         }
         if self.waiting {
@@ -1203,14 +1288,38 @@ impl PgSource {
                 self.events.push(SourceEvent::Resolved { key, drop_head });
             }
         }
-        self.last_maintain = Some(sent);
+        self.last_maintain = Some(started);
         Ok(())
+    }
+
+    /// Takes what the keeper found: lost leases leave `owned`; a removed
+    /// group stops the source.
+    fn take_kept(&mut self) -> Result<()> {
+        let (lost, gone) = {
+            let mut kept = lock_kept(&self.kept);
+            (std::mem::take(&mut kept.lost), kept.gone)
+        };
+        for slot in lost {
+            self.owned.remove(&slot);
+        }
+        if gone {
+            self.gone();
+            return Err(group_removed(&self.spec.category, &self.spec.group));
+        }
+        Ok(())
+    }
+
+    /// Removes an owned slot here and from the keeper's renewals.
+    fn disown(&mut self, slot: u32) -> Option<Owned> {
+        lock_kept(&self.kept).held.remove(&slot);
+        self.owned.remove(&slot)
     }
 
     /// The group this member joined is gone: every lease is lost, and
     /// `close` releases nothing.
     fn gone(&mut self) {
         self.removed = true;
+        lock_kept(&self.kept).held.clear();
         for (_, o) in std::mem::take(&mut self.owned) {
             o.lease.lose();
         }
@@ -1229,51 +1338,95 @@ impl PgSource {
             .bind(slot as i32)
     }
 
-    async fn acquire(&mut self, slot: u32, sent: Instant) -> Result<bool> {
-        let row = self
+    /// Takes the free or expired slots of `slots` in one statement, then
+    /// reads their read marks in one more; returns how many it took. Each
+    /// lease counts as confirmed from when the acquisition was sent.
+    async fn acquire(&mut self, slots: &[u32]) -> Result<usize> {
+        let sent = Instant::now();
+        let want: Vec<i32> = slots.iter().map(|s| *s as i32).collect();
+        let rows = self
             .t
             .db
-            .opt(
-                self.on_slot(&self.t.sql.acquire, slot)
+            .all(
+                q(&self.t.sql.acquire_many)
+                    .bind(&self.spec.category)
+                    .bind(&self.spec.group)
+                    .bind(&want)
                     .bind(&self.spec.instance)
                     .bind(Self::ms(self.spec.lease.ttl)),
             )
             .await
             .map_err(db)?;
-        if let Some(r) = row {
-            let generation: i64 = r.get(0);
-            let txid: String = r.get(1);
-            let id: i64 = r.get(2);
-            let prior_mark: Pos = self
-                .t
-                .db
-                .opt(self.on_slot(&self.t.sql.read_mark, slot))
-                .await
-                .map_err(db)?
-                .map_or((0, 0), |m| (m.get::<String, _>(0).parse().unwrap_or(0), m.get(1)));
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        let taken: Vec<(u32, i64, Pos)> = rows
+            .iter()
+            .map(|r| {
+                let txid: String = r.get(2);
+                (
+                    r.get::<i32, _>(0) as u32,
+                    r.get::<i64, _>(1),
+                    (txid.parse().unwrap_or(0), r.get::<i64, _>(3)),
+                )
+            })
+            .collect();
+        // Recorded before the read marks are asked for: should that fail,
+        // the leases are still renewed and released like any other.
+        for (slot, generation, cursor) in &taken {
             let lease = ScopeLease::new(
-                scope_name(&self.spec.category, slot),
-                generation as u64,
+                scope_name(&self.spec.category, *slot),
+                *generation as u64,
                 &self.spec.lease,
                 sent,
             );
             tracing::debug!(slot, generation, "slot acquired");
+            lock_kept(&self.kept).held.insert(*slot, (*generation, lease.clone()));
             self.owned.insert(
-                slot,
+                *slot,
                 Owned {
-                    generation,
+                    generation: *generation,
                     lease,
-                    read: (txid.parse().unwrap_or(0), id),
-                    cursor: (txid.parse().unwrap_or(0), id),
-                    prior_mark,
+                    read: *cursor,
+                    cursor: *cursor,
+                    prior_mark: (0, 0),
                     track: Arc::default(),
                     revoking: false,
                     dry: None,
                 },
             );
-            return Ok(true);
         }
-        Ok(false)
+        let marks = self
+            .t
+            .db
+            .all(
+                q(&self.t.sql.read_marks)
+                    .bind(&self.spec.category)
+                    .bind(&self.spec.group)
+                    .bind(taken.iter().map(|t| t.0 as i32).collect::<Vec<_>>()),
+            )
+            .await;
+        let marks = match marks {
+            Ok(m) => m,
+            Err(e) => {
+                // Without its read mark a slot would count an earlier
+                // owner's delivery as a first attempt: none of them is
+                // used (the next look takes them again, as their owner).
+                for (slot, _, _) in &taken {
+                    if let Some(o) = self.disown(*slot) {
+                        o.lease.lose();
+                    }
+                }
+                return Err(db(e));
+            }
+        };
+        for m in marks {
+            let slot = m.get::<i32, _>(0) as u32;
+            if let Some(o) = self.owned.get_mut(&slot) {
+                o.prior_mark = (m.get::<String, _>(1).parse().unwrap_or(0), m.get(2));
+            }
+        }
+        Ok(taken.len())
     }
 
     /// Housekeeping off the read path: the acknowledgements below this
@@ -1327,7 +1480,7 @@ impl PgSource {
             .await
             .map_err(db)?;
         o.lease.lose();
-        self.owned.remove(&slot);
+        self.disown(slot);
         Ok(true)
     }
 
@@ -1369,7 +1522,7 @@ impl PgSource {
             }
         }
         for slot in lost {
-            if let Some(o) = self.owned.remove(&slot) {
+            if let Some(o) = self.disown(slot) {
                 o.lease.lose();
             }
         }
@@ -1552,6 +1705,7 @@ impl TransportSource for PgSource {
     }
 
     async fn maintain(&mut self) -> Result<Vec<SourceEvent>> {
+        self.take_kept()?;
         let every = if self.waiting {
             Duration::from_millis(100).min(self.spec.lease.heartbeat)
         } else {
@@ -1583,6 +1737,11 @@ impl TransportSource for PgSource {
         // The housekeeping in flight first: it ends on its own.
         if let Some(h) = self.housekeeping.take() {
             let _ = h.await;
+        }
+        // The keeper stops before the leases go (its pool closes with it).
+        if let Some(k) = self.keeper.take() {
+            k.abort();
+            let _ = k.await;
         }
         if self.removed {
             return Ok(());

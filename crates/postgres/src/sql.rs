@@ -67,11 +67,11 @@ pub(crate) struct Sql {
     pub(crate) publish: Arc<str>,
     pub(crate) publish_fenced: Arc<str>,
     pub(crate) publish_fence_held: Arc<str>,
-    pub(crate) heartbeat: Arc<str>,
     pub(crate) live_members: Arc<str>,
     pub(crate) leave: Arc<str>,
-    pub(crate) renew: Arc<str>,
-    pub(crate) acquire: Arc<str>,
+    pub(crate) acquire_many: Arc<str>,
+    pub(crate) read_marks: Arc<str>,
+    pub(crate) keep: Arc<str>,
     pub(crate) release: Arc<str>,
     pub(crate) release_all: Arc<str>,
     pub(crate) advance: Arc<str>,
@@ -90,7 +90,6 @@ pub(crate) struct Sql {
     pub(crate) retention: Arc<str>,
     pub(crate) sweep_acked: Arc<str>,
     pub(crate) attempt_batch: Arc<str>,
-    pub(crate) read_mark: Arc<str>,
     pub(crate) ack_batch: Arc<str>,
 }
 
@@ -226,22 +225,54 @@ impl Sql {
                  select $1, $2::int, $3::text, $4::text, $5::text, $6::jsonb, $7::bytea from f returning 1) \
                  select pg_notify($8, $1 || chr(10) || $2::int::text) from ins",
             ),
-            // The shared heartbeat, with the member's lease TTL ($4, ms),
-            // while the group of epoch $5 (the one the member joined) is
-            // recorded: no row back once it was removed (or removed and
-            // created again). The group row `for key share`: a removal
-            // (which takes it `for update`) sees this heartbeat, or this
-            // heartbeat waits for it and then finds nothing.
-            heartbeat: f(
-                "with g as (select 1 from {s}.groups where queue = $1 and grp = $2 and epoch = $5 for key share) \
-                 insert into {s}.members (queue, grp, member, last_seen, ttl_ms) \
-                 select $1, $2, $3, clock_timestamp(), $4 from g on conflict (queue, grp, member) \
-                 do update set last_seen = clock_timestamp(), ttl_ms = excluded.ttl_ms returning 1",
-            ),
             live_members: Arc::from(lease.live_members.as_str()),
             leave: Arc::from(lease.leave.as_str()),
-            renew: Arc::from(lease.renew.as_str()),
-            acquire: Arc::from(lease.acquire.as_str()),
+            // `acquire` for every slot of $3 (an `int[]`) in one statement
+            // (one round trip, not one per slot: at 400 ms round trips the
+            // leases taken first expired before the last was taken). The
+            // rows are locked in slot order, skipping those locked now (a
+            // settlement of the owner in flight): those are taken at the
+            // next look, like a slot still held by another member.
+            acquire_many: f(
+                "with l as (select s.slot from {s}.slots s where s.queue = $1 and s.grp = $2 \
+                  and s.slot = any($3) and (s.owner is null or s.lease_expiry is null \
+                  or s.lease_expiry <= clock_timestamp() or s.owner = $4) order by s.slot for update skip locked) \
+                 update {s}.slots s set owner = $4, generation = s.generation + 1, \
+                 lease_expiry = clock_timestamp() + make_interval(secs => $5::float8 / 1000) from l \
+                 where s.queue = $1 and s.grp = $2 and s.slot = l.slot and (s.owner is null \
+                 or s.lease_expiry is null or s.lease_expiry <= clock_timestamp() or s.owner = $4) \
+                 returning s.slot, s.generation, s.cursor_txid::text, s.cursor_id",
+            ),
+            // The read marks of slots $3, read after their acquisition
+            // committed (a statement of its own: its snapshot then sees
+            // every read of the earlier owner, which passed the fence
+            // before the acquisition).
+            read_marks: f(
+                "select slot, read_txid::text, read_id from {s}.read_marks where queue = $1 and grp = $2 \
+                 and slot = any($3)",
+            ),
+            // The keeper's round, in one statement (one round trip): the
+            // member's heartbeat, with its lease TTL ($4, ms), while the
+            // group of epoch $5 (the one the member joined) is recorded
+            // (nothing recorded once it was removed, or removed and created
+            // again), and the renewal of the slots $6 it holds unexpired.
+            // The group row `for key share` first: a removal (which takes
+            // it `for update`, then the slot rows) sees this heartbeat, or
+            // this waits for it and then finds nothing, and renews nothing.
+            // One row: whether the group was seen, the renewed slots and
+            // their generations.
+            keep: f(
+                "with g as (select 1 from {s}.groups where queue = $1 and grp = $2 and epoch = $5 for key share), \
+                 hb as (insert into {s}.members (queue, grp, member, last_seen, ttl_ms) \
+                  select $1, $2, $3, clock_timestamp(), $4::bigint from g on conflict (queue, grp, member) \
+                  do update set last_seen = clock_timestamp(), ttl_ms = excluded.ttl_ms returning 1), \
+                 r as (update {s}.slots set lease_expiry = clock_timestamp() \
+                  + make_interval(secs => $4::bigint::float8 / 1000) where queue = $1 and grp = $2 and owner = $3 \
+                  and slot = any($6) and lease_expiry > clock_timestamp() and exists (select 1 from g) \
+                  returning slot, generation) \
+                 select (select count(*) from hb), coalesce(array_agg(slot order by slot), '{}'::int[]), \
+                 coalesce(array_agg(generation order by slot), '{}'::bigint[]) from r",
+            ),
             release: Arc::from(lease.release.as_str()),
             release_all: Arc::from(lease.release_all.as_str()),
             // Every owned slot's cursor in one statement (a round trip per
@@ -299,9 +330,6 @@ impl Sql {
                   where (excluded.read_txid, excluded.read_id) > ({s}.read_marks.read_txid, {s}.read_marks.read_id)) \
                  select slot, id, txid::text, key, message_id, correlation_id, headers::text, payload, \
                  coalesce(recorded, 0) from got order by got.slot, got.txid, got.id",
-            ),
-            read_mark: f(
-                "select read_txid::text, read_id from {s}.read_marks where queue = $1 and grp = $2 and slot = $3",
             ),
             park: f(
                 "with {own}, d as (insert into {s}.dead (queue, grp, event_id, message_id, key, reason) \
