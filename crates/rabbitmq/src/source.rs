@@ -13,11 +13,23 @@
 //! channel, so the broker activates the next consumer with nothing of the old
 //! one outstanding.
 //!
+//! Fencing token: taken when the broker activates a consumer (its first
+//! delivery), from the group's claims stream: see the `claims` module.
+//! Deliveries wait until it is known.
+//!
 //! Self-fence: a scope's lease is confirmed by a round trip on its channel
-//! (a passive queue declaration) every heartbeat; the connection's heartbeat
-//! is the lease TTL, so a consumer stalled past it has lost its queues (the
-//! broker closed its connection and requeued) before its self-fence could
-//! call them fresh.
+//! (a passive queue declaration; all of them concurrently) every heartbeat.
+//! A consumer whose channel or connection the broker closed (or whose
+//! stream of deliveries ended) loses its lease at once, from its consumer
+//! task, so nothing it buffered starts after the broker requeued it.
+//! Stalls: RabbitMQ closes a connection it received nothing on for between
+//! 2 and 3 heartbeat intervals (it checks every interval and gives up after
+//! two checks without data). The heartbeat asked for is half the self-fence's
+//! freshness (`ttl - margin`, rounded up to whole seconds), so the broker
+//! hands a stalled consumer's queues over no earlier than the self-fence
+//! paused them (a lease is fresh for `ttl - margin` after the confirming
+//! round trip was sent, and that round trip reached the broker after it was
+//! sent), and at most about 1.5 × (`ttl - margin`) + 1 s after the stall.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
@@ -39,6 +51,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::claims::Claims;
 use crate::config::Topology;
 use crate::plan::{Plan, PLAN_HEADER};
 use crate::settle::{Held, RabbitSettle};
@@ -48,19 +61,38 @@ use crate::{confirm_channel, connect_uri, short, RabbitTransport, EPOCH_HEADER};
 /// How long a shutdown or hand-over waits for the broker's close-ok.
 const CLOSE_WAIT: Duration = Duration::from_secs(5);
 
-type Arrival = (String, u64, Delivery);
+/// A delivery with its queue, the local id of the consumer that received
+/// it, and that consumer's lease (its token known).
+type Arrival = (String, u64, Arc<ScopeLease>, Delivery);
+
+/// The lease of a consumer, once the broker activated it and its claim was
+/// read back; shared with its consumer task (which loses it the moment the
+/// consumer's stream ends).
+type Slot = Arc<Mutex<Option<Arc<ScopeLease>>>>;
 
 struct Owned {
     channel: Channel,
-    generation: u64,
-    lease: Arc<ScopeLease>,
+    /// This source's id for the consumer (a local sequence).
+    consumer: u64,
+    scope: Arc<str>,
+    lease: Slot,
+    /// Set by the consumer task when it ended (channel or connection
+    /// closed, consumer cancelled, claim not read back).
+    ended: Arc<AtomicBool>,
     revoking: bool,
     task: JoinHandle<()>,
+}
+
+impl Owned {
+    fn lease(&self) -> Option<Arc<ScopeLease>> {
+        self.lease.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
 }
 
 struct Link {
     conn: Arc<Connection>,
     dlq_channel: Channel,
+    claims: Arc<Claims>,
     /// This source's consumer of the group's members queue (never given a
     /// message): the queue's consumer count is the group's live members.
     _member: lapin::Consumer,
@@ -75,9 +107,11 @@ pub(crate) struct Source {
     names: GroupNames,
     queues: Vec<String>,
     link: Option<Link>,
-    /// Live instances: last announcement (local clock) and start time.
+    /// Live instances: last announcement (local clock) and join claim.
     seen: Arc<Mutex<HashMap<String, (Instant, u64)>>>,
-    started_ms: u64,
+    /// The offset of this source's first join claim on the group's claims
+    /// stream: its place in the plan's member order (oldest first).
+    joined_at: Option<u64>,
     /// Set by the presence listener when an instance appears or a leader
     /// announces another plan: rebalance now.
     joined: Arc<AtomicBool>,
@@ -93,7 +127,8 @@ pub(crate) struct Source {
     held: HashMap<String, VecDeque<Inbound>>,
     events: Vec<SourceEvent>,
     last_maintain: Option<Instant>,
-    generation: u64,
+    /// The last consumer id given out.
+    consumers: u64,
     soon: bool,
 }
 
@@ -120,12 +155,6 @@ impl Drop for Source {
     }
 }
 
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
-
 pub(crate) fn header_text(props: &BasicProperties, name: &str) -> Option<String> {
     let h = props.headers().as_ref()?;
     match h.inner().get(name)? {
@@ -147,6 +176,63 @@ fn header_int(props: &BasicProperties, name: &str) -> Option<i64> {
     }
 }
 
+/// The AMQP heartbeat for `lease` (see `Source::heartbeat_secs`).
+pub(crate) fn heartbeat_secs(lease: &keyorder_core::LeaseConfig) -> u64 {
+    let fresh_ms = lease.fresh_for().as_millis() as u64;
+    fresh_ms.div_ceil(2000).max(1)
+}
+
+/// One consumer's task: its token at its activation, then its deliveries.
+struct Activation {
+    consumer_id: u64,
+    queue: String,
+    scope: Arc<str>,
+    lease_cfg: keyorder_core::LeaseConfig,
+    claims: Arc<Claims>,
+    channel: Channel,
+    slot: Slot,
+    ended: Arc<AtomicBool>,
+    tx: mpsc::UnboundedSender<Arrival>,
+    consumer: lapin::Consumer,
+}
+
+/// Forwards a consumer's deliveries, each with the consumer's lease. The
+/// first delivery is the broker's activation of this consumer: the claim
+/// is published on the consumer's channel and read back first (later
+/// deliveries wait in the consumer meanwhile). When the consumer's stream
+/// ends or fails (its channel or connection closed, the consumer was
+/// cancelled) the lease is lost at once: the self-fence discards whatever
+/// of it is buffered before any of it starts.
+async fn activation(mut a: Activation) {
+    let mut lease: Option<Arc<ScopeLease>> = None;
+    while let Some(Ok(d)) = a.consumer.next().await {
+        let l = match &lease {
+            Some(l) => l.clone(),
+            None => {
+                let sent = Instant::now();
+                let Some(offset) = a.claims.claim(Some(&a.channel), a.lease_cfg.ttl).await else {
+                    tracing::warn!(scope = %a.scope, ttl_s = a.lease_cfg.ttl.as_secs(), "rabbitmq: activation claim not read back in time; giving the queue back");
+                    let _ = tokio::time::timeout(CLOSE_WAIT, a.channel.close(200, "no claim".into())).await;
+                    break;
+                };
+                // Offsets start at 0; a token is at least 1.
+                let l = ScopeLease::new(a.scope.clone(), offset + 1, &a.lease_cfg, sent);
+                *a.slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(l.clone());
+                tracing::debug!(scope = %a.scope, generation = offset + 1, "rabbitmq: activated");
+                lease = Some(l.clone());
+                l
+            }
+        };
+        if a.tx.send((a.queue.clone(), a.consumer_id, l, d)).is_err() {
+            break;
+        }
+    }
+    a.ended.store(true, std::sync::atomic::Ordering::SeqCst);
+    if let Some(l) = a.slot.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        l.lose();
+    }
+}
+
 impl Source {
     pub(crate) async fn open(
         timeout_arg: Option<i64>,
@@ -163,7 +249,7 @@ impl Source {
             names,
             link: None,
             seen: Arc::default(),
-            started_ms: now_ms(),
+            joined_at: None,
             joined: Arc::default(),
             plans: Arc::default(),
             plan: None,
@@ -174,7 +260,7 @@ impl Source {
             held: HashMap::new(),
             events: Vec::new(),
             last_maintain: None,
-            generation: 0,
+            consumers: 0,
             soon: false,
         };
         source.maintain_now().await?;
@@ -189,10 +275,12 @@ impl Source {
         self.spec.ordered && matches!(self.t.cfg.topology, Topology::ConsistentHash { .. })
     }
 
-    /// The AMQP heartbeat: the lease TTL (the broker closes a silent
-    /// connection after about one heartbeat timeout).
+    /// The AMQP heartbeat: half the self-fence's freshness (`ttl -
+    /// margin`), rounded up to whole seconds, at least 1. RabbitMQ closes a
+    /// connection silent for 2 to 3 heartbeats, so never before the
+    /// self-fence paused (2 heartbeats ≥ `ttl - margin`), and soon after.
     fn heartbeat_secs(&self) -> u64 {
-        self.spec.lease.ttl.as_secs().max(1)
+        heartbeat_secs(&self.spec.lease)
     }
 
     /// Stops consuming `queue` here: its consumer task ends, its lease is
@@ -201,8 +289,10 @@ impl Source {
     fn drop_owned(&mut self, queue: &str) -> Option<Owned> {
         let o = self.owned.remove(queue)?;
         o.task.abort();
-        o.lease.lose();
-        self.scopes.remove(o.lease.scope());
+        if let Some(l) = o.lease() {
+            l.lose();
+        }
+        self.scopes.remove(&o.scope);
         self.held.remove(queue);
         Some(o)
     }
@@ -211,7 +301,7 @@ impl Source {
         let queues: Vec<String> = self.owned.keys().cloned().collect();
         for q in queues {
             if let Some(o) = self.drop_owned(&q) {
-                tracing::warn!(scope = %o.lease.scope(), why, "rabbitmq: queue lost");
+                tracing::warn!(scope = %o.scope, why, "rabbitmq: queue lost");
             }
         }
     }
@@ -220,6 +310,32 @@ impl Source {
         let uri = self.t.cfg.uri_with_heartbeat(self.heartbeat_secs());
         let conn = Arc::new(connect_uri(&uri, &self.t.cfg.display).await?);
         let dlq_channel = confirm_channel(&conn).await?;
+        let stream = self.names.claims();
+        let tag = short("instance id", &format!("{}-claims", self.spec.instance))?;
+        let claims = Arc::new(Claims::open(&conn, &stream, tag).await.map_err(|e| match e {
+            keyorder_core::Error::Broker(text) if text.contains("NOT_FOUND") || text.contains("404") => {
+                self.t.forget(self.names.base());
+                self.t.forget(self.names.category());
+                keyorder_core::Error::NotFound(format!(
+                    "rabbitmq: the claims stream `{stream}` of group `{}` of category `{}` does not exist: the group \
+                     was removed by another process, or declared by an earlier version (or with `declare=false`) \
+                     without it. Build the subscription again (with `declare=true`) to declare it",
+                    self.names.group(),
+                    self.names.category()
+                ))
+            }
+            e => e,
+        })?);
+        if self.joined_at.is_none() {
+            let wait = self.spec.lease.ttl.max(Duration::from_secs(5));
+            let Some(offset) = claims.claim(None, wait).await else {
+                return Err(keyorder_core::Error::Broker(format!(
+                    "rabbitmq: the join claim on `{stream}` was not read back within {} s",
+                    wait.as_secs()
+                )));
+            };
+            self.joined_at = Some(offset);
+        }
         // Declared with the group (`ensure_group`), never here: a group
         // removed meanwhile is not half re-created by its members queue.
         let member_channel = conn.create_channel().await.map_err(amqp)?;
@@ -293,6 +409,7 @@ impl Source {
         self.link = Some(Link {
             conn,
             dlq_channel,
+            claims,
             _member: member,
             presence,
         });
@@ -320,47 +437,54 @@ impl Source {
         ))
     }
 
-    async fn consume(&mut self, queue: &str, sent: Instant) -> Result<()> {
+    async fn consume(&mut self, queue: &str) -> Result<()> {
         let Some(link) = &self.link else { return Ok(()) };
         let ch = link.conn.create_channel().await.map_err(amqp)?;
         ch.basic_qos(self.t.cfg.prefetch, BasicQosOptions::default())
             .await
             .map_err(amqp)?;
-        // RabbitMQ keeps no counter a consumer could take a generation
-        // from: the fencing token is the acquisition time in ms on this host
-        // (strictly increasing here), so it orders owners across instances
-        // whose clocks agree within a hand-over (the lease TTL).
-        self.generation = now_ms().max(self.generation + 1);
-        let generation = self.generation;
-        let tag = short("instance id", &format!("{}-{generation}", self.spec.instance))?;
+        // The fencing token is not known yet: it is taken when the broker
+        // activates this consumer (the `claims` module).
+        self.consumers += 1;
+        let id = self.consumers;
+        let tag = short(
+            "instance id",
+            &format!("{}-{}-{id}", self.spec.instance, uuid::Uuid::new_v4().simple()),
+        )?;
         let mut args = FieldTable::default();
         if let Some(ms) = self.timeout_arg {
             // A halted head stays unacknowledged: no redelivery while halted.
             args.insert("x-consumer-timeout".into(), AMQPValue::LongLongInt(ms));
         }
-        let mut consumer = ch
+        let consumer = ch
             .basic_consume(queue.into(), tag, BasicConsumeOptions::default(), args)
             .await
             .map_err(|e| self.gone(queue, e))?;
         let scope: Arc<str> = Arc::from(format!("{}/{queue}", self.names.category()));
-        let lease = ScopeLease::new(scope.clone(), generation, &self.spec.lease, sent);
-        let tx = self.tx.clone();
-        let q = queue.to_owned();
-        let task = tokio::spawn(async move {
-            while let Some(Ok(d)) = consumer.next().await {
-                if tx.send((q.clone(), generation, d)).is_err() {
-                    break;
-                }
-            }
-        });
-        tracing::debug!(scope = %scope, generation, "rabbitmq: consuming");
-        self.scopes.insert(scope, queue.to_owned());
+        let slot: Slot = Arc::default();
+        let ended = Arc::new(AtomicBool::new(false));
+        let task = tokio::spawn(activation(Activation {
+            consumer_id: id,
+            queue: queue.to_owned(),
+            scope: scope.clone(),
+            lease_cfg: self.spec.lease,
+            claims: link.claims.clone(),
+            channel: ch.clone(),
+            slot: slot.clone(),
+            ended: ended.clone(),
+            tx: self.tx.clone(),
+            consumer,
+        }));
+        tracing::debug!(scope = %scope, "rabbitmq: consuming");
+        self.scopes.insert(scope.clone(), queue.to_owned());
         self.owned.insert(
             queue.to_owned(),
             Owned {
                 channel: ch,
-                generation,
-                lease,
+                consumer: id,
+                scope,
+                lease: slot,
+                ended,
                 revoking: false,
                 task,
             },
@@ -376,31 +500,55 @@ impl Source {
             self.link = None;
             self.connect().await?;
         }
-        // Confirm what we hold: a round trip on each queue's channel.
+        if self.link.as_ref().is_some_and(|l| !l.claims.alive()) {
+            // No activation could get its token: start over.
+            self.lose_all("claims reader stopped");
+            if let Some(link) = self.link.take() {
+                let _ = tokio::time::timeout(CLOSE_WAIT, link.conn.close(200, "claims reader stopped".into())).await;
+            }
+            self.connect().await?;
+        }
+        // Confirm what we hold: a round trip on each queue's channel, all
+        // at once (one after another, latency alone could outlast the
+        // lease). One not answered within the TTL confirms nothing; the
+        // broker's heartbeat decides whether the channel is gone.
+        let ttl = self.spec.lease.ttl;
+        let checks = self.owned.iter().map(|(q, o)| async move {
+            if o.ended.load(std::sync::atomic::Ordering::SeqCst) || !o.channel.status().connected() {
+                return (q.clone(), Some(false));
+            }
+            let passive = QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            };
+            let answer = tokio::time::timeout(
+                ttl,
+                o.channel
+                    .queue_declare(q.as_str().into(), passive, FieldTable::default()),
+            )
+            .await;
+            match answer {
+                Ok(Ok(_)) => (q.clone(), Some(true)),
+                Ok(Err(_)) => (q.clone(), Some(false)),
+                Err(_) => (q.clone(), None),
+            }
+        });
         let mut lost = Vec::new();
-        for (q, o) in &self.owned {
-            let alive = o.channel.status().connected()
-                && o.channel
-                    .queue_declare(
-                        q.as_str().into(),
-                        QueueDeclareOptions {
-                            passive: true,
-                            ..Default::default()
-                        },
-                        FieldTable::default(),
-                    )
-                    .await
-                    .is_ok();
-            if alive {
-                o.lease.confirm(sent);
-            } else {
-                lost.push(q.clone());
+        for (q, alive) in futures::future::join_all(checks).await {
+            match alive {
+                Some(true) => {
+                    if let Some(l) = self.owned.get(&q).and_then(Owned::lease) {
+                        l.confirm(sent);
+                    }
+                }
+                Some(false) => lost.push(q),
+                None => tracing::debug!(queue = %q, "rabbitmq: lease round trip unanswered within the TTL"),
             }
         }
         for q in lost {
             if let Some(o) = self.drop_owned(&q) {
                 metrics::counter!("keyorder_rabbitmq_queues_lost_total").increment(1);
-                tracing::warn!(scope = %o.lease.scope(), "rabbitmq: queue channel closed; lost");
+                tracing::warn!(scope = %o.scope, "rabbitmq: queue channel closed; lost");
             }
         }
         let me = self.spec.instance.clone();
@@ -418,7 +566,7 @@ impl Source {
                     .map(|(m, (_, started))| (*started, m.clone()))
                     .collect()
             };
-            live.push((self.started_ms, me.clone()));
+            live.push((self.joined_at.unwrap_or(u64::MAX), me.clone()));
             live.sort();
             let members: Vec<String> = live.into_iter().map(|(_, m)| m).collect();
             let plan = if members.first() == Some(&me) {
@@ -461,7 +609,7 @@ impl Source {
                     self.names.presence().as_str().into(),
                     "".into(),
                     BasicPublishOptions::default(),
-                    format!("{}:{me}", self.started_ms).as_bytes(),
+                    format!("{}:{me}", self.joined_at.unwrap_or(u64::MAX)).as_bytes(),
                     props,
                 )
                 .await
@@ -474,13 +622,13 @@ impl Source {
         for (q, o) in &mut self.owned {
             if !mine.contains(q) && !o.revoking {
                 o.revoking = true;
-                self.events.push(SourceEvent::Revoke(o.lease.scope().clone()));
+                self.events.push(SourceEvent::Revoke(o.scope.clone()));
             }
         }
         self.soon = false;
         for q in self.queues.clone() {
             if mine.contains(&q) && !self.owned.contains_key(&q) {
-                self.consume(&q, sent).await?;
+                self.consume(&q).await?;
             }
         }
         let resolved = self
@@ -521,9 +669,10 @@ impl Source {
         depths
     }
 
-    fn inbound(&self, queue: &str, generation: u64, d: Delivery) -> Option<Inbound> {
-        let o = self.owned.get(queue).filter(|o| o.generation == generation)?;
+    fn inbound(&self, queue: &str, consumer: u64, lease: Arc<ScopeLease>, d: Delivery) -> Option<Inbound> {
+        let o = self.owned.get(queue).filter(|o| o.consumer == consumer)?;
         let link = self.link.as_ref()?;
+        let generation = lease.generation();
         let props = d.properties.clone();
         // One buffer for the message and the copy kept for a dead letter.
         let payload = keyorder_core::Bytes::from(d.data);
@@ -563,14 +712,14 @@ impl Source {
         }
         Some(Inbound {
             message: msg,
-            lease: o.lease.clone(),
+            lease: lease.clone(),
             settle: Box::new(RabbitSettle {
                 t: self.t.clone(),
                 dlq_channel: link.dlq_channel.clone(),
                 group: self.names.base().to_owned(),
                 dlq: self.names.dlq(),
                 key,
-                scope: o.lease.scope().clone(),
+                scope: o.scope.clone(),
                 generation,
                 message_id,
                 earlier,
@@ -589,7 +738,7 @@ impl Source {
         // Held deliveries of scopes no longer paused go first, in order.
         for (q, buf) in &mut self.held {
             let Some(o) = self.owned.get(q) else { continue };
-            if paused.contains(o.lease.scope()) {
+            if paused.contains(&o.scope) {
                 continue;
             }
             while out.len() < max {
@@ -601,10 +750,10 @@ impl Source {
         }
         self.held.retain(|_, b| !b.is_empty());
         while out.len() < max {
-            let Ok((q, generation, d)) = self.rx.try_recv() else {
+            let Ok((q, consumer, lease, d)) = self.rx.try_recv() else {
                 break;
             };
-            let Some(i) = self.inbound(&q, generation, d) else {
+            let Some(i) = self.inbound(&q, consumer, lease, d) else {
                 continue;
             };
             let paused_now = self.held.contains_key(&q) || paused.contains(i.lease.scope());
@@ -624,8 +773,8 @@ impl TransportSource for Source {
         let mut out = Vec::new();
         self.take(max, paused, &mut out);
         if out.is_empty() {
-            if let Ok(Some((q, generation, d))) = tokio::time::timeout(wait, self.rx.recv()).await {
-                if let Some(i) = self.inbound(&q, generation, d) {
+            if let Ok(Some((q, consumer, lease, d))) = tokio::time::timeout(wait, self.rx.recv()).await {
+                if let Some(i) = self.inbound(&q, consumer, lease, d) {
                     if paused.contains(i.lease.scope()) || self.held.contains_key(&q) {
                         self.held.entry(q).or_default().push_back(i);
                     } else {

@@ -21,6 +21,7 @@
 //! | `{c}:{g}.dlq` | queue, never `x-expires` | the group's dead letters (published with a confirm, then the head is acknowledged) |
 //! | `{c}:{g}.members` | classic queue, never holds a message | every running source of the group consumes it: its consumer count is the group's live members |
 //! | `{c}:{g}.presence` | fanout exchange (transient) | the group's instances announce themselves every heartbeat (`hash`) |
+//! | `{c}:{g}.claims` | stream queue (`x-queue-type: stream`, durable, `x-max-length-bytes` 16 MB, `x-max-age` 1D, never `x-expires`) | the group's fencing tokens: a consumer's claim at its activation, and each source's join claim; a claim's offset is the token (see the `claims` module) |
 //!
 //! **No two (category, group) pairs share a name.** Categories and groups
 //! are 1 to 200 bytes of `[A-Za-z0-9._-]` (the names keyorder's client
@@ -201,6 +202,10 @@ impl GroupNames {
     /// count is the group's live members).
     pub fn members(&self) -> String {
         format!("{}.members", self.base)
+    }
+    /// The group's claims stream (fencing tokens, see the `claims` module).
+    pub fn claims(&self) -> String {
+        format!("{}.claims", self.base)
     }
     /// The group's presence exchange.
     pub fn presence(&self) -> String {
@@ -651,6 +656,36 @@ async fn declare_own(conn: &Connection, queue: &str, qt: QueueType, expires: Opt
     }
 }
 
+/// Declares a group's claims stream; one that exists with other
+/// retention arguments is used as it is.
+async fn declare_claims(conn: &Connection, stream: &str) -> Result<()> {
+    let ch = conn.create_channel().await.map_err(amqp)?;
+    let declared = ch
+        .queue_declare(
+            stream.into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            crate::claims::stream_args(),
+        )
+        .await;
+    match declared {
+        Ok(_) => {
+            let _ = ch.close(200, "declared".into()).await;
+            Ok(())
+        }
+        Err(e) if e.to_string().contains("PRECONDITION_FAILED") && queue_state(conn, stream).await?.is_some() => {
+            tracing::debug!(
+                stream,
+                "rabbitmq: claims stream exists with other arguments; used as it is"
+            );
+            Ok(())
+        }
+        Err(e) => Err(amqp(e)),
+    }
+}
+
 /// Passive checks of queues on one channel (a refused check closes its
 /// channel: the next check opens another).
 struct Probe<'a> {
@@ -807,6 +842,7 @@ async fn declare_group(conn: &Connection, cfg: &RabbitConfig, names: &Names, g: 
     // as it is.
     declare_own(conn, &g.dlq(), qt, None, "the group's dead-letter queue").await?;
     declare_aux(conn, &g.members(), cfg.expires_ms).await?;
+    declare_claims(conn, &g.claims()).await?;
     let ch = conn.create_channel().await.map_err(amqp)?;
     let res = declare_on(&ch, cfg, names, g).await;
     let _ = ch.close(200, "declared".into()).await;
@@ -938,7 +974,11 @@ async fn verify_group(conn: &Connection, cfg: &RabbitConfig, names: &Names, g: &
             return Err(Error::Config(format!("rabbitmq: exchange `{x}` is missing; {create}")));
         }
     }
-    for q in g.queues(cfg.topology).into_iter().chain([g.dlq(), g.members()]) {
+    for q in g
+        .queues(cfg.topology)
+        .into_iter()
+        .chain([g.dlq(), g.members(), g.claims()])
+    {
         if queue_state(conn, &q).await?.is_none() {
             return Err(Error::Config(format!("rabbitmq: queue `{q}` is missing; {create}")));
         }
@@ -956,6 +996,7 @@ pub(crate) fn group_queues(g: &GroupNames, topology: Option<Topology>) -> Vec<St
     };
     qs.push(g.dlq());
     qs.push(g.members());
+    qs.push(g.claims());
     qs
 }
 
