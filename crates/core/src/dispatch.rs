@@ -191,9 +191,6 @@ struct Inner {
     stats: Arc<Stats>,
     /// Told of every delivery's settlement, when the application asked.
     observer: std::sync::OnceLock<crate::handler::SettledHook>,
-    /// Scopes a handler's store fenced (`HandlerError::Fenced`), for the
-    /// subscription to hand back to the broker.
-    store_fenced: Mutex<Vec<Arc<str>>>,
 }
 
 /// The keyed dispatcher. Cheap to clone; clones share one state.
@@ -252,16 +249,8 @@ impl Dispatcher {
                 stopping: Stop::new(),
                 stats,
                 observer: std::sync::OnceLock::new(),
-                store_fenced: Mutex::new(Vec::new()),
             }),
         }
-    }
-
-    /// Scopes whose handler's store refused a fencing token since the last
-    /// call: the subscription hands them back to the broker, which gives
-    /// them out again under a newer generation.
-    pub fn take_store_fenced(&self) -> Vec<Arc<str>> {
-        std::mem::take(&mut *self.inner.store_fenced.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Tells `hook` of every delivery's settlement from now on (once; a
@@ -977,6 +966,8 @@ impl Inner {
             Some(false) => return self.discarded(job),
             None => return Outcome::Stopped,
         }
+        let mut fenced_attempt: Option<u32> = None;
+        let mut fenced_runs = 0u32;
         loop {
             if !self.global_pause().await {
                 return Outcome::Stopped;
@@ -990,16 +981,21 @@ impl Inner {
                     None => return Outcome::Stopped,
                 },
             }
-            let attempt = match settle.begin_attempt().await {
-                Ok(n) => n,
-                Err(Error::Fenced { .. }) => return self.fenced(job),
-                Err(err) => {
-                    tracing::warn!(error = %err, "attempt count not recorded; retrying");
-                    if !self.nap(self.cfg.retry.initial_backoff).await {
-                        return Outcome::Stopped;
+            // After the handler's store refused the token, the same attempt
+            // runs again: it was no failure of the message.
+            let attempt = match fenced_attempt.take() {
+                Some(n) => n,
+                None => match settle.begin_attempt().await {
+                    Ok(n) => n,
+                    Err(Error::Fenced { .. }) => return self.fenced(job),
+                    Err(err) => {
+                        tracing::warn!(error = %err, "attempt count not recorded; retrying");
+                        if !self.nap(self.cfg.retry.initial_backoff).await {
+                            return Outcome::Stopped;
+                        }
+                        continue;
                     }
-                    continue;
-                }
+                },
             };
             // Attempts already spent (by an earlier owner, or during an
             // outage): apply the policy without running, unless failures span
@@ -1024,20 +1020,26 @@ impl Inner {
                 match tracing::Instrument::instrument(run, span).await {
                     Ok(Ok(())) => return Outcome::Applied,
                     Ok(Err(HandlerError::Fenced(e))) => {
+                        // Not acknowledged, and no failure of the message:
+                        // the broker decides who owns the scope. A stale
+                        // owner loses it at its next heartbeat (the job is
+                        // then discarded above); until then the same
+                        // attempt runs again after a back-off.
                         bump(&self.stats.handler_fenced, "keyorder_handler_fenced_total");
                         tracing::warn!(
                             scope = %lease.scope(),
                             token = lease.generation(),
                             error = %e,
-                            "the handler's store refused the fencing token; not acknowledged, scope given up"
+                            "the handler's store refused the fencing token; not acknowledged, running it again \
+                             while this instance still owns the scope"
                         );
-                        job.lease.lose();
-                        self.store_fenced
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .push(lease.scope().clone());
                         self.report(job, Settlement::Fenced);
-                        return Outcome::Lost;
+                        fenced_runs += 1;
+                        if !self.nap(self.cfg.retry.backoff(fenced_runs)).await {
+                            return Outcome::Stopped;
+                        }
+                        fenced_attempt = Some(attempt);
+                        continue;
                     }
                     Ok(Err(HandlerError::Retryable(e))) => (e.to_string(), false),
                     Ok(Err(HandlerError::Poison(e))) => (e.to_string(), true),
@@ -1081,12 +1083,18 @@ impl Inner {
     /// Tells the application's observer, if any, how `job` ended.
     fn report(&self, job: &Job, settlement: Settlement) {
         if let Some(hook) = self.observer.get() {
-            hook.call(&Settled {
+            let settled = Settled {
                 id: job.message.id().to_owned(),
                 key_label: job.key.as_ref().map(OrderingKey::label),
                 fencing_token: job.lease.generation(),
                 settlement,
-            });
+            };
+            // A panicking observer must not take the settlement's
+            // bookkeeping with it (the key would stay busy for good).
+            if std::panic::catch_unwind(AssertUnwindSafe(|| hook.call(&settled))).is_err() {
+                bump(&self.stats.panics, "keyorder_handler_panics_total");
+                tracing::error!("the on_settled observer panicked; the settlement itself stands");
+            }
         }
     }
 

@@ -18,9 +18,11 @@ pub enum HandlerError {
     Poison(BoxError),
     /// The handler's own store refused [`Delivery::fencing_token`] as stale
     /// (it has seen a newer owner's): nothing is acknowledged, nothing is
-    /// recorded as applied, the delivery's scope is given up here (its
-    /// buffered work goes, as when the broker's fence rejects an owner) and
-    /// it is counted in `Stats::handler_fenced`.
+    /// recorded as applied, it is counted in `Stats::handler_fenced`, and
+    /// the same attempt runs again after a back-off for as long as the
+    /// broker still gives this instance the scope (a stale owner loses it
+    /// at its next heartbeat, and the delivery goes to the new owner). It
+    /// never counts toward the poison policy.
     Fenced(BoxError),
 }
 

@@ -161,11 +161,15 @@ impl SubscriptionBuilder {
         self.lease = lease;
         self
     }
-    /// Calls `hook` with every delivery's settlement in this process
-    /// (acknowledged, parked, halted, fenced, discarded), as it happens, for
-    /// an application that records outcomes per message rather than reading
-    /// the aggregate [`crate::Stats`]. Keep it quick: it runs on the
-    /// dispatcher's workers.
+    /// Calls `hook` as each delivery this process ran (or discarded before
+    /// running, its scope lost) is settled: acknowledged, parked, halted, or
+    /// fenced (not acknowledged: the broker's fence or the handler's store
+    /// refused it), for an application that records outcomes per message
+    /// rather than reading the aggregate [`crate::Stats`]. Deliveries still
+    /// buffered when their scope is handed over or the subscription stops
+    /// are not reported (the broker delivers them again). Keep it quick: it
+    /// runs on the dispatcher's workers; a panic in it is caught and
+    /// counted.
     ///
     /// ```
     /// # use keyorder_core::{Client, MemoryTransport, Settlement};
@@ -449,12 +453,6 @@ impl Subscription {
                     dispatcher.release(&key, drop_head);
                 }
             }
-        }
-        // A scope whose handler's store refused its token goes back to the
-        // broker once drained, to be given out under a newer generation.
-        for scope in dispatcher.take_store_fenced() {
-            st.paused.remove(&scope);
-            st.revoking.insert(scope);
         }
         // Work of lost leases goes, halted heads included; a revoked scope
         // sheds again what came back since (a handler that halted meanwhile).

@@ -272,21 +272,18 @@ impl PlainSource {
     async fn rejoin(&mut self, keys: &[String]) -> Result<()> {
         let mut conn = self.t.conn.clone();
         for k in keys {
-            let created: redis::RedisResult<Value> = redis::cmd("XGROUP")
-                .arg("CREATE")
-                .arg(self.names.stream(k))
+            let joined: i64 = crate::scripts::JOIN_PLAIN
+                .key(self.names.groups())
+                .key(self.names.stream(k))
                 .arg(&self.spec.group)
                 .arg("0")
-                .query_async(&mut conn)
-                .await;
-            match created {
-                Ok(_) => {}
-                Err(e) if e.code() == Some("BUSYGROUP") => {}
-                Err(_) => {
-                    // The stream is gone.
-                    self.streams.remove(k);
-                    self.dirty.remove(k);
-                }
+                .invoke_async(&mut conn)
+                .await
+                .map_err(broker)?;
+            if joined == 0 {
+                // The stream is gone.
+                self.streams.remove(k);
+                self.dirty.remove(k);
             }
         }
         Ok(())
@@ -309,19 +306,14 @@ impl PlainSource {
             if self.streams.contains(&k) || OrderingKey::with_rules(&k, &self.spec.key_rules).is_err() {
                 continue;
             }
-            let created: redis::RedisResult<Value> = redis::cmd("XGROUP")
-                .arg("CREATE")
-                .arg(self.names.stream(&k))
+            let _: i64 = crate::scripts::JOIN_PLAIN
+                .key(self.names.groups())
+                .key(self.names.stream(&k))
                 .arg(&self.spec.group)
-                .arg("0")
-                .arg("MKSTREAM")
-                .query_async(&mut conn)
-                .await;
-            if let Err(e) = created {
-                if e.code() != Some("BUSYGROUP") {
-                    return Err(broker(e));
-                }
-            }
+                .arg("1")
+                .invoke_async(&mut conn)
+                .await
+                .map_err(broker)?;
             self.dirty.insert(k.clone());
             self.streams.insert(k);
         }

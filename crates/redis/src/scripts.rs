@@ -234,6 +234,29 @@ return {{out, redis.call('ZRANGEBYSCORE', KEYS[1], now - ttl, '+inf')}}
     ))
 });
 
+/// Creates `group` on a stream at `0` for a plain (unordered) reader, only
+/// while the group is registered (fails with [`GROUP_REMOVED`] otherwise:
+/// a member of a removed group never recreates it, which would leave a
+/// stream no registered group trims). With `mk` the stream is created when
+/// missing; without it a missing stream answers 0.
+///
+/// KEYS: registry, stream. ARGV: group, `1` to create a missing stream.
+/// Returns 1 (created or already there), 0 (no such stream).
+pub(crate) static JOIN_PLAIN: LazyLock<Script> = LazyLock::new(|| {
+    script(&format!(
+        r"{REGISTERED}
+local removed = registered(1, 1, ARGV[1])
+if removed then return removed end
+if ARGV[2] ~= '1' and redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+local r = redis.pcall('XGROUP', 'CREATE', KEYS[2], ARGV[1], '0', 'MKSTREAM')
+if type(r) == 'table' and r.err and not string.find(r.err, 'BUSYGROUP', 1, true) then
+  return redis.error_reply(r.err)
+end
+return 1
+"
+    ))
+});
+
 /// Records a group in a category's registry and the member's first
 /// heartbeat in one step, so an operator never sees the group registered
 /// without a live member while it starts. The entry keeps the members set
@@ -620,12 +643,24 @@ local function entry_of(category, group, entry)
   if ok and type(e) == 'table' then
     if type(e.members) == 'string' and #e.members > #suffix
       and string.sub(e.members, -#suffix) == suffix then
-      members = e.members
+      -- Only this category's own name, or a correlated subscription's
+      -- combined name that holds it ('{c1}+{c2}...').
+      local ctl = string.sub(e.members, 1, #e.members - #suffix)
+      if ctl == category then
+        members = e.members
+      else
+        for part in string.gmatch(ctl, '[^+]+') do
+          if part == category then members = e.members end
+        end
+      end
     end
     ttl = tonumber(e.ttl) or ttl
   elseif tonumber(entry) then
     ttl = tonumber(entry)
   end
+  -- A damaged TTL never makes a group look dead sooner than a second, nor
+  -- live for more than a day after its last heartbeat.
+  ttl = math.min(math.max(ttl, 1000), 86400000)
   return members, ttl
 end
 local function live(category, group, entry)

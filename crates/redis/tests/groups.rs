@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use keyorder_core::{Error, Inbound, KeyRules, LeaseConfig, Message, SourceSpec, Transport, TransportSource};
 use keyorder_redis::{Names, RedisTransport};
+use redis::Value;
 
 fn url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
@@ -458,4 +459,61 @@ async fn an_upgraded_category_registers_its_existing_groups() {
         .unwrap();
     let groups = t.admin().groups(&cat).await.unwrap();
     assert!(groups.iter().any(|g| g.name == "damaged"), "{groups:?}");
+}
+
+/// Second review: a plain (unordered) member whose group was removed while
+/// it stalled must not recreate its group on a stream (that stream would
+/// never be trimmed again); it stops with an error that says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_plain_member_recreates_nothing_and_stops() {
+    let t = transport("").await;
+    let cat = category("plain-removed");
+    let names = Names::new(&cat).unwrap();
+    publish(&t, &cat, &keys("k", 0..1), 0..2).await;
+    let mut p = t
+        .open(&spec_ttl(&cat, "p", "p1", Duration::from_secs(1), false))
+        .await
+        .unwrap();
+    let (got, e) = consume(
+        &mut p,
+        &["k0/0".to_owned(), "k0/1".to_owned()].into(),
+        Duration::from_secs(30),
+    )
+    .await;
+    assert_eq!(got.len(), 2, "{e:?}");
+    // p stalls past its TTL; the operator removes the group.
+    let admin = t.admin();
+    let until = tokio::time::Instant::now() + Duration::from_secs(30);
+    while admin.remove_group(&cat, "p").await.is_err() {
+        assert!(
+            tokio::time::Instant::now() < until,
+            "the stalled plain group was never removable"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    publish(&t, &cat, &keys("k", 0..1), 2..3).await;
+    let mut stopped = None;
+    for _ in 0..20 {
+        // A fetch first: a member that resumes in the middle of its loop.
+        let r = match p.fetch(10, &HashSet::new(), Duration::from_millis(50)).await {
+            Ok(_) => p.maintain().await.map(|_| ()),
+            Err(e) => Err(e),
+        };
+        if let Err(Error::Config(why)) = r {
+            stopped = Some(why);
+            break;
+        }
+    }
+    let why = stopped.expect("the removed plain member went on");
+    assert!(why.contains("removed"), "{why}");
+    let groups: Value = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(names.stream("k0"))
+        .query_async(&mut conn().await)
+        .await
+        .unwrap();
+    assert!(
+        !format!("{groups:?}").contains("\"p\""),
+        "the removed group came back: {groups:?}"
+    );
 }
