@@ -306,9 +306,30 @@ impl Source {
         }
     }
 
+    /// Connects and sets up the link, within a deadline (the lease TTL, at
+    /// least 10 s): a broker that just restarted can take a while to start a
+    /// stream, and a consume it never answers must not hold the source up.
+    /// A connection whose set-up failed is closed in the background.
     async fn connect(&mut self) -> Result<()> {
         let uri = self.t.cfg.uri_with_heartbeat(self.heartbeat_secs());
         let conn = Arc::new(connect_uri(&uri, &self.t.cfg.display).await?);
+        let wait = self.spec.lease.ttl.max(Duration::from_secs(10));
+        let failed = match tokio::time::timeout(wait, self.set_up(conn.clone())).await {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(e)) => e,
+            Err(_) => keyorder_core::Error::Broker(format!(
+                "rabbitmq: setting up the consumer's connection took longer than {} s (the group's claims stream \
+                 not ready yet?); retrying",
+                wait.as_secs()
+            )),
+        };
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(CLOSE_WAIT, conn.close(200, "set-up failed".into())).await;
+        });
+        Err(failed)
+    }
+
+    async fn set_up(&mut self, conn: Arc<Connection>) -> Result<()> {
         let dlq_channel = confirm_channel(&conn).await?;
         let stream = self.names.claims();
         let tag = short("instance id", &format!("{}-claims", self.spec.instance))?;

@@ -30,14 +30,19 @@ fn base() -> String {
 }
 
 const OPTIONS: &str = "topology=sac&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000";
+const HASH: &str = "topology=hash&queues=2&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000";
 
 fn url_at(addr: Option<SocketAddr>) -> String {
+    url_with(addr, OPTIONS)
+}
+
+fn url_with(addr: Option<SocketAddr>, options: &str) -> String {
     let mut u = url::Url::parse(&base()).unwrap();
     if let Some(a) = addr {
         u.set_ip_host(a.ip()).unwrap();
         u.set_port(Some(a.port())).unwrap();
     }
-    format!("{u}?{OPTIONS}")
+    format!("{u}?{options}")
 }
 
 fn upstream() -> SocketAddr {
@@ -67,7 +72,7 @@ async fn wait_for(what: &str, secs: u64, mut cond: impl FnMut() -> bool) {
     }
 }
 
-/// `(seq, token, started after the fault)` per handler start.
+/// `(key * 1000 + seq, token, started after the fault)` per handler start.
 type Starts = Arc<Mutex<Vec<(u32, u64, bool)>>>;
 
 struct Worker {
@@ -83,8 +88,9 @@ impl Worker {
     }
 }
 
-/// A subscription of group `g`; the first start of seq `hold` (if any)
-/// waits for `release`; `faulted` marks starts after the fault.
+/// A subscription of group `g` (`concurrency` handlers at once); the first
+/// start of `hold` (if any) waits for `release`; `faulted` marks starts
+/// after the fault.
 async fn worker(
     url: &str,
     cat: &str,
@@ -93,12 +99,25 @@ async fn worker(
     hold: Option<(u32, Arc<Notify>, Arc<AtomicBool>)>,
     faulted: Arc<AtomicBool>,
 ) -> Worker {
+    worker_with(url, cat, who, lease, hold, faulted, 64).await
+}
+
+async fn worker_with(
+    url: &str,
+    cat: &str,
+    who: &str,
+    lease: LeaseConfig,
+    hold: Option<(u32, Arc<Notify>, Arc<AtomicBool>)>,
+    faulted: Arc<AtomicBool>,
+    concurrency: usize,
+) -> Worker {
     let c = client(url).await;
     let sub = c
         .subscribe(cat, "g")
         .ordered_by(KeySource::routing_key())
         .instance_id(who)
         .lease(lease)
+        .concurrency(concurrency)
         .build()
         .await
         .unwrap();
@@ -109,7 +128,11 @@ async fn worker(
         let hold = hold.clone();
         let faulted = faulted.clone();
         async move {
-            let seq: u32 = String::from_utf8_lossy(d.payload()).parse().unwrap();
+            let body = String::from_utf8_lossy(d.payload()).into_owned();
+            let seq: u32 = match body.split_once('/') {
+                Some((k, s)) => k.parse::<u32>().unwrap() * 1000 + s.parse::<u32>().unwrap(),
+                None => body.parse().unwrap(),
+            };
             let first = {
                 let mut l = log.lock().unwrap();
                 let first = !l.iter().any(|(s, _, _)| *s == seq);
@@ -117,7 +140,7 @@ async fn worker(
                 first
             };
             if let Some((s, release, holding)) = hold {
-                if s == seq && first {
+                if (s == seq || s == u32::MAX) && first && !holding.load(Ordering::SeqCst) {
                     holding.store(true, Ordering::SeqCst);
                     release.notified().await;
                 }
@@ -227,12 +250,12 @@ impl Proxy {
     }
 }
 
-/// The sac queue's consumers, read on a connection of its own.
-async fn consumers(conn: &lapin::Connection, cat: &str) -> u32 {
+/// A queue's consumers, read on a connection of its own.
+async fn consumers(conn: &lapin::Connection, queue: &str) -> u32 {
     let ch = conn.create_channel().await.unwrap();
     let q = ch
         .queue_declare(
-            format!("{cat}:g.sac").as_str().into(),
+            queue.into(),
             QueueDeclareOptions {
                 passive: true,
                 ..Default::default()
@@ -254,41 +277,62 @@ fn lease(ttl: u64, heartbeat_ms: u64, margin: u64) -> LeaseConfig {
 }
 
 /// Defect 2: a cut connection's buffered deliveries never start under its
-/// generation once the broker requeued them. The maintenance runs every 5 s
-/// here, so only the close event can fence them in time.
+/// generation once the broker requeued them. Two hash queues, one handler
+/// at a time: the first message started is held while the other queue's
+/// deliveries wait buffered; the cut; the broker drops the consumers; the
+/// held handler returns (its acknowledgement fails and fences its own
+/// queue only). The maintenance runs every 5 s here, so only the close
+/// event can fence the other queue's buffered deliveries in time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cut_connection_loses_its_lease_at_once() {
+    const KEYS: u32 = 8;
+    const SEQS: u32 = 3;
     let cat = category("fence-cut");
     let proxy = Proxy::start().await;
-    let direct = client(&url_at(None)).await;
+    let direct = client(&url_with(None, HASH)).await;
     let (release, holding, faulted) = (
         Arc::new(Notify::new()),
         Arc::new(AtomicBool::new(false)),
         Arc::new(AtomicBool::new(false)),
     );
-    let w = worker(
-        &url_at(Some(proxy.addr)),
+    let w = worker_with(
+        &url_with(Some(proxy.addr), HASH),
         &cat,
         "cut-1",
         lease(12, 5000, 2),
-        Some((0, release.clone(), holding.clone())),
+        Some((u32::MAX, release.clone(), holding.clone())),
         faulted.clone(),
+        1,
     )
     .await;
-    publish(&direct, &cat, 0..6).await;
-    wait_for("the handler to hold seq 0", 30, || holding.load(Ordering::SeqCst)).await;
-    let held_token = w.starts.lock().unwrap()[0].1;
+    let p = direct.publisher(&cat).await.unwrap();
+    for s in 0..SEQS {
+        for k in 0..KEYS {
+            p.publish(Message::new(format!("{k}/{s}")).with_key(format!("key-{k}")).unwrap())
+                .await
+                .unwrap();
+        }
+    }
+    wait_for("a handler to hold its message", 30, || holding.load(Ordering::SeqCst)).await;
+    let before: Vec<u64> = w.starts.lock().unwrap().iter().map(|(_, t, _)| *t).collect();
     faulted.store(true, Ordering::SeqCst);
     proxy.cut();
-    // The broker noticed: it requeued the old consumer's deliveries.
+    // The broker noticed: it requeued the old consumers' deliveries.
     let conn = lapin::Connection::connect(&base(), lapin::ConnectionProperties::default())
         .await
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
-    while consumers(&conn, &cat).await > 0 {
+    loop {
+        let mut n = 0;
+        for q in 0..2 {
+            n += consumers(&conn, &format!("{cat}:g.hash.{q}")).await;
+        }
+        if n == 0 {
+            break;
+        }
         assert!(
             Instant::now() < deadline,
-            "the broker must drop the cut consumer within 30 s"
+            "the broker must drop the cut consumers within 30 s"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -296,23 +340,22 @@ async fn a_cut_connection_loses_its_lease_at_once() {
     proxy.up();
     wait_for("every message to be applied after the cut", 60, || {
         let s = w.starts.lock().unwrap();
-        (0..6).all(|q| s.iter().any(|(seq, _, after)| *seq == q && *after))
+        (0..KEYS).all(|k| (0..SEQS).all(|q| s.iter().any(|(seq, _, after)| *seq == k * 1000 + q && *after)))
     })
     .await;
-    let late: Vec<u32> = w
+    let late = w
         .starts
         .lock()
         .unwrap()
         .iter()
-        .filter(|(_, t, after)| *after && *t == held_token)
-        .map(|(s, _, _)| *s)
-        .collect();
+        .filter(|(_, t, after)| *after && before.contains(t))
+        .count();
     w.stop().await;
     let _ = conn.close(200, "done".into()).await;
-    assert!(
-        late.is_empty(),
-        "after the cut, seqs {late:?} started under the cut consumer's generation {held_token} (buffered \
-         deliveries the broker had requeued)"
+    assert_eq!(
+        late, 0,
+        "after the cut, {late} messages started under a generation of the cut connection (buffered deliveries \
+         the broker had requeued)"
     );
 }
 
