@@ -4,7 +4,9 @@
 //! list alone (`keyorder_core::assign`, a fair count each). With a backlog a
 //! fair count is not a fair load: 100 keys hashed over 8 queues put 9 to 16
 //! keys on a queue, and an instance given the heavier half works on while
-//! the other one idles. So the oldest live instance (the leader) reads every
+//! the other one idles. So the oldest live instance (the leader; oldest by
+//! its join claim's offset on the group's claims stream, never a clock: see
+//! the `claims` module) reads every
 //! queue's depth when the member list changes, splits the queues by depth
 //! (largest first, each to the member with the least so far) and announces
 //! that plan with its presence; the others follow the leader's plan for the
@@ -25,7 +27,8 @@ pub(crate) const PLAN_HEADER: &str = "x-keyorder-plan";
 /// A leader's plan for one member list.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Plan {
-    /// The live members, oldest first, as the leader saw them.
+    /// The live members, oldest (smallest join claim) first, as the leader
+    /// saw them.
     pub members: Vec<String>,
     /// For each queue (in the topology's order) the index of its member.
     pub owners: Vec<usize>,
