@@ -735,7 +735,8 @@ impl Transport for PgTransport {
             keeper: None,
         };
         source.maintain_now().await?;
-        source.keeper = Some(self.spawn_keeper(spec, epoch, kept)?);
+        lock_kept(&kept).touched = Some(Instant::now());
+        source.keeper = Some(self.spawn_keeper(spec, epoch, kept).await?);
         source.announce().await;
         Ok(Box::new(source))
     }
@@ -754,7 +755,9 @@ impl PgTransport {
     /// `maintain` ran about every 7 s and a 3 s lease lapsed again and
     /// again (issue 34). The connection skips the pool's liveness round
     /// trip (a failed statement drops it; the next heartbeat tries again).
-    fn spawn_keeper(
+    /// Its first round runs here: the connection and the prepared statement
+    /// are ready before the link may slow down.
+    async fn spawn_keeper(
         &self,
         spec: &SourceSpec,
         epoch: i64,
@@ -772,13 +775,23 @@ impl PgTransport {
         };
         let sql = self.sql.clone();
         let spec = spec.clone();
+        if !keep_round(&ex, &sql, &spec, epoch, &kept).await.map_err(db)? {
+            return Err(group_removed(&spec.category, &spec.group));
+        }
         Ok(tokio::spawn(async move {
             let mut tick = tokio::time::interval(spec.lease.heartbeat.max(Duration::from_millis(10)));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
-                if !keep_round(&ex, &sql, &spec, epoch, &kept).await {
-                    break;
+                if !lock_kept(&kept).alive(spec.lease.ttl) {
+                    continue;
+                }
+                match keep_round(&ex, &sql, &spec, epoch, &kept).await {
+                    Ok(true) => {}
+                    Ok(false) => break,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "postgres: lease renewal failed; retried at the next heartbeat")
+                    }
                 }
             }
             ex.pool.close().await;
@@ -964,6 +977,36 @@ struct Kept {
     lost: Vec<u32>,
     /// The heartbeat found the group gone.
     gone: bool,
+    /// When the source's loop last showed progress: a call (`maintain`,
+    /// `fetch`, `release`) began or ended, or one of its statements
+    /// returned.
+    touched: Option<Instant>,
+}
+
+impl Kept {
+    /// The source's loop progressed within `ttl`. A loop that stalled (no
+    /// longer calls the source, or waits on one statement) is renewed no
+    /// longer, so its leases expire as they did when `maintain` renewed
+    /// them (and its member is no longer live).
+    fn alive(&self, ttl: Duration) -> bool {
+        self.touched.is_some_and(|t| t.elapsed() <= ttl)
+    }
+}
+
+/// Records the loop's progress when a call begins and when it ends.
+struct Busy(Arc<Mutex<Kept>>);
+
+impl Busy {
+    fn new(kept: &Arc<Mutex<Kept>>) -> Busy {
+        lock_kept(kept).touched = Some(Instant::now());
+        Busy(kept.clone())
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        lock_kept(&self.0).touched = Some(Instant::now());
+    }
 }
 
 /// One round of the keeper: heartbeat and renewal in one statement. Each
@@ -971,7 +1014,13 @@ struct Kept {
 /// when the statement was *sent*; one held but not renewed is lost. A
 /// slot the source acquired or freed meanwhile is left alone. `false` once
 /// the group is gone (the keeper stops).
-async fn keep_round(ex: &Exec, sql: &Sql, spec: &SourceSpec, epoch: i64, kept: &Mutex<Kept>) -> bool {
+async fn keep_round(
+    ex: &Exec,
+    sql: &Sql,
+    spec: &SourceSpec,
+    epoch: i64,
+    kept: &Mutex<Kept>,
+) -> std::result::Result<bool, sqlx::Error> {
     let held: Vec<(u32, i64)> = lock_kept(kept).held.iter().map(|(s, (g, _))| (*s, *g)).collect();
     let sent = Instant::now();
     let row = ex
@@ -984,14 +1033,7 @@ async fn keep_round(ex: &Exec, sql: &Sql, spec: &SourceSpec, epoch: i64, kept: &
                 .bind(epoch)
                 .bind(held.iter().map(|(s, _)| *s as i32).collect::<Vec<_>>()),
         )
-        .await;
-    let row = match row {
-        Ok(row) => row,
-        Err(e) => {
-            tracing::warn!(error = %e, "postgres: lease renewal failed; retried at the next heartbeat");
-            return true;
-        }
-    };
+        .await?;
     let seen: i64 = row.get(0);
     let slots: Vec<i32> = row.get(1);
     let generations: Vec<i64> = row.get(2);
@@ -999,7 +1041,7 @@ async fn keep_round(ex: &Exec, sql: &Sql, spec: &SourceSpec, epoch: i64, kept: &
     let mut kept = lock_kept(kept);
     if seen == 0 {
         kept.gone = true;
-        return false;
+        return Ok(false);
     }
     for (slot, generation) in held {
         if kept.held.get(&slot).map(|(g, _)| *g) != Some(generation) {
@@ -1015,7 +1057,7 @@ async fn keep_round(ex: &Exec, sql: &Sql, spec: &SourceSpec, epoch: i64, kept: &
             kept.lost.push(slot);
         }
     }
-    true
+    Ok(true)
 }
 
 fn lock_kept(kept: &Mutex<Kept>) -> std::sync::MutexGuard<'_, Kept> {
@@ -1207,10 +1249,15 @@ impl PgSource {
         let ttl = self.spec.lease.ttl;
         let started = Instant::now();
         tracing::debug!(member = %me, owned = self.owned.len(), "maintain");
-        // The keeper heartbeats and renews on its own cadence; what it
-        // found (a lease lost, the group removed) is taken first.
+        // The keeper heartbeats and renews on its own cadence; this round
+        // here as well finds the group removed under a member that stalled
+        // (and renews what the keeper may not have). What either found (a
+        // lease lost, the group gone) is taken first.
+        keep_round(ex, &sql, &spec, self.epoch, &self.kept).await.map_err(db)?;
         self.take_kept()?;
+        self.touch();
         self.advance_cursors().await?;
+        self.touch();
         self.housekeep();
         // Fair share over live members, by the database's clock.
         let live: Vec<String> = ex
@@ -1237,12 +1284,14 @@ impl PgSource {
                     wanted.push(slot);
                 }
             }
+            self.touch();
             if !wanted.is_empty() && self.acquire(&wanted).await? < wanted.len() {
                 // Some still held by their previous owner (handing over,
                 // or expiring): look again soon.
                 self.waiting = true;
             }
         }
+        self.touch();
         if self.waiting {
             // Held by other members, or gone with the group (removed after
             // this heartbeat): one look for the whole group, not one per slot.
@@ -1307,6 +1356,11 @@ impl PgSource {
             return Err(group_removed(&self.spec.category, &self.spec.group));
         }
         Ok(())
+    }
+
+    /// Records the loop's progress (see `Kept::alive`).
+    fn touch(&self) {
+        lock_kept(&self.kept).touched = Some(Instant::now());
     }
 
     /// Removes an owned slot here and from the keeper's renewals.
@@ -1536,6 +1590,7 @@ impl PgSource {
         if !batch.is_empty() || !skipped_dry {
             return Ok(batch);
         }
+        self.touch();
         self.all_wet();
         Ok(self.read_once(max, paused).await?.0)
     }
@@ -1678,6 +1733,7 @@ impl PgSource {
 #[async_trait]
 impl TransportSource for PgSource {
     async fn fetch(&mut self, max: usize, paused: &HashSet<Arc<str>>, wait: Duration) -> Result<Vec<Inbound>> {
+        let _busy = Busy::new(&self.kept);
         // What the LISTEN connection already holds is taken on every fetch,
         // busy or not: left unread, the server's notification queue would
         // grow behind this listener for as long as the load lasts.
@@ -1700,11 +1756,13 @@ impl TransportSource for PgSource {
             Err(_) => {}
         }
         // The polling fallback reads every slot (a notification may be lost).
+        self.touch();
         self.all_wet();
         self.read(max, paused).await
     }
 
     async fn maintain(&mut self) -> Result<Vec<SourceEvent>> {
+        let _busy = Busy::new(&self.kept);
         self.take_kept()?;
         let every = if self.waiting {
             Duration::from_millis(100).min(self.spec.lease.heartbeat)
@@ -1721,6 +1779,7 @@ impl TransportSource for PgSource {
     }
 
     async fn release(&mut self, scope: &str) -> Result<()> {
+        let _busy = Busy::new(&self.kept);
         let Some(slot) = parse_scope(scope) else {
             return Err(Error::NotFound(format!("scope `{scope}`")));
         };

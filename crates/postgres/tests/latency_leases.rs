@@ -72,12 +72,13 @@ async fn held_by(t: &PgTransport, queue: &str, owner: &str) -> BTreeMap<String, 
         .collect()
 }
 
-/// Runs `source` like a subscription's loop (maintain, then fetch, and an
-/// acknowledgement of everything delivered) until `until`; returns the
-/// deliveries' message ids, and fails on a delivery whose lease the
-/// self-fence would not start (stale or lost).
+/// Runs `source` like a subscription's loop (maintain, then fetch; each
+/// delivery acknowledged off the loop, as the dispatcher's workers do)
+/// until `until`; returns the deliveries' message ids, and fails on a
+/// delivery whose lease the self-fence would not start (stale or lost).
 async fn run(source: &mut Box<dyn TransportSource>, until: Instant) -> Vec<String> {
     let mut got = Vec::new();
+    let mut acks = Vec::new();
     while Instant::now() < until {
         source.maintain().await.unwrap();
         for inbound in source
@@ -92,8 +93,11 @@ async fn run(source: &mut Box<dyn TransportSource>, until: Instant) -> Vec<Strin
                 inbound.lease.scope()
             );
             got.push(inbound.message.id().to_owned());
-            inbound.settle.ack().await.unwrap();
+            acks.push(tokio::spawn(async move { inbound.settle.ack().await }));
         }
+    }
+    for ack in acks {
+        ack.await.unwrap().unwrap();
     }
     got
 }
