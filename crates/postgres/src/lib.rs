@@ -1238,8 +1238,9 @@ impl PgSource {
         }
     }
 
-    /// Rebalance, cursor advance, operator actions (the heartbeat and the
-    /// lease renewals are the keeper's, see `PgTransport::spawn_keeper`).
+    /// Heartbeat and lease renewal (which the keeper also does, every
+    /// heartbeat, see `PgTransport::spawn_keeper`), rebalance, cursor
+    /// advance, operator actions.
     async fn maintain_now(&mut self) -> Result<()> {
         let sql = self.t.sql.clone();
         let ex = self.t.db.clone();
