@@ -86,7 +86,8 @@ pub struct PgConfig {
     /// Slots per queue (fixed once a queue exists).
     pub slots: u32,
     /// Connections in the pool (`?pool=`, default 8). Settlements use up to
-    /// [`SETTLEMENT_CONNECTIONS`] more of their own.
+    /// [`SETTLEMENT_CONNECTIONS`] more of their own, and each ordered
+    /// subscription one more for its lease renewals.
     pub max_connections: u32,
     /// Run [`PgTransport::migrate`] when connecting (`?migrate=true`).
     pub migrate: bool,
