@@ -1,12 +1,18 @@
-//! Fencing tokens the broker makes monotonic: the group's claims stream.
+//! Fencing tokens the broker makes monotonic: the virtual host's claims stream.
 //!
 //! RabbitMQ keeps no counter a consumer could read a generation from, and
-//! a host's clock orders nothing across hosts. So every group has a
-//! **claims stream** (`{c}:{g}.claims`, `x-queue-type: stream`, durable,
+//! a host's clock orders nothing across hosts. So the virtual host has a
+//! **claims stream** (`keyorder.claims`, `x-queue-type: stream`, durable,
 //! bounded by `x-max-length-bytes` and `x-max-age`): a stream gives every
 //! message appended to it an offset, assigned by the stream's single
 //! writer, one larger than the previous message's, never reused (retention
-//! drops old segments, offsets go on from where they were).
+//! drops old segments, offsets go on from where they were). One stream for
+//! every category and group, not one per group: a stream keeps files open
+//! on the broker for as long as it exists and cannot expire (`x-expires`),
+//! so a stream per group would pile up with groups that come and go (and
+//! did, in the test suites, until the broker ran out of file descriptors).
+//! Tokens are then comparable across every queue of the virtual host; each
+//! source reads every claim (a few bytes per activation or connection).
 //!
 //! - **A queue's token.** A consumer takes its token when the broker
 //!   *activates* it: on the first delivery for its consumer tag, the source
@@ -50,6 +56,9 @@ use tokio::task::JoinHandle;
 
 use crate::topology::amqp;
 
+/// The virtual host's claims stream.
+pub(crate) const STREAM: &str = "keyorder.claims";
+
 /// The stream's retention (a claim is read back within a lease TTL; older
 /// ones are never read again): 16 MB or a day, in 1 MB segments (a stream
 /// drops whole segments only).
@@ -75,7 +84,7 @@ pub(crate) fn stream_args() -> FieldTable {
     args
 }
 
-/// A source's reader of its group's claims stream.
+/// A source's reader of the claims stream.
 pub(crate) struct Claims {
     stream: String,
     channel: Channel,

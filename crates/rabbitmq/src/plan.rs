@@ -5,7 +5,7 @@
 //! fair count is not a fair load: 100 keys hashed over 8 queues put 9 to 16
 //! keys on a queue, and an instance given the heavier half works on while
 //! the other one idles. So the oldest live instance (the leader; oldest by
-//! its join claim's offset on the group's claims stream, never a clock: see
+//! its join claim's offset on the virtual host's claims stream, never a clock: see
 //! the `claims` module) reads every
 //! queue's depth when the member list changes, splits the queues by depth
 //! (largest first, each to the member with the least so far) and announces

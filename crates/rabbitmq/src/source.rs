@@ -14,7 +14,7 @@
 //! one outstanding.
 //!
 //! Fencing token: taken when the broker activates a consumer (its first
-//! delivery), from the group's claims stream: see the `claims` module.
+//! delivery), from the virtual host's claims stream: see the `claims` module.
 //! Deliveries wait until it is known.
 //!
 //! Self-fence: a scope's lease is confirmed by a round trip on its channel
@@ -109,7 +109,7 @@ pub(crate) struct Source {
     link: Option<Link>,
     /// Live instances: last announcement (local clock) and join claim.
     seen: Arc<Mutex<HashMap<String, (Instant, u64)>>>,
-    /// The offset of this source's first join claim on the group's claims
+    /// The offset of this source's first join claim on the virtual host's claims
     /// stream: its place in the plan's member order (oldest first).
     joined_at: Option<u64>,
     /// Set by the presence listener when an instance appears or a leader
@@ -318,7 +318,7 @@ impl Source {
             Ok(Ok(())) => return Ok(()),
             Ok(Err(e)) => e,
             Err(_) => keyorder_core::Error::Broker(format!(
-                "rabbitmq: setting up the consumer's connection took longer than {} s (the group's claims stream \
+                "rabbitmq: setting up the consumer's connection took longer than {} s (the claims stream \
                  not ready yet?); retrying",
                 wait.as_secs()
             )),
@@ -331,15 +331,17 @@ impl Source {
 
     async fn set_up(&mut self, conn: Arc<Connection>) -> Result<()> {
         let dlq_channel = confirm_channel(&conn).await?;
-        let stream = self.names.claims();
+        let stream = crate::claims::STREAM;
         let tag = short("instance id", &format!("{}-claims", self.spec.instance))?;
-        let claims = Arc::new(Claims::open(&conn, &stream, tag).await.map_err(|e| match e {
+        let claims = Arc::new(Claims::open(&conn, stream, tag).await.map_err(|e| match e {
             keyorder_core::Error::Broker(text) if text.contains("NOT_FOUND") || text.contains("404") => {
+                // Declared with every group (`ensure_group`): this process
+                // declares it again when the subscription is built again.
                 self.t.forget(self.names.base());
                 self.t.forget(self.names.category());
                 keyorder_core::Error::NotFound(format!(
-                    "rabbitmq: the claims stream `{stream}` of group `{}` of category `{}` does not exist: the group \
-                     was removed by another process, or declared by an earlier version (or with `declare=false`) \
+                    "rabbitmq: the claims stream `{stream}` (fencing tokens) does not exist: it was deleted, or the \
+                     group `{}` of category `{}` was declared by an earlier version (or with `declare=false`) \
                      without it. Build the subscription again (with `declare=true`) to declare it",
                     self.names.group(),
                     self.names.category()

@@ -21,7 +21,12 @@
 //! | `{c}:{g}.dlq` | queue, never `x-expires` | the group's dead letters (published with a confirm, then the head is acknowledged) |
 //! | `{c}:{g}.members` | classic queue, never holds a message | every running source of the group consumes it: its consumer count is the group's live members |
 //! | `{c}:{g}.presence` | fanout exchange (transient) | the group's instances announce themselves every heartbeat (`hash`) |
-//! | `{c}:{g}.claims` | stream queue (`x-queue-type: stream`, durable, `x-max-length-bytes` 16 MB, `x-max-age` 1D, never `x-expires`) | the group's fencing tokens: a consumer's claim at its activation, and each source's join claim; a claim's offset is the token (see the `claims` module) |
+//!
+//! Virtual host (shared by every category and group):
+//!
+//! | Name | Kind | What |
+//! |---|---|---|
+//! | `keyorder.claims` | stream queue (`x-queue-type: stream`, durable, `x-max-length-bytes` 16 MB in 1 MB segments, `x-max-age` 1D, never `x-expires`, never deleted by keyorder) | fencing tokens: a consumer's claim at its activation, and each source's join claim; a claim's offset is the token (see the `claims` module). One per virtual host, not per group: a stream holds files open on the broker for as long as it exists, and a group's queues may expire, a stream cannot |
 //!
 //! **No two (category, group) pairs share a name.** Categories and groups
 //! are 1 to 200 bytes of `[A-Za-z0-9._-]` (the names keyorder's client
@@ -202,10 +207,6 @@ impl GroupNames {
     /// count is the group's live members).
     pub fn members(&self) -> String {
         format!("{}.members", self.base)
-    }
-    /// The group's claims stream (fencing tokens, see the `claims` module).
-    pub fn claims(&self) -> String {
-        format!("{}.claims", self.base)
     }
     /// The group's presence exchange.
     pub fn presence(&self) -> String {
@@ -656,7 +657,7 @@ async fn declare_own(conn: &Connection, queue: &str, qt: QueueType, expires: Opt
     }
 }
 
-/// Declares a group's claims stream; one that exists with other
+/// Declares the virtual host's claims stream; one that exists with other
 /// retention arguments is used as it is.
 async fn declare_claims(conn: &Connection, stream: &str) -> Result<()> {
     let ch = conn.create_channel().await.map_err(amqp)?;
@@ -842,7 +843,7 @@ async fn declare_group(conn: &Connection, cfg: &RabbitConfig, names: &Names, g: 
     // as it is.
     declare_own(conn, &g.dlq(), qt, None, "the group's dead-letter queue").await?;
     declare_aux(conn, &g.members(), cfg.expires_ms).await?;
-    declare_claims(conn, &g.claims()).await?;
+    declare_claims(conn, crate::claims::STREAM).await?;
     let ch = conn.create_channel().await.map_err(amqp)?;
     let res = declare_on(&ch, cfg, names, g).await;
     let _ = ch.close(200, "declared".into()).await;
@@ -977,7 +978,7 @@ async fn verify_group(conn: &Connection, cfg: &RabbitConfig, names: &Names, g: &
     for q in g
         .queues(cfg.topology)
         .into_iter()
-        .chain([g.dlq(), g.members(), g.claims()])
+        .chain([g.dlq(), g.members(), crate::claims::STREAM.to_owned()])
     {
         if queue_state(conn, &q).await?.is_none() {
             return Err(Error::Config(format!("rabbitmq: queue `{q}` is missing; {create}")));
@@ -996,7 +997,6 @@ pub(crate) fn group_queues(g: &GroupNames, topology: Option<Topology>) -> Vec<St
     };
     qs.push(g.dlq());
     qs.push(g.members());
-    qs.push(g.claims());
     qs
 }
 
