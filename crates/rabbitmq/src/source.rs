@@ -334,7 +334,10 @@ impl Source {
         let stream = crate::claims::STREAM;
         let tag = short("instance id", &format!("{}-claims", self.spec.instance))?;
         let claims = Arc::new(Claims::open(&conn, stream, tag).await.map_err(|e| match e {
-            keyorder_core::Error::Broker(text) if text.contains("NOT_FOUND") || text.contains("404") => {
+            // "NOT_FOUND - home node ... of durable queue ... is down or
+            // inaccessible" right after a restart is transient (retried);
+            // only "no queue" means it is gone.
+            keyorder_core::Error::Broker(text) if text.contains("no queue") => {
                 // Declared with every group (`ensure_group`): this process
                 // declares it again when the subscription is built again.
                 self.t.forget(self.names.base());
