@@ -66,6 +66,7 @@ pub(crate) struct Ctx {
     /// Reads state records (outside the group).
     reader: state::Reader,
     producer: rdkafka::producer::FutureProducer,
+    instance: String,
 }
 
 impl ClientContext for Ctx {}
@@ -86,6 +87,7 @@ impl ConsumerContext for Ctx {
                 // Read the saved progress first: the assignment starts
                 // exactly where the state it comes with was written.
                 let parts = parts_of(tpl, &self.topic);
+                tracing::debug!(instance = %self.instance, ?parts, "kafka: the group assigns; reading saved progress");
                 // Never start without it: a partition taken from its committed
                 // offset alone would run finished messages again.
                 let mut saved = None;
@@ -118,6 +120,7 @@ impl ConsumerContext for Ctx {
                     let _ = assign.add_partition_offset(&self.topic, s.partition, from);
                     info.push((s.partition, s.committed, s.generation, s.meta));
                 }
+                tracing::debug!(instance = %self.instance, ?parts, "kafka: saved progress read");
                 let _ = self.tx.send(Ev::Assigned(info));
                 let r = if cooperative {
                     c.incremental_assign(&assign)
@@ -130,6 +133,7 @@ impl ConsumerContext for Ctx {
             }
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
                 let parts = parts_of(tpl, &self.topic);
+                tracing::debug!(instance = %self.instance, ?parts, "kafka: the group revokes");
                 if !parts.is_empty() && !self.stopping.load(Ordering::SeqCst) {
                     let (reply, wait) = std_mpsc::sync_channel(1);
                     let lost = c.assignment_lost();
@@ -706,6 +710,7 @@ impl Source {
             group_id: self.shared.names.group_id(&self.spec.group),
             reader: rc.create().map_err(kafka_err)?,
             producer: self.shared.t.state_producer.clone(),
+            instance: self.spec.instance.to_string(),
         };
         let member: Member = c.create_with_context(ctx).map_err(kafka_err)?;
         member.subscribe(&[self.shared.names.topic()]).map_err(kafka_err)?;
