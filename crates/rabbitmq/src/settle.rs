@@ -4,16 +4,16 @@
 //! acknowledgements fail and change nothing.
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use keyorder_core::key::label;
 use keyorder_core::{Error, Result, Settle};
-use lapin::options::BasicAckOptions;
+use lapin::options::{BasicAckOptions, ExchangeDeclareOptions};
 use lapin::types::{AMQPValue, LongString};
 use lapin::Acker;
-use lapin::{BasicProperties, Channel};
+use lapin::{BasicProperties, Channel, ExchangeKind};
 
 use crate::{publish_confirmed, Halted, RabbitTransport};
 
@@ -24,19 +24,96 @@ pub(crate) struct Held {
     pub(crate) properties: BasicProperties,
     /// Set by an operator's resume: the next attempt counts from 1 again.
     pub(crate) reset: AtomicBool,
+    /// The consumer channel's barrier: the acknowledgement is known to the
+    /// broker before [`Held::ack`] returns.
+    pub(crate) barrier: Arc<AckBarrier>,
+}
+
+/// Makes acknowledgements written on a consumer channel known to the broker.
+///
+/// AMQP does not confirm `basic.ack`: a frame written to the socket is lost
+/// with the connection, and the broker then requeues a message that was
+/// applied. Had the next message of its key started meanwhile, the requeued
+/// one would run after it (C19 on `sac` and `hash`; `tests/ack_cut.rs`). A
+/// channel handles its frames in order, so the answer to a synchronous
+/// method sent after the acknowledgements (a passive declaration of
+/// `amq.direct`) says the broker has them. One round trip covers every
+/// acknowledgement written before it was sent: concurrent settles share it.
+pub(crate) struct AckBarrier {
+    channel: Channel,
+    /// Acknowledgements written (tickets handed out).
+    written: AtomicU64,
+    /// Tickets the broker is known to hold.
+    confirmed: AtomicU64,
+    /// Held by the settle whose round trip is on the wire.
+    turn: tokio::sync::Mutex<()>,
+}
+
+impl AckBarrier {
+    pub(crate) fn new(channel: Channel) -> Arc<AckBarrier> {
+        Arc::new(AckBarrier {
+            channel,
+            written: AtomicU64::new(0),
+            confirmed: AtomicU64::new(0),
+            turn: tokio::sync::Mutex::new(()),
+        })
+    }
+
+    /// Waits until the broker holds every acknowledgement written on the
+    /// channel so far (each round trip bounded by [`ACK_WAIT`]: `None` past
+    /// it).
+    async fn confirm(&self) -> Option<lapin::Result<()>> {
+        let ticket = self.written.fetch_add(1, Ordering::SeqCst) + 1;
+        loop {
+            if self.confirmed.load(Ordering::SeqCst) >= ticket {
+                return Some(Ok(()));
+            }
+            let _turn = self.turn.lock().await;
+            if self.confirmed.load(Ordering::SeqCst) >= ticket {
+                return Some(Ok(()));
+            }
+            let upto = self.written.load(Ordering::SeqCst);
+            let passive = ExchangeDeclareOptions {
+                passive: true,
+                ..Default::default()
+            };
+            let round = self.channel.exchange_declare(
+                "amq.direct".into(),
+                ExchangeKind::Direct,
+                passive,
+                lapin::types::FieldTable::default(),
+            );
+            match tokio::time::timeout(ACK_WAIT, round).await {
+                Ok(Ok(())) => {
+                    self.confirmed.fetch_max(upto, Ordering::SeqCst);
+                }
+                Ok(Err(e)) => return Some(Err(e)),
+                Err(_) => return None,
+            }
+        }
+    }
 }
 
 impl Held {
-    /// Acknowledges the delivery, waiting at most [`ACK_WAIT`] for the frame
-    /// to be written: `None` past it. lapin writes the frame through its
-    /// connection task; on a connection that died while the process was
-    /// stopped the write may never be answered, and an unbounded wait held a
-    /// worker's graceful shutdown forever. Unwritten, the delivery stays
-    /// unacknowledged and the broker requeues it with the channel.
+    /// Acknowledges the delivery and waits until the broker has the
+    /// acknowledgement ([`AckBarrier`]), at most [`ACK_WAIT`] for the frame
+    /// to be written and as long again for the broker's answer: `None` past
+    /// either. lapin writes the frame through its connection task; on a
+    /// connection that died while the process was stopped the write may
+    /// never be answered, and an unbounded wait held a worker's graceful
+    /// shutdown forever. Unconfirmed, the delivery may stay unacknowledged
+    /// and the broker requeue it with the channel.
     pub(crate) async fn ack(&self) -> Option<lapin::Result<bool>> {
-        tokio::time::timeout(ACK_WAIT, self.acker.ack(BasicAckOptions::default()))
+        let written = tokio::time::timeout(ACK_WAIT, self.acker.ack(BasicAckOptions::default()))
             .await
-            .ok()
+            .ok()?;
+        if !matches!(written, Ok(true)) {
+            return Some(written);
+        }
+        match self.barrier.confirm().await? {
+            Ok(()) => Some(Ok(true)),
+            Err(e) => Some(Err(e)),
+        }
     }
 
     /// Publishes a copy of the message to the dead-letter queue `dlq` with
@@ -107,7 +184,7 @@ impl RabbitSettle {
                 tracing::warn!(
                     scope = %self.scope,
                     wait_s = ACK_WAIT.as_secs(),
-                    "rabbitmq: acknowledgement not written in time; treating the channel as lost"
+                    "rabbitmq: acknowledgement not written or not confirmed in time; treating the channel as lost"
                 );
                 Err(self.fenced())
             }

@@ -54,7 +54,7 @@ use tokio::time::Instant;
 use crate::claims::Claims;
 use crate::config::Topology;
 use crate::plan::{Plan, PLAN_HEADER};
-use crate::settle::{Held, RabbitSettle};
+use crate::settle::{AckBarrier, Held, RabbitSettle};
 use crate::topology::{amqp, private_queue, GroupNames};
 use crate::{confirm_channel, connect_uri, short, RabbitTransport, EPOCH_HEADER};
 
@@ -72,6 +72,8 @@ type Slot = Arc<Mutex<Option<Arc<ScopeLease>>>>;
 
 struct Owned {
     channel: Channel,
+    /// Confirms the acknowledgements written on `channel`.
+    barrier: Arc<AckBarrier>,
     /// This source's id for the consumer (a local sequence).
     consumer: u64,
     scope: Arc<str>,
@@ -506,6 +508,7 @@ impl Source {
         self.owned.insert(
             queue.to_owned(),
             Owned {
+                barrier: AckBarrier::new(ch.clone()),
                 channel: ch,
                 consumer: id,
                 scope,
@@ -755,6 +758,7 @@ impl Source {
                     payload,
                     properties: props,
                     reset: AtomicBool::new(false),
+                    barrier: o.barrier.clone(),
                 }),
             }),
         })

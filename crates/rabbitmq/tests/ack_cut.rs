@@ -1,0 +1,146 @@
+//! An acknowledgement still on its way to the broker when the connection
+//! dies (issue 34, C19 on `sac`). AMQP acknowledgements are not confirmed:
+//! a frame written to the socket can be lost with the connection, and the
+//! broker then requeues a message that was applied. The next message of its
+//! key must not start before the broker has the acknowledgement, or the
+//! redelivered message runs after it (an order violation).
+//!
+//! Through a fault proxy adding 2 s each way: `0` is applied and
+//! acknowledged (the frame sits in the proxy), `1` is held in its handler,
+//! the proxy cuts every connection, `1` is released; after the worker
+//! reconnects, nothing of the key may start below what already started.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig, Message};
+use keyorder_rabbitmq::RabbitTransport;
+use keyorder_testkit::proxy::FaultProxy;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+fn base() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+const SAC: &str = "topology=sac&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000";
+const HASH: &str = "topology=hash&queues=1&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000";
+
+fn url_with(addr: Option<SocketAddr>, options: &str) -> String {
+    let mut u = url::Url::parse(&base()).unwrap();
+    if let Some(a) = addr {
+        u.set_ip_host(a.ip()).unwrap();
+        u.set_port(Some(a.port())).unwrap();
+    }
+    format!("{u}?{options}")
+}
+
+fn upstream() -> SocketAddr {
+    let u = url::Url::parse(&base()).unwrap();
+    let host = u.host_str().unwrap_or("127.0.0.1");
+    let host = if host == "localhost" { "127.0.0.1" } else { host };
+    format!("{host}:{}", u.port().unwrap_or(5672)).parse().unwrap()
+}
+
+async fn client(url: &str) -> Client {
+    let t = RabbitTransport::from_url(&url.parse().unwrap())
+        .await
+        .expect("RabbitMQ must be reachable (run scripts/services)");
+    Client::new(Arc::new(t))
+}
+
+/// Polls `cond` every 20 ms until it holds, failing after `secs` seconds.
+async fn wait_for(what: &str, secs: u64, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !cond() {
+        assert!(Instant::now() < deadline, "{what}: not within {secs} s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn acknowledged_before_the_next_starts(options: &str) {
+    let cat = format!("ack-cut-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let proxy = FaultProxy::start("127.0.0.1:0".parse().unwrap(), upstream())
+        .await
+        .unwrap();
+    let direct = client(&url_with(None, options)).await;
+    let c = client(&url_with(Some(proxy.addr()), options)).await;
+    let sub = c
+        .subscribe(&cat, "g")
+        .ordered_by(KeySource::routing_key())
+        .instance_id("ack-cut")
+        .lease(LeaseConfig {
+            ttl: Duration::from_secs(20),
+            heartbeat: Duration::from_secs(2),
+            margin: Duration::from_secs(2),
+        })
+        .concurrency(4)
+        .build()
+        .await
+        .unwrap();
+    let starts: Arc<Mutex<Vec<u32>>> = Arc::default();
+    let (release, holding) = (Arc::new(Notify::new()), Arc::new(AtomicBool::new(false)));
+    let (log, rel, hold) = (starts.clone(), release.clone(), holding.clone());
+    let handler = move |d: Delivery| {
+        let (log, rel, hold) = (log.clone(), rel.clone(), hold.clone());
+        async move {
+            let seq: u32 = String::from_utf8_lossy(d.payload()).parse().unwrap();
+            log.lock().unwrap().push(seq);
+            if seq == 1 && !hold.swap(true, Ordering::SeqCst) {
+                rel.notified().await;
+            }
+            HandlerResult::Ok(())
+        }
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(sub.run(handler, async move {
+        let _ = stopped.await;
+    }));
+    // Consuming before the latency: the first round trips are not slowed.
+    let p = direct.publisher(&cat).await.unwrap();
+    p.publish(Message::new("100").with_key("warm-key").unwrap()).await.ok();
+    let warm = starts.clone();
+    wait_for("the worker to consume", 60, || !warm.lock().unwrap().is_empty()).await;
+    starts.lock().unwrap().clear();
+    proxy.latency(Duration::from_secs(2));
+    for s in 0..2u32 {
+        p.publish(Message::new(s.to_string()).with_key("the-key").unwrap())
+            .await
+            .unwrap();
+    }
+    let h = holding.clone();
+    wait_for("the second message to start", 60, || h.load(Ordering::SeqCst)).await;
+    proxy.cut();
+    proxy.latency(Duration::ZERO);
+    release.notify_one();
+    // After the reconnection `1` comes again (its acknowledgement failed with
+    // the connection); had `0`'s been lost, `0` would come before it.
+    let again = starts.clone();
+    wait_for("the key's messages after the reconnection", 90, || {
+        again.lock().unwrap().iter().filter(|s| **s == 1).count() >= 2
+    })
+    .await;
+    let seen = starts.lock().unwrap().clone();
+    let _ = stop.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(30), run).await;
+    let mut high = 0;
+    for s in &seen {
+        assert!(
+            *s >= high,
+            "message {s} of the key started after message {high} (starts: {seen:?}): its acknowledgement was lost with the connection"
+        );
+        high = high.max(*s);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sac_next_message_waits_for_the_acknowledgement() {
+    acknowledged_before_the_next_starts(SAC).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hash_next_message_waits_for_the_acknowledgement() {
+    acknowledged_before_the_next_starts(HASH).await;
+}
