@@ -525,13 +525,7 @@ fn route_of(url: &str) -> Option<keyorder_testkit::FaultRoute> {
 /// Trials that run an adapter into a defect found and not fixed yet: each
 /// is listed as ignored with the defect, so the run shows it by name
 /// (`-- --include-ignored <name>` runs it).
-const OPEN_DEFECTS: &[(&str, Scenario, &str)] = &[(
-    "rabbitmq-sac",
-    Scenario::C19,
-    "intermittent: acknowledgements of the messages applied under latency can still be in flight in the \
-     proxy when the cut comes (AMQP acks are not confirmed), so they are redelivered after a later message \
-     of their key was applied (issue 34)",
-)];
+const OPEN_DEFECTS: &[(&str, Scenario, &str)] = &[];
 
 /// A Kafka-protocol broker of its own for C19 (`KAFKA_FAULTS_BROKERS`, the
 /// second tansu `scripts/services` starts on 127.0.0.1:9094): it advertises
