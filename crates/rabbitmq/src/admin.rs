@@ -313,9 +313,16 @@ impl RabbitAdmin {
 /// other (see [`Held::ack`]).
 async fn operator_ack(held: &Held) -> Result<()> {
     match held.ack().await {
-        Some(r) => r.map(|_| ()).map_err(amqp),
+        Some(Ok(true)) => Ok(()),
+        Some(Ok(false)) => Err(Error::Broker(
+            "rabbitmq: the head is no longer held on its channel (the channel closed and the broker requeued it, \
+             or it was settled already); retry once its owner holds it again (`keyorder head show`)"
+                .into(),
+        )),
+        Some(Err(e)) => Err(amqp(e)),
         None => Err(Error::Broker(format!(
-            "rabbitmq: the head's acknowledgement was not written within {} s (the connection looks dead); retry once the owner reconnected",
+            "rabbitmq: the head's acknowledgement was not written or not confirmed within {} s (the connection \
+             looks dead); retry once the owner reconnected",
             ACK_WAIT.as_secs()
         ))),
     }

@@ -47,6 +47,8 @@ pub(crate) struct AckBarrier {
     confirmed: AtomicU64,
     /// Held by the settle whose round trip is on the wire.
     turn: tokio::sync::Mutex<()>,
+    /// Set when a round trip failed or was not answered in time.
+    broken: AtomicBool,
 }
 
 impl AckBarrier {
@@ -56,21 +58,39 @@ impl AckBarrier {
             written: AtomicU64::new(0),
             confirmed: AtomicU64::new(0),
             turn: tokio::sync::Mutex::new(()),
+            broken: AtomicBool::new(false),
         })
     }
 
+    /// Whether a round trip failed or went unanswered: the channel's
+    /// acknowledgements can no longer be confirmed, and the source gives
+    /// the queue up (closing the channel, so the broker requeues what it
+    /// holds unacknowledged) rather than keep a consumer whose settles all
+    /// fail.
+    pub(crate) fn broken(&self) -> bool {
+        self.broken.load(Ordering::SeqCst)
+    }
+
     /// Waits until the broker holds every acknowledgement written on the
-    /// channel so far (each round trip bounded by [`ACK_WAIT`]: `None` past
-    /// it).
+    /// channel so far, at most [`ACK_WAIT`] in all (the wait for another
+    /// settle's round trip included): `None` past it or once the barrier is
+    /// broken.
     async fn confirm(&self) -> Option<lapin::Result<()>> {
+        let deadline = tokio::time::Instant::now() + ACK_WAIT;
         let ticket = self.written.fetch_add(1, Ordering::SeqCst) + 1;
         loop {
             if self.confirmed.load(Ordering::SeqCst) >= ticket {
                 return Some(Ok(()));
             }
-            let _turn = self.turn.lock().await;
+            if self.broken() {
+                return None;
+            }
+            let _turn = tokio::time::timeout_at(deadline, self.turn.lock()).await.ok()?;
             if self.confirmed.load(Ordering::SeqCst) >= ticket {
                 return Some(Ok(()));
+            }
+            if self.broken() {
+                return None;
             }
             let upto = self.written.load(Ordering::SeqCst);
             let passive = ExchangeDeclareOptions {
@@ -83,12 +103,18 @@ impl AckBarrier {
                 passive,
                 lapin::types::FieldTable::default(),
             );
-            match tokio::time::timeout(ACK_WAIT, round).await {
+            match tokio::time::timeout_at(deadline, round).await {
                 Ok(Ok(())) => {
                     self.confirmed.fetch_max(upto, Ordering::SeqCst);
                 }
-                Ok(Err(e)) => return Some(Err(e)),
-                Err(_) => return None,
+                Ok(Err(e)) => {
+                    self.broken.store(true, Ordering::SeqCst);
+                    return Some(Err(e));
+                }
+                Err(_) => {
+                    self.broken.store(true, Ordering::SeqCst);
+                    return None;
+                }
             }
         }
     }
@@ -98,7 +124,8 @@ impl Held {
     /// Acknowledges the delivery and waits until the broker has the
     /// acknowledgement ([`AckBarrier`]), at most [`ACK_WAIT`] for the frame
     /// to be written and as long again for the broker's answer: `None` past
-    /// either. lapin writes the frame through its connection task; on a
+    /// either, or when the channel's barrier broke earlier. `Some(Ok(false))`:
+    /// lapin refused it (the channel closed, or it was acknowledged before). lapin writes the frame through its connection task; on a
     /// connection that died while the process was stopped the write may
     /// never be answered, and an unbounded wait held a worker's graceful
     /// shutdown forever. Unconfirmed, the delivery may stay unacknowledged

@@ -543,7 +543,10 @@ impl Source {
         // broker's heartbeat decides whether the channel is gone.
         let ttl = self.spec.lease.ttl;
         let checks = self.owned.iter().map(|(q, o)| async move {
-            if o.ended.load(std::sync::atomic::Ordering::SeqCst) || !o.channel.status().connected() {
+            if o.ended.load(std::sync::atomic::Ordering::SeqCst)
+                || !o.channel.status().connected()
+                || o.barrier.broken()
+            {
                 return (q.clone(), Some(false));
             }
             let passive = QueueDeclareOptions {
@@ -577,7 +580,18 @@ impl Source {
         for q in lost {
             if let Some(o) = self.drop_owned(&q) {
                 metrics::counter!("keyorder_rabbitmq_queues_lost_total").increment(1);
-                tracing::warn!(scope = %o.scope, "rabbitmq: queue channel closed; lost");
+                let why = if o.barrier.broken() {
+                    "acknowledgements no longer confirmed"
+                } else {
+                    "channel closed"
+                };
+                tracing::warn!(scope = %o.scope, why, "rabbitmq: queue lost");
+                // Closed, so the broker requeues what the channel holds
+                // unacknowledged (a cancel alone would leave it there).
+                let ch = o.channel.clone();
+                tokio::spawn(async move {
+                    let _ = tokio::time::timeout(CLOSE_WAIT, ch.close(200, "queue lost".into())).await;
+                });
             }
         }
         let me = self.spec.instance.clone();

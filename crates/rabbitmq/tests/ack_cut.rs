@@ -144,3 +144,104 @@ async fn sac_next_message_waits_for_the_acknowledgement() {
 async fn hash_next_message_waits_for_the_acknowledgement() {
     acknowledged_before_the_next_starts(HASH).await;
 }
+
+/// A link that goes silent for longer than the acknowledgement wait (10 s)
+/// but shorter than the AMQP heartbeat, so the connection survives: the
+/// settles waiting on the channel's barrier each end within the wait (not
+/// one wait after another), and the queue is given up and consumed anew,
+/// not kept with a channel whose every settle fails (which wedged it: new
+/// messages were discarded unacknowledged until the broker's consumer
+/// timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_link_past_the_acknowledgement_wait_does_not_wedge_the_queue() {
+    const HELD: usize = 6;
+    let cat = format!("ack-silent-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let proxy = FaultProxy::start("127.0.0.1:0".parse().unwrap(), upstream())
+        .await
+        .unwrap();
+    let direct = client(&url_with(None, SAC)).await;
+    let c = client(&url_with(Some(proxy.addr()), SAC)).await;
+    let settled: Arc<Mutex<Vec<(String, Instant)>>> = Arc::default();
+    let s2 = settled.clone();
+    let sub = c
+        .subscribe(&cat, "g")
+        .ordered_by(KeySource::routing_key())
+        .instance_id("ack-silent")
+        // A heartbeat of ceil((120 - 5) / 2) s: the silence does not end
+        // the connection.
+        .lease(LeaseConfig {
+            ttl: Duration::from_secs(120),
+            heartbeat: Duration::from_secs(2),
+            margin: Duration::from_secs(5),
+        })
+        .concurrency(HELD + 2)
+        .on_settled(move |s| s2.lock().unwrap().push((s.id.clone(), Instant::now())))
+        .build()
+        .await
+        .unwrap();
+    let starts: Arc<Mutex<Vec<String>>> = Arc::default();
+    let release = Arc::new(Notify::new());
+    let (log, rel) = (starts.clone(), release.clone());
+    let handler = move |d: Delivery| {
+        let (log, rel) = (log.clone(), rel.clone());
+        async move {
+            let body = String::from_utf8_lossy(d.payload()).into_owned();
+            let wait = rel.notified();
+            let first = {
+                let mut l = log.lock().unwrap();
+                let first = !l.contains(&body);
+                l.push(body.clone());
+                first
+            };
+            if first && body.starts_with("hold") {
+                wait.await;
+            }
+            HandlerResult::Ok(())
+        }
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(sub.run(handler, async move {
+        let _ = stopped.await;
+    }));
+    let p = direct.publisher(&cat).await.unwrap();
+    p.publish(Message::new("warm").with_key("warm").unwrap()).await.unwrap();
+    let (w, s) = (starts.clone(), settled.clone());
+    wait_for("the warm-up message to settle", 60, || !s.lock().unwrap().is_empty()).await;
+    assert_eq!(w.lock().unwrap().len(), 1);
+    for k in 0..HELD {
+        p.publish(Message::new(format!("hold-{k}")).with_key(format!("k{k}")).unwrap())
+            .await
+            .unwrap();
+    }
+    let h = starts.clone();
+    wait_for("every held handler to start", 60, || h.lock().unwrap().len() > HELD).await;
+    proxy.blackhole(true);
+    let silent_at = Instant::now();
+    release.notify_waiters();
+    let s = settled.clone();
+    wait_for(
+        "the held messages' settles to end (30 s: each waits at most 10 s)",
+        30,
+        || s.lock().unwrap().len() > HELD,
+    )
+    .await;
+    let last = settled.lock().unwrap().iter().map(|(_, at)| *at).max().unwrap();
+    proxy.blackhole(false);
+    // New messages, of a held key and of a new one, start.
+    for k in [0, HELD + 1] {
+        p.publish(Message::new(format!("after-{k}")).with_key(format!("k{k}")).unwrap())
+            .await
+            .unwrap();
+    }
+    let a = starts.clone();
+    wait_for("both messages after the silence to start", 90, || {
+        a.lock().unwrap().iter().filter(|s| s.starts_with("after")).count() >= 2
+    })
+    .await;
+    let _ = stop.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(30), run).await;
+    eprintln!(
+        "settles ended {:.1} s after the link went silent",
+        (last - silent_at).as_secs_f64()
+    );
+}
