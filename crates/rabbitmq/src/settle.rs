@@ -37,16 +37,18 @@ pub(crate) struct Held {
 /// one would run after it (C19 on `sac` and `hash`; `tests/ack_cut.rs`). A
 /// channel handles its frames in order, so the answer to a synchronous
 /// method sent after the acknowledgements (a passive declaration of
-/// `amq.direct`) says the broker has them. One round trip covers every
-/// acknowledgement written before it was sent: concurrent settles share it.
+/// `amq.direct`) says the broker has them. A round trip covers every
+/// acknowledgement written before it was sent; a settle whose ticket no
+/// round on the wire covers sends one at once (rounds are pipelined, so a
+/// settle waits one round trip, not the rest of another one first).
 pub(crate) struct AckBarrier {
     channel: Channel,
     /// Acknowledgements written (tickets handed out).
     written: AtomicU64,
-    /// Tickets the broker is known to hold.
-    confirmed: AtomicU64,
-    /// Held by the settle whose round trip is on the wire.
-    turn: tokio::sync::Mutex<()>,
+    /// The highest ticket a round sent so far covers.
+    sent: AtomicU64,
+    /// The highest ticket the broker is known to hold (answered rounds).
+    confirmed: tokio::sync::watch::Sender<u64>,
     /// Set when a round trip failed or was not answered in time.
     broken: AtomicBool,
 }
@@ -56,8 +58,8 @@ impl AckBarrier {
         Arc::new(AckBarrier {
             channel,
             written: AtomicU64::new(0),
-            confirmed: AtomicU64::new(0),
-            turn: tokio::sync::Mutex::new(()),
+            sent: AtomicU64::new(0),
+            confirmed: tokio::sync::watch::Sender::new(0),
             broken: AtomicBool::new(false),
         })
     }
@@ -71,28 +73,41 @@ impl AckBarrier {
         self.broken.load(Ordering::SeqCst)
     }
 
+    fn break_off(&self) {
+        self.broken.store(true, Ordering::SeqCst);
+        // Wakes the settles waiting on another one's round.
+        self.confirmed.send_modify(|_| {});
+    }
+
     /// Waits until the broker holds every acknowledgement written on the
-    /// channel so far, at most [`ACK_WAIT`] in all (the wait for another
+    /// channel so far, at most [`ACK_WAIT`] in all (a wait on another
     /// settle's round trip included): `None` past it or once the barrier is
     /// broken.
     async fn confirm(&self) -> Option<lapin::Result<()>> {
         let deadline = tokio::time::Instant::now() + ACK_WAIT;
         let ticket = self.written.fetch_add(1, Ordering::SeqCst) + 1;
+        let mut answered = self.confirmed.subscribe();
         loop {
-            if self.confirmed.load(Ordering::SeqCst) >= ticket {
+            if *answered.borrow_and_update() >= ticket {
                 return Some(Ok(()));
             }
             if self.broken() {
                 return None;
             }
-            let _turn = tokio::time::timeout_at(deadline, self.turn.lock()).await.ok()?;
-            if self.confirmed.load(Ordering::SeqCst) >= ticket {
-                return Some(Ok(()));
-            }
-            if self.broken() {
-                return None;
+            let sent = self.sent.load(Ordering::SeqCst);
+            if sent >= ticket {
+                // A round sent after this acknowledgement is on the wire.
+                tokio::time::timeout_at(deadline, answered.changed()).await.ok()?.ok()?;
+                continue;
             }
             let upto = self.written.load(Ordering::SeqCst);
+            if self
+                .sent
+                .compare_exchange(sent, upto, Ordering::SeqCst, Ordering::SeqCst)
+                .is_err()
+            {
+                continue;
+            }
             let passive = ExchangeDeclareOptions {
                 passive: true,
                 ..Default::default()
@@ -105,14 +120,14 @@ impl AckBarrier {
             );
             match tokio::time::timeout_at(deadline, round).await {
                 Ok(Ok(())) => {
-                    self.confirmed.fetch_max(upto, Ordering::SeqCst);
+                    self.confirmed.send_modify(|c| *c = (*c).max(upto));
                 }
                 Ok(Err(e)) => {
-                    self.broken.store(true, Ordering::SeqCst);
+                    self.break_off();
                     return Some(Err(e));
                 }
                 Err(_) => {
-                    self.broken.store(true, Ordering::SeqCst);
+                    self.break_off();
                     return None;
                 }
             }

@@ -145,14 +145,35 @@ impl fmt::Debug for Source {
 
 impl Drop for Source {
     fn drop(&mut self) {
-        for o in self.owned.values() {
-            o.task.abort();
-        }
         if let Some(Link {
             presence: Some((_, h)), ..
         }) = &self.link
         {
             h.abort();
+        }
+        // Each channel is closed before its consumer goes (dropping a
+        // consumer sends `basic.cancel`, which would let the next single
+        // active consumer start while the channel still held unacknowledged
+        // deliveries).
+        let owned: Vec<Owned> = self.owned.drain().map(|(_, o)| o).collect();
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) if !owned.is_empty() => {
+                rt.spawn(async move {
+                    let closes = owned
+                        .iter()
+                        .filter(|o| o.channel.status().connected())
+                        .map(|o| tokio::time::timeout(CLOSE_WAIT, o.channel.close(200, "subscription dropped".into())));
+                    futures::future::join_all(closes).await;
+                    for o in owned {
+                        o.task.abort();
+                    }
+                });
+            }
+            _ => {
+                for o in owned {
+                    o.task.abort();
+                }
+            }
         }
     }
 }
@@ -530,11 +551,16 @@ impl Source {
             self.connect().await?;
         }
         if self.link.as_ref().is_some_and(|l| !l.claims.alive()) {
-            // No activation could get its token: start over.
-            self.lose_all("claims reader stopped");
+            // No activation could get its token: start over. The connection
+            // is closed before the consumers go: dropping a consumer sends
+            // `basic.cancel`, and a cancel that reached the broker first
+            // would let the next single active consumer start while this
+            // channel still held unacknowledged deliveries (the model's
+            // CANCEL_BEFORE_CLOSE, verification/rabbitmq.pml).
             if let Some(link) = self.link.take() {
                 let _ = tokio::time::timeout(CLOSE_WAIT, link.conn.close(200, "claims reader stopped".into())).await;
             }
+            self.lose_all("claims reader stopped");
             self.connect().await?;
         }
         // Confirm what we hold: a round trip on each queue's channel, all
@@ -578,6 +604,15 @@ impl Source {
             }
         }
         for q in lost {
+            if let Some(o) = self.owned.get(&q) {
+                // Closed before its consumer goes (dropping it sends a
+                // cancel; see above), so the broker requeues what the
+                // channel holds before it activates anyone else. A close
+                // that is not answered was still sent first.
+                if o.channel.status().connected() {
+                    let _ = tokio::time::timeout(CLOSE_WAIT, o.channel.close(200, "queue lost".into())).await;
+                }
+            }
             if let Some(o) = self.drop_owned(&q) {
                 metrics::counter!("keyorder_rabbitmq_queues_lost_total").increment(1);
                 let why = if o.barrier.broken() {
@@ -586,12 +621,6 @@ impl Source {
                     "channel closed"
                 };
                 tracing::warn!(scope = %o.scope, why, "rabbitmq: queue lost");
-                // Closed, so the broker requeues what the channel holds
-                // unacknowledged (a cancel alone would leave it there).
-                let ch = o.channel.clone();
-                tokio::spawn(async move {
-                    let _ = tokio::time::timeout(CLOSE_WAIT, ch.close(200, "queue lost".into())).await;
-                });
             }
         }
         let me = self.spec.instance.clone();
