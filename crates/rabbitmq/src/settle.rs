@@ -97,7 +97,14 @@ impl AckBarrier {
             let sent = self.sent.load(Ordering::SeqCst);
             if sent >= ticket {
                 // A round sent after this acknowledgement is on the wire.
-                tokio::time::timeout_at(deadline, answered.changed()).await.ok()?.ok()?;
+                // Unanswered in time, as for a round of its own: the barrier
+                // breaks (a round whose settle was cancelled confirms
+                // nothing, and its tickets must not wait on in a consumer
+                // that keeps the queue).
+                if !matches!(tokio::time::timeout_at(deadline, answered.changed()).await, Ok(Ok(()))) {
+                    self.break_off();
+                    return None;
+                }
                 continue;
             }
             let upto = self.written.load(Ordering::SeqCst);
@@ -138,7 +145,8 @@ impl AckBarrier {
 impl Held {
     /// Acknowledges the delivery and waits until the broker has the
     /// acknowledgement ([`AckBarrier`]), at most [`ACK_WAIT`] for the frame
-    /// to be written and as long again for the broker's answer: `None` past
+    /// to be written and as long again for the broker's answer (20 s in
+    /// all): `None` past
     /// either, or when the channel's barrier broke earlier. `Some(Ok(false))`:
     /// lapin refused it (the channel closed, or it was acknowledged before). lapin writes the frame through its connection task; on a
     /// connection that died while the process was stopped the write may

@@ -151,27 +151,45 @@ impl Drop for Source {
         {
             h.abort();
         }
-        // Each channel is closed before its consumer goes (dropping a
-        // consumer sends `basic.cancel`, which would let the next single
-        // active consumer start while the channel still held unacknowledged
-        // deliveries).
+        // Nothing buffered starts from here on. Each channel is closed
+        // before its consumer goes (dropping a consumer sends
+        // `basic.cancel`, which would let the next single active consumer
+        // start while the channel still held unacknowledged deliveries).
         let owned: Vec<Owned> = self.owned.drain().map(|(_, o)| o).collect();
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) if !owned.is_empty() => {
-                rt.spawn(async move {
-                    let closes = owned
-                        .iter()
-                        .filter(|o| o.channel.status().connected())
-                        .map(|o| tokio::time::timeout(CLOSE_WAIT, o.channel.close(200, "subscription dropped".into())));
-                    futures::future::join_all(closes).await;
-                    for o in owned {
-                        o.task.abort();
-                    }
-                });
+        for o in &owned {
+            if let Some(l) = o.lease() {
+                l.lose();
             }
-            _ => {
-                for o in owned {
-                    o.task.abort();
+        }
+        if owned.is_empty() {
+            return;
+        }
+        let closing = async move {
+            let closes = owned
+                .iter()
+                .filter(|o| o.channel.status().connected())
+                .map(|o| tokio::time::timeout(CLOSE_WAIT, o.channel.close(200, "subscription dropped".into())));
+            futures::future::join_all(closes).await;
+            for o in owned {
+                o.task.abort();
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(closing);
+            }
+            // Dropped outside a runtime: the closes still go first, from a
+            // thread of their own.
+            Err(_) => {
+                let spawned = std::thread::Builder::new()
+                    .name("keyorder-rabbitmq-drop".into())
+                    .spawn(move || {
+                        if let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                            rt.block_on(closing);
+                        }
+                    });
+                if let Err(e) = spawned {
+                    tracing::warn!(error = %e, "rabbitmq: no thread to close a dropped source's channels; the connection's end returns their deliveries");
                 }
             }
         }
@@ -247,6 +265,14 @@ async fn activation(mut a: Activation) {
             }
         };
         if a.tx.send((a.queue.clone(), a.consumer_id, l, d)).is_err() {
+            // The source is gone: the channel is closed before this task
+            // drops its consumer (a `basic.cancel` first would let the next
+            // single active consumer start while the channel still held
+            // unacknowledged deliveries).
+            if let Some(l) = a.slot.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+                l.lose();
+            }
+            let _ = tokio::time::timeout(CLOSE_WAIT, a.channel.close(200, "subscription dropped".into())).await;
             break;
         }
     }
@@ -569,11 +595,17 @@ impl Source {
         // broker's heartbeat decides whether the channel is gone.
         let ttl = self.spec.lease.ttl;
         let checks = self.owned.iter().map(|(q, o)| async move {
-            if o.ended.load(std::sync::atomic::Ordering::SeqCst)
-                || !o.channel.status().connected()
-                || o.barrier.broken()
-            {
-                return (q.clone(), Some(false));
+            // A lease lost here (its settlement fenced: lapin refused an
+            // acknowledgement) leaves every later delivery discarded and
+            // unacknowledged: the queue is given up and consumed anew.
+            if o.ended.load(std::sync::atomic::Ordering::SeqCst) || !o.channel.status().connected() {
+                return (q.clone(), Err("channel closed"));
+            }
+            if o.barrier.broken() {
+                return (q.clone(), Err("acknowledgements no longer confirmed"));
+            }
+            if o.lease().is_some_and(|l| l.is_lost()) {
+                return (q.clone(), Err("a settlement was fenced"));
             }
             let passive = QueueDeclareOptions {
                 passive: true,
@@ -586,40 +618,48 @@ impl Source {
             )
             .await;
             match answer {
-                Ok(Ok(_)) => (q.clone(), Some(true)),
-                Ok(Err(_)) => (q.clone(), Some(false)),
-                Err(_) => (q.clone(), None),
+                Ok(Ok(_)) => (q.clone(), Ok(true)),
+                Ok(Err(_)) => (q.clone(), Err("channel closed")),
+                Err(_) => (q.clone(), Ok(false)),
             }
         });
         let mut lost = Vec::new();
+        let mut whys = HashMap::new();
         for (q, alive) in futures::future::join_all(checks).await {
             match alive {
-                Some(true) => {
+                Ok(true) => {
                     if let Some(l) = self.owned.get(&q).and_then(Owned::lease) {
                         l.confirm(sent);
                     }
                 }
-                Some(false) => lost.push(q),
-                None => tracing::debug!(queue = %q, "rabbitmq: lease round trip unanswered within the TTL"),
-            }
-        }
-        for q in lost {
-            if let Some(o) = self.owned.get(&q) {
-                // Closed before its consumer goes (dropping it sends a
-                // cancel; see above), so the broker requeues what the
-                // channel holds before it activates anyone else. A close
-                // that is not answered was still sent first.
-                if o.channel.status().connected() {
-                    let _ = tokio::time::timeout(CLOSE_WAIT, o.channel.close(200, "queue lost".into())).await;
+                Ok(false) => tracing::debug!(queue = %q, "rabbitmq: lease round trip unanswered within the TTL"),
+                Err(why) => {
+                    whys.insert(q.clone(), why);
+                    lost.push(q);
                 }
             }
+        }
+        // First the leases (nothing buffered starts once the broker may
+        // hand a queue on), then every lost channel closed at once, then
+        // the consumers: dropping one sends `basic.cancel`, and a cancel
+        // before the close would let the next single active consumer start
+        // while the channel still held unacknowledged deliveries. A close
+        // that is not answered was still sent first.
+        for q in &lost {
+            if let Some(l) = self.owned.get(q).and_then(Owned::lease) {
+                l.lose();
+            }
+        }
+        let closes = lost
+            .iter()
+            .filter_map(|q| self.owned.get(q))
+            .filter(|o| o.channel.status().connected())
+            .map(|o| tokio::time::timeout(CLOSE_WAIT, o.channel.close(200, "queue lost".into())));
+        futures::future::join_all(closes).await;
+        for q in lost {
             if let Some(o) = self.drop_owned(&q) {
                 metrics::counter!("keyorder_rabbitmq_queues_lost_total").increment(1);
-                let why = if o.barrier.broken() {
-                    "acknowledgements no longer confirmed"
-                } else {
-                    "channel closed"
-                };
+                let why = whys.get(&q).copied().unwrap_or("channel closed");
                 tracing::warn!(scope = %o.scope, why, "rabbitmq: queue lost");
             }
         }
