@@ -82,14 +82,16 @@ impl AckBarrier {
     /// Waits until the broker holds every acknowledgement written on the
     /// channel so far, at most [`ACK_WAIT`] in all (a wait on another
     /// settle's round trip included): `None` past it or once the barrier is
-    /// broken.
-    async fn confirm(&self) -> Option<lapin::Result<()>> {
+    /// broken. A round runs as a task of its own, so a settle cancelled
+    /// while it waits (a worker aborted, an operator's request dropped)
+    /// never leaves the settles that share its round waiting on nothing.
+    async fn confirm(self: &Arc<Self>) -> Option<()> {
         let deadline = tokio::time::Instant::now() + ACK_WAIT;
         let ticket = self.written.fetch_add(1, Ordering::SeqCst) + 1;
         let mut answered = self.confirmed.subscribe();
         loop {
             if *answered.borrow_and_update() >= ticket {
-                return Some(Ok(()));
+                return Some(());
             }
             if self.broken() {
                 return None;
@@ -97,15 +99,15 @@ impl AckBarrier {
             let sent = self.sent.load(Ordering::SeqCst);
             if sent >= ticket {
                 // A round sent after this acknowledgement is on the wire.
-                // Unanswered in time, as for a round of its own: the barrier
-                // breaks (a round whose settle was cancelled confirms
-                // nothing, and its tickets must not wait on in a consumer
-                // that keeps the queue).
-                if !matches!(tokio::time::timeout_at(deadline, answered.changed()).await, Ok(Ok(()))) {
-                    self.break_off();
-                    return None;
+                match tokio::time::timeout_at(deadline, answered.changed()).await {
+                    Ok(Ok(())) => continue,
+                    // Answered as the deadline passed: still confirmed.
+                    _ if *answered.borrow() >= ticket => return Some(()),
+                    _ => {
+                        self.break_off();
+                        return None;
+                    }
                 }
-                continue;
             }
             let upto = self.written.load(Ordering::SeqCst);
             if self
@@ -115,29 +117,25 @@ impl AckBarrier {
             {
                 continue;
             }
-            let passive = ExchangeDeclareOptions {
-                passive: true,
-                ..Default::default()
-            };
-            let round = self.channel.exchange_declare(
-                "amq.direct".into(),
-                ExchangeKind::Direct,
-                passive,
-                lapin::types::FieldTable::default(),
-            );
-            match tokio::time::timeout_at(deadline, round).await {
-                Ok(Ok(())) => {
-                    self.confirmed.send_modify(|c| *c = (*c).max(upto));
+            // Every acknowledgement up to `upto` was written before its
+            // ticket was taken, so before this round's frame is queued.
+            let barrier = Arc::clone(self);
+            tokio::spawn(async move {
+                let passive = ExchangeDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                };
+                let round = barrier.channel.exchange_declare(
+                    "amq.direct".into(),
+                    ExchangeKind::Direct,
+                    passive,
+                    lapin::types::FieldTable::default(),
+                );
+                match tokio::time::timeout(ACK_WAIT, round).await {
+                    Ok(Ok(())) => barrier.confirmed.send_modify(|c| *c = (*c).max(upto)),
+                    Ok(Err(_)) | Err(_) => barrier.break_off(),
                 }
-                Ok(Err(e)) => {
-                    self.break_off();
-                    return Some(Err(e));
-                }
-                Err(_) => {
-                    self.break_off();
-                    return None;
-                }
-            }
+            });
         }
     }
 }
@@ -160,10 +158,7 @@ impl Held {
         if !matches!(written, Ok(true)) {
             return Some(written);
         }
-        match self.barrier.confirm().await? {
-            Ok(()) => Some(Ok(true)),
-            Err(e) => Some(Err(e)),
-        }
+        self.barrier.confirm().await.map(|()| Ok(true))
     }
 
     /// Publishes a copy of the message to the dead-letter queue `dlq` with

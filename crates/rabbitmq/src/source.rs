@@ -38,7 +38,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use keyorder_core::{
     Inbound, Message, OrderingKey, Result, ScopeLease, SourceEvent, SourceSpec, TransportSource, KEY_HEADER,
 };
@@ -57,6 +57,9 @@ use crate::plan::{Plan, PLAN_HEADER};
 use crate::settle::{AckBarrier, Held, RabbitSettle};
 use crate::topology::{amqp, private_queue, GroupNames};
 use crate::{confirm_channel, connect_uri, short, RabbitTransport, EPOCH_HEADER};
+
+/// Why a queue whose lease a fenced settlement lost is handed back.
+const SETTLE_FENCED: &str = "a settlement was fenced";
 
 /// How long a shutdown or hand-over waits for the broker's close-ok.
 const CLOSE_WAIT: Duration = Duration::from_secs(5);
@@ -161,37 +164,17 @@ impl Drop for Source {
                 l.lose();
             }
         }
-        if owned.is_empty() {
-            return;
+        // The first poll of a close marks the channel closing and queues
+        // its frame (lapin then sends no cancel for the channel's
+        // consumers): no runtime is needed for that, and none may be left.
+        // The close-ok is not waited for.
+        for o in &owned {
+            if o.channel.status().connected() {
+                let _ = o.channel.close(200, "subscription dropped".into()).now_or_never();
+            }
         }
-        let closing = async move {
-            let closes = owned
-                .iter()
-                .filter(|o| o.channel.status().connected())
-                .map(|o| tokio::time::timeout(CLOSE_WAIT, o.channel.close(200, "subscription dropped".into())));
-            futures::future::join_all(closes).await;
-            for o in owned {
-                o.task.abort();
-            }
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => {
-                rt.spawn(closing);
-            }
-            // Dropped outside a runtime: the closes still go first, from a
-            // thread of their own.
-            Err(_) => {
-                let spawned = std::thread::Builder::new()
-                    .name("keyorder-rabbitmq-drop".into())
-                    .spawn(move || {
-                        if let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() {
-                            rt.block_on(closing);
-                        }
-                    });
-                if let Err(e) = spawned {
-                    tracing::warn!(error = %e, "rabbitmq: no thread to close a dropped source's channels; the connection's end returns their deliveries");
-                }
-            }
+        for o in owned {
+            o.task.abort();
         }
     }
 }
@@ -583,6 +566,11 @@ impl Source {
             // would let the next single active consumer start while this
             // channel still held unacknowledged deliveries (the model's
             // CANCEL_BEFORE_CLOSE, verification/rabbitmq.pml).
+            for o in self.owned.values() {
+                if let Some(l) = o.lease() {
+                    l.lose();
+                }
+            }
             if let Some(link) = self.link.take() {
                 let _ = tokio::time::timeout(CLOSE_WAIT, link.conn.close(200, "claims reader stopped".into())).await;
             }
@@ -597,7 +585,8 @@ impl Source {
         let checks = self.owned.iter().map(|(q, o)| async move {
             // A lease lost here (its settlement fenced: lapin refused an
             // acknowledgement) leaves every later delivery discarded and
-            // unacknowledged: the queue is given up and consumed anew.
+            // unacknowledged: the queue is handed back (below) and consumed
+            // anew.
             if o.ended.load(std::sync::atomic::Ordering::SeqCst) || !o.channel.status().connected() {
                 return (q.clone(), Err("channel closed"));
             }
@@ -605,7 +594,7 @@ impl Source {
                 return (q.clone(), Err("acknowledgements no longer confirmed"));
             }
             if o.lease().is_some_and(|l| l.is_lost()) {
-                return (q.clone(), Err("a settlement was fenced"));
+                return (q.clone(), Err(SETTLE_FENCED));
             }
             let passive = QueueDeclareOptions {
                 passive: true,
@@ -633,6 +622,19 @@ impl Source {
                     }
                 }
                 Ok(false) => tracing::debug!(queue = %q, "rabbitmq: lease round trip unanswered within the TTL"),
+                Err(SETTLE_FENCED) => {
+                    // The channel is sound: the queue is revoked, so its
+                    // in-flight handlers return before the close hands their
+                    // messages on (a close now would let the next owner run
+                    // them alongside).
+                    if let Some(o) = self.owned.get_mut(&q) {
+                        if !o.revoking {
+                            o.revoking = true;
+                            tracing::warn!(scope = %o.scope, "rabbitmq: a settlement was fenced; handing the queue back");
+                            self.events.push(SourceEvent::Revoke(o.scope.clone()));
+                        }
+                    }
+                }
                 Err(why) => {
                     whys.insert(q.clone(), why);
                     lost.push(q);
@@ -927,6 +929,9 @@ impl TransportSource for Source {
         // first, in order, and then activates the next consumer (nothing is
         // in flight: the subscription drained the scope).
         if let Some(o) = self.owned.get(&q) {
+            if let Some(l) = o.lease() {
+                l.lose();
+            }
             // The close frame is sent before the wait: a broker that does not
             // answer (a connection it already dropped) cannot hold this up.
             if tokio::time::timeout(CLOSE_WAIT, o.channel.close(200, "handed over".into()))
