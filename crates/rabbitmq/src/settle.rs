@@ -120,7 +120,9 @@ impl AckBarrier {
             // Every acknowledgement up to `upto` was written before its
             // ticket was taken, so before this round's frame is queued.
             let barrier = Arc::clone(self);
+            let guard = RoundGuard(Some(Arc::clone(self)));
             tokio::spawn(async move {
+                let mut guard = guard;
                 let passive = ExchangeDeclareOptions {
                     passive: true,
                     ..Default::default()
@@ -135,7 +137,21 @@ impl AckBarrier {
                     Ok(Ok(())) => barrier.confirmed.send_modify(|c| *c = (*c).max(upto)),
                     Ok(Err(_)) | Err(_) => barrier.break_off(),
                 }
+                guard.0 = None;
             });
+        }
+    }
+}
+
+/// Breaks the barrier if a round's task is dropped before it finished (its
+/// runtime shut down): the settles it covers fail at once instead of
+/// waiting out their deadline.
+struct RoundGuard(Option<Arc<AckBarrier>>);
+
+impl Drop for RoundGuard {
+    fn drop(&mut self) {
+        if let Some(b) = self.0.take() {
+            b.break_off();
         }
     }
 }
@@ -167,7 +183,17 @@ impl Held {
         let mut headers = self.properties.headers().clone().unwrap_or_default();
         headers.insert(REASON_HEADER.into(), AMQPValue::LongString(LongString::from(reason)));
         let props = self.properties.clone().with_headers(headers);
-        publish_confirmed(ch, "", dlq, &self.payload, props).await
+        // Bounded: a confirm that never comes must not hold the key's
+        // settlement (and a revoke waiting on it) forever; the park is
+        // retried, so a dead letter may be published twice.
+        tokio::time::timeout(ACK_WAIT, publish_confirmed(ch, "", dlq, &self.payload, props))
+            .await
+            .unwrap_or_else(|_| {
+                Err(keyorder_core::Error::Broker(format!(
+                    "rabbitmq: dead letter not confirmed within {} s; retrying",
+                    ACK_WAIT.as_secs()
+                )))
+            })
     }
 }
 

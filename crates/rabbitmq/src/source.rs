@@ -85,6 +85,9 @@ struct Owned {
     /// closed, consumer cancelled, claim not read back).
     ended: Arc<AtomicBool>,
     revoking: bool,
+    /// When a fenced settlement's lost lease was first seen (the queue is
+    /// then handed back, within the TTL).
+    fenced_since: Option<Instant>,
     task: JoinHandle<()>,
 }
 
@@ -545,6 +548,7 @@ impl Source {
                 lease: slot,
                 ended,
                 revoking: false,
+                fenced_since: None,
                 task,
             },
         );
@@ -627,8 +631,16 @@ impl Source {
                     // in-flight handlers return before the close hands their
                     // messages on (a close now would let the next owner run
                     // them alongside).
+                    // Bounded: a handler that does not return within the
+                    // TTL no longer holds the queue, which is then given up
+                    // at once as a closed channel is (the handler's own
+                    // store fences it by the token).
                     if let Some(o) = self.owned.get_mut(&q) {
-                        if !o.revoking {
+                        let since = *o.fenced_since.get_or_insert(sent);
+                        if since.elapsed() >= ttl {
+                            whys.insert(q.clone(), "a settlement was fenced; the hand-back outlasted the TTL");
+                            lost.push(q);
+                        } else if !o.revoking {
                             o.revoking = true;
                             tracing::warn!(scope = %o.scope, "rabbitmq: a settlement was fenced; handing the queue back");
                             self.events.push(SourceEvent::Revoke(o.scope.clone()));
@@ -943,6 +955,8 @@ impl TransportSource for Source {
         }
         if self.drop_owned(&q).is_some() {
             metrics::counter!("keyorder_rabbitmq_queues_released_total").increment(1);
+            // Consumed anew at once where it is still this instance's.
+            self.soon = true;
         }
         Ok(())
     }
