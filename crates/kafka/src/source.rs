@@ -67,6 +67,11 @@ pub(crate) struct Ctx {
     reader: state::Reader,
     producer: rdkafka::producer::FutureProducer,
     instance: String,
+    /// The longest a revoke may wait for its partitions to drain: less
+    /// than `max.poll.interval.ms`, past which the broker expels a member
+    /// whose poll is held.
+    revoke_wait: Duration,
+    shared: std::sync::Weak<Shared>,
 }
 
 impl ClientContext for Ctx {}
@@ -137,10 +142,24 @@ impl ConsumerContext for Ctx {
                 if !parts.is_empty() && !self.stopping.load(Ordering::SeqCst) {
                     let (reply, wait) = std_mpsc::sync_channel(1);
                     let lost = c.assignment_lost();
+                    let asked = parts.clone();
                     if self.tx.send(Ev::Revoke { parts, lost, reply }).is_ok() {
                         // Until the partitions drained and committed, or the
-                        // source went away (the sender is dropped).
-                        let _ = wait.recv();
+                        // source went away (the sender is dropped), at most
+                        // `revoke_wait`: past it they are lost here first
+                        // (their handlers' settlements are refused), so that
+                        // the poll returns before the broker expels the member.
+                        if let Err(std_mpsc::RecvTimeoutError::Timeout) = wait.recv_timeout(self.revoke_wait) {
+                            tracing::warn!(
+                                instance = %self.instance,
+                                partitions = asked.len(),
+                                wait_ms = self.revoke_wait.as_millis() as u64,
+                                "kafka: revoked partitions did not drain in time (max.poll.interval.ms less the session timeout); handing them over as lost"
+                            );
+                            if let Some(shared) = self.shared.upgrade() {
+                                shared.lose_parts(&asked, false);
+                            }
+                        }
                     }
                 }
                 let r = if cooperative {
@@ -217,18 +236,26 @@ impl Part {
 /// 9,000 (before the pointer commits were spaced out).
 const MAX_ROUNDS: usize = 2;
 
-/// The pointer commits (see [`state`]) go out at most this often. A new
-/// owner reads the state partition from the pointer to its end, so a late
-/// pointer only lengthens that read; an acknowledgement waits for its state
-/// record, never for a pointer. One commit per round cost the broker a
-/// group-coordinator request per round.
+/// The topic partitions' committed offsets (for lag and other tools) go
+/// out at most this often, without waiting. One commit per round cost the
+/// broker a group-coordinator request per round.
 const POINTER_EVERY: Duration = Duration::from_millis(250);
 
-/// Pointer commits not yet sent: partition -> (committed offset, offset of
-/// the newest state record).
+/// The state partitions' pointers are moved, with a check (see [`state`]),
+/// at most this often and at every hand-over. A new owner reads the state
+/// partition from the pointer to its end, so a late pointer only lengthens
+/// that read; an acknowledgement waits for its state record, never for a
+/// pointer.
+pub(crate) const CHECKPOINT_EVERY: Duration = Duration::from_secs(2);
+
+/// Commits not yet sent.
 struct Pointers {
     last: Instant,
-    pending: HashMap<i32, (i64, i64)>,
+    /// partition -> committed offset of the topic partition.
+    pending: HashMap<i32, i64>,
+    /// partition -> (the writer's generation, offset of its newest state
+    /// record).
+    state: HashMap<i32, (u64, i64)>,
 }
 
 /// What the source shares with its settles, committer and heartbeat.
@@ -254,6 +281,10 @@ pub(crate) struct Shared {
     pub(crate) events: Mutex<Vec<SourceEvent>>,
     closed: AtomicBool,
     pointers: Mutex<Pointers>,
+    /// Reads the state partitions for the pointer checks (outside the group).
+    checker: Mutex<Option<state::Reader>>,
+    /// One pointer check at a time.
+    checking: tokio::sync::Mutex<()>,
 }
 
 impl fmt::Debug for Shared {
@@ -429,11 +460,18 @@ impl Shared {
         if dirty.is_empty() {
             return true;
         }
+        // Behind the self-fence: nothing is written for a partition that may
+        // have been given away.
+        if self.check_gap() || dirty.iter().any(|w| w.part.lease.is_lost()) {
+            return false;
+        }
         let state_topic = self.names.state();
         let group_id = self.names.group_id(&self.group);
         let writes = dirty.iter().map(|w| {
-            let value = state::encode(w.part.lease.generation(), w.committed, &w.meta);
-            let (t, topic, key) = (&self.t, &state_topic, &group_id);
+            let generation = w.part.lease.generation();
+            let value = state::encode(generation, w.committed, &w.meta);
+            let key = state::record_key(&group_id, generation);
+            let (t, topic) = (&self.t, &state_topic);
             async move {
                 t.produce_state(topic, w.part.partition, key.as_bytes(), value.as_bytes())
                     .await
@@ -446,9 +484,11 @@ impl Shared {
             for (w, r) in dirty.iter().zip(written) {
                 match r {
                     Ok((_, at)) => {
-                        let e = pointers.pending.entry(w.part.partition).or_insert((w.committed, at));
+                        let generation = w.part.lease.generation();
+                        let e = pointers.state.entry(w.part.partition).or_insert((generation, at));
                         if at >= e.1 {
-                            *e = (w.committed, at);
+                            *e = (generation, at);
+                            pointers.pending.insert(w.part.partition, w.committed);
                         }
                     }
                     Err(e) => {
@@ -463,11 +503,14 @@ impl Shared {
         ok
     }
 
-    /// Sends the pending pointer commits (the topic partitions' committed
-    /// offsets and the state partitions' pointers), without waiting, if
-    /// [`POINTER_EVERY`] passed since the last (or `now`). Only partitions
-    /// still owned are committed.
+    /// Sends the pending commits of the topic partitions' committed offsets
+    /// (for lag and other tools), without waiting, if [`POINTER_EVERY`]
+    /// passed since the last (or `now`). Only partitions still owned, and
+    /// only behind the self-fence, are committed.
     fn commit_pointers(&self, member: &Member, now: bool) {
+        if self.check_gap() {
+            return;
+        }
         let pending = {
             let mut pointers = self.pointers.lock().unwrap_or_else(|e| e.into_inner());
             if pointers.pending.is_empty() || (!now && pointers.last.elapsed() < POINTER_EVERY) {
@@ -476,19 +519,125 @@ impl Shared {
             pointers.last = Instant::now();
             std::mem::take(&mut pointers.pending)
         };
-        let state_topic = self.names.state();
         let mut tpl = TopicPartitionList::new();
-        for (partition, (committed, at)) in pending {
+        for (partition, committed) in pending {
             if self.part(partition).is_none_or(|p| p.lease.is_lost()) {
                 continue;
             }
             let _ = tpl.add_partition_offset(self.names.topic(), partition, Offset::Offset(committed));
-            let _ = tpl.add_partition_offset(&state_topic, partition, Offset::Offset(at));
         }
         if tpl.count() > 0 {
             if let Err(e) = member.commit(&tpl, CommitMode::Async) {
                 tracing::debug!(error = %e, "kafka: offset commit not sent");
             }
+        }
+    }
+
+    /// Moves the state partitions' pointers to the newest records written
+    /// (see [`state::advance`]), checking first that no newer owner wrote:
+    /// a partition that one did is lost, and the member is replaced. Waits
+    /// for the check; the commit itself is sent without waiting.
+    pub(crate) async fn checkpoint(self: &Arc<Self>) {
+        let _one = self.checking.lock().await;
+        let Some(member) = self.member() else { return };
+        if self.check_gap() {
+            return;
+        }
+        let list: Vec<(i32, u64, i64)> = {
+            let mut pointers = self.pointers.lock().unwrap_or_else(|e| e.into_inner());
+            std::mem::take(&mut pointers.state)
+                .into_iter()
+                .filter(|(p, (g, _))| {
+                    self.part(*p)
+                        .is_some_and(|part| !part.lease.is_lost() && part.lease.generation() == *g)
+                })
+                .map(|(p, (g, at))| (p, g, at))
+                .collect()
+        };
+        if list.is_empty() {
+            return;
+        }
+        let me = self.clone();
+        let (group_id, names) = (self.names.group_id(&self.group), self.names.clone());
+        let asked = list.clone();
+        let checked = tokio::task::spawn_blocking(move || {
+            let mut checker = me.checker.lock().unwrap_or_else(|e| e.into_inner());
+            if checker.is_none() {
+                let mut r = base_config(&me.t.cfg);
+                r.set("group.id", "keyorder-state-reader")
+                    .set("enable.auto.commit", "false");
+                *checker = Some(r.create()?);
+            }
+            let Some(reader) = checker.as_ref() else {
+                return Ok(Vec::new());
+            };
+            state::advance(
+                &*member,
+                reader,
+                &me.t.state_producer,
+                &names,
+                &group_id,
+                &asked,
+                Duration::from_secs(10),
+                CommitMode::Async,
+            )
+        })
+        .await;
+        match checked {
+            Ok(Ok(stale)) if !stale.is_empty() => self.lose_parts(&stale, true),
+            Ok(Ok(_)) => {}
+            other => {
+                let error = match other {
+                    Ok(Err(e)) => e.to_string(),
+                    Err(e) => e.to_string(),
+                    Ok(Ok(_)) => String::new(),
+                };
+                tracing::debug!(error = %error, "kafka: state pointer check failed; retrying at the next");
+                // Try again with these, unless newer records came meanwhile.
+                let mut pointers = self.pointers.lock().unwrap_or_else(|e| e.into_inner());
+                for (p, g, at) in list {
+                    pointers.state.entry(p).or_insert((g, at));
+                }
+            }
+        }
+    }
+
+    /// Drops partitions this member can no longer hold: a newer owner wrote
+    /// state for them (a stall, a cut from the coordinator), or their revoke
+    /// did not drain in time. Their leases are lost before they go.
+    pub(crate) fn lose_parts(&self, stale: &[i32], rejoin: bool) {
+        let lost: Vec<Arc<Part>> = {
+            let mut parts = self.parts.lock().unwrap_or_else(|e| e.into_inner());
+            stale.iter().filter_map(|p| parts.remove(p)).collect()
+        };
+        if lost.is_empty() {
+            return;
+        }
+        metrics::counter!("keyorder_kafka_partitions_lost_total").increment(lost.len() as u64);
+        tracing::warn!(
+            partitions = lost.len(),
+            rejoin,
+            "kafka: partitions lost (a newer owner wrote their state, or their revoke did not drain in time)"
+        );
+        for p in lost {
+            p.lease.lose();
+        }
+        if rejoin {
+            self.replace.store(true, Ordering::SeqCst);
+        }
+        self.completed.send_modify(|_| {});
+    }
+
+    /// Moves the state pointers every [`CHECKPOINT_EVERY`].
+    async fn checkpointer(self: Arc<Self>) {
+        let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if self.closed.load(Ordering::SeqCst) {
+                return;
+            }
+            self.checkpoint().await;
         }
     }
 
@@ -532,14 +681,21 @@ impl Shared {
                 continue;
             }
             let sent = Instant::now();
-            // A round trip to the partition's leader. Group membership itself
-            // is librdkafka's heartbeat: a lost membership arrives as a
-            // revoke; this proves the member can still reach the cluster.
+            // A round trip to the group's coordinator (an offset fetch for
+            // the group), not only to a partition leader: a member cut off
+            // from its coordinator cannot heartbeat either, and the broker
+            // hands its partitions on after the session timeout. Group
+            // membership itself is librdkafka's heartbeat (a lost membership
+            // arrives as a revoke), and the pointer check finds a newer
+            // owner's state (see `checkpoint`).
             let (topic, first) = (self.names.topic().to_owned(), parts[0].partition);
-            let ok =
-                tokio::task::spawn_blocking(move || member.fetch_watermarks(&topic, first, Duration::from_secs(5)))
-                    .await
-                    .is_ok_and(|r| r.is_ok());
+            let ok = tokio::task::spawn_blocking(move || {
+                let mut tpl = TopicPartitionList::new();
+                tpl.add_partition(&topic, first);
+                member.committed_offsets(tpl, Duration::from_secs(5))
+            })
+            .await
+            .is_ok_and(|r| r.is_ok());
             if !ok {
                 tracing::debug!(topic = %self.names.topic(), "kafka: heartbeat round trip failed");
             }
@@ -635,7 +791,10 @@ impl Source {
             pointers: Mutex::new(Pointers {
                 last: Instant::now(),
                 pending: HashMap::new(),
+                state: HashMap::new(),
             }),
+            checker: Mutex::new(None),
+            checking: tokio::sync::Mutex::new(()),
         });
         check_partition_count(&t, &shared.names, &spec.group, partitions).await?;
         let (_, rx) = mpsc::unbounded_channel();
@@ -655,6 +814,7 @@ impl Source {
             joined: false,
         };
         source.tasks.push(tokio::spawn(shared.clone().committer()));
+        source.tasks.push(tokio::spawn(shared.clone().checkpointer()));
         source
             .tasks
             .push(tokio::spawn(shared.clone().heartbeat(source.spec.lease.heartbeat)));
@@ -684,6 +844,16 @@ impl Source {
         let mut c = base_config(cfg);
         let session_ms = self.spec.lease.ttl.as_millis().max(1000);
         let heartbeat_ms = self.spec.lease.heartbeat.as_millis().max(100);
+        // A revoke holds the poll while its partitions drain; the broker
+        // expels a member that does not poll within `max.poll.interval.ms`.
+        // So a revoke waits at most that less the session timeout.
+        let max_poll_ms: u128 = cfg
+            .extra
+            .get("max.poll.interval.ms")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(300_000)
+            .max(session_ms + 1000);
+        let revoke_wait = Duration::from_millis((max_poll_ms - session_ms) as u64);
         c.set("group.id", self.shared.names.group_id(&self.spec.group))
             .set("client.id", format!("keyorder-{}", self.spec.instance))
             .set("enable.auto.commit", "false")
@@ -696,6 +866,7 @@ impl Source {
         for (k, v) in &cfg.extra {
             c.set(k, v);
         }
+        c.set("max.poll.interval.ms", max_poll_ms.to_string());
         let (tx, rx) = mpsc::unbounded_channel();
         let stop = Arc::new(AtomicBool::new(false));
         let mut rc = base_config(cfg);
@@ -711,6 +882,8 @@ impl Source {
             reader: rc.create().map_err(kafka_err)?,
             producer: self.shared.t.state_producer.clone(),
             instance: self.spec.instance.to_string(),
+            revoke_wait,
+            shared: Arc::downgrade(&self.shared),
         };
         let member: Member = c.create_with_context(ctx).map_err(kafka_err)?;
         member.subscribe(&[self.shared.names.topic()]).map_err(kafka_err)?;
@@ -1167,6 +1340,8 @@ impl TransportSource for Source {
             if let Some(member) = self.shared.member() {
                 self.shared.commit_pointers(&member, true);
             }
+            // The next owner reads from the pointer: move it now, bounded.
+            let _ = tokio::time::timeout(Duration::from_secs(5), self.shared.checkpoint()).await;
             metrics::counter!("keyorder_kafka_partitions_released_total").increment(1);
             tracing::debug!(instance = %self.spec.instance, scope = %scope, "kafka: released");
         }

@@ -9,25 +9,29 @@
 //! above it with their attempts and halts (see `track`). A step is durable
 //! once its record is acknowledged by the broker (`acks=all`).
 //!
-//! After its records the owner commits two offsets, without waiting, at
-//! most every 250 ms and at every hand-over: the topic partition's
-//! committed offset (for lag and other tools), and the group's offset on
-//! the state partition, pointing at its newest record. A
-//! new owner reads the state partition from that pointer to its end and
-//! takes the record with the highest generation (the latest of those): a
-//! failed commit loses nothing, and a stale owner's late record (a lower
-//! generation) is ignored. The new owner's generation is one more than
-//! the highest claimed before its marker (see below).
+//! Records are keyed by the group *and generation* (`<group>#<generation>`):
+//! compaction keeps the newest record of each key, so a stale owner's late
+//! record can only replace its own generation's, never a newer owner's.
 //!
-//! Each read appends a *marker* record (the group and partition) and reads
-//! up to it. A marker is also a claim: the owner that appended it took the
-//! generation one above everything before it, whether or not it saved a
-//! record afterwards. So a reader counts every earlier marker of its group
-//! and partition as a generation of its own: an owner that lost a
-//! partition before saving anything still had a generation, and a late
-//! record of it (a stalled owner's, landing after the next owner's
-//! marker) ranks below the next owner's records instead of tying with
-//! them.
+//! A new owner *claims* a partition: it reads the group's pointer into the
+//! state partition, appends a *marker* record, and reads from the pointer up
+//! to its marker. The newest record of the highest generation is the saved
+//! state. The claim's generation (the fencing token) is one more than the
+//! larger of the marker's offset and every generation read: markers land in
+//! the order claims are made, so a later claim always takes a higher
+//! generation, whether or not the owners before it saved anything, and no
+//! generation repeats.
+//!
+//! The pointer (the group's committed offset on the state partition) only
+//! shortens that read, and it is moved with a check: at most every
+//! [`CHECKPOINT_EVERY`](crate::source) and at a hand-over the owner appends
+//! a marker, reads from the pointer to it, and moves the pointer to its
+//! newest record only if no record of a higher generation was found (else
+//! the partition was lost: it is dropped at once). So the pointer names a
+//! record that ranked highest when it was moved; a newer owner's records
+//! all land after that, and a stalled owner's late commit cannot hide them
+//! from the next claim. The topic partition's committed offset (for lag and
+//! other tools) is committed without waiting, at most every 250 ms.
 //!
 //! Kafka's own commit metadata could carry the same text, but not every
 //! Kafka-protocol broker keeps it (the test broker, tansu 0.6, drops it), and
@@ -37,7 +41,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext};
 use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Message as _, Offset, TopicPartitionList};
@@ -64,6 +68,14 @@ pub(crate) struct Saved {
     pub(crate) meta: String,
 }
 
+/// The key of a state record written by `group_id`'s owner of generation
+/// `generation`: one key per generation, so that compaction (which keeps the
+/// newest record of each key) never lets a stale owner's late record replace
+/// a newer owner's.
+pub(crate) fn record_key(group_id: &str, generation: u64) -> String {
+    format!("{group_id}#{generation}")
+}
+
 /// The value of a state record.
 pub(crate) fn encode(generation: u64, committed: i64, meta: &str) -> String {
     format!("{generation}|{committed}|{meta}")
@@ -77,76 +89,127 @@ fn decode(value: &[u8]) -> Option<(u64, i64, String)> {
     Some((generation, committed, it.next()?.to_owned()))
 }
 
-/// Reads the saved progress of `parts` for `group_id`: the group's pointers
-/// into the state partitions, then every record from there to the end
-/// (read with `reader`, a consumer outside the group), up to a marker
-/// record it appends with `producer`.
-pub(crate) fn load<C: ConsumerContext>(
-    member: &BaseConsumer<C>,
-    reader: &Reader,
+/// A state record of one group, as read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Record {
+    pub(crate) offset: i64,
+    pub(crate) generation: u64,
+    pub(crate) committed: i64,
+    pub(crate) meta: String,
+}
+
+/// `(key, value)` read as a state record of `group_id`: keyed by
+/// [`record_key`] (or by the group alone, as wave-1 owners wrote them), its
+/// value's generation the key's.
+pub(crate) fn record_of(group_id: &str, offset: i64, key: Option<&[u8]>, value: Option<&[u8]>) -> Option<Record> {
+    let key = key?;
+    let (generation, committed, meta) = decode(value?)?;
+    let ours = if key == group_id.as_bytes() {
+        true
+    } else {
+        key.strip_prefix(group_id.as_bytes())
+            .and_then(|rest| rest.strip_prefix(b"#"))
+            .and_then(|g| std::str::from_utf8(g).ok())
+            .and_then(|g| g.parse::<u64>().ok())
+            == Some(generation)
+    };
+    ours.then_some(Record {
+        offset,
+        generation,
+        committed,
+        meta,
+    })
+}
+
+/// Whether `r` is restored rather than `best`: the highest generation, and
+/// of that the newest record.
+pub(crate) fn ranks_above(r: &Record, best: Option<&Record>) -> bool {
+    best.is_none_or(|b| (r.generation, r.offset) > (b.generation, b.offset))
+}
+
+/// Appends a marker record to each of `parts` of the state topic and
+/// returns where each landed: where a read of the partition ends. The high
+/// watermark cannot say (the test broker, tansu 0.6, moves it by one per
+/// batch, not per record), and owners of other groups keep appending.
+fn append_markers(
     producer: &FutureProducer,
-    names: &Names,
-    group_id: &str,
+    state_topic: &str,
     parts: &[i32],
+    payload: impl Fn(i32) -> String,
     timeout: Duration,
-) -> KafkaResult<Vec<Saved>> {
-    let state_topic = names.state();
-    let mut tpl = TopicPartitionList::new();
+) -> KafkaResult<HashMap<i32, i64>> {
+    let mut ends = HashMap::new();
     for p in parts {
-        tpl.add_partition(&state_topic, *p);
-    }
-    let pointers = member.committed_offsets(tpl, timeout)?;
-    let mut saved: HashMap<i32, Saved> = parts
-        .iter()
-        .map(|p| {
-            (
-                *p,
-                Saved {
-                    partition: *p,
-                    committed: 0,
-                    known: false,
-                    generation: 0,
-                    meta: String::new(),
-                },
-            )
-        })
-        .collect();
-    // Where a partition ends is where a marker this read appends lands: the
-    // high watermark cannot say (the test broker, tansu 0.6, moves it by one
-    // per batch, not per record), and owners of other groups keep appending.
-    let mut read = TopicPartitionList::new();
-    let mut ends: HashMap<i32, i64> = HashMap::new();
-    for e in pointers.elements() {
-        let p = e.partition();
-        let nonce = format!("{group_id}/{p}");
-        let marker = FutureRecord::<[u8], [u8]>::to(&state_topic)
-            .partition(p)
+        let body = payload(*p);
+        let marker = FutureRecord::<[u8], [u8]>::to(state_topic)
+            .partition(*p)
             .key(MARKER_KEY)
-            .payload(nonce.as_bytes());
+            .payload(body.as_bytes());
         let end = futures::executor::block_on(producer.send(marker, timeout))
             .map_err(|(e, _)| e)?
             .offset;
-        let (low, _) = reader.fetch_watermarks(&state_topic, p, timeout)?;
+        ends.insert(*p, end);
+    }
+    Ok(ends)
+}
+
+/// Where `group_id`'s reads of `parts` start: its pointers, never below a
+/// partition's low watermark. Read before the end markers are appended, so
+/// the record a pointer names lies before the end.
+fn starts<C: ConsumerContext>(
+    member: &BaseConsumer<C>,
+    reader: &Reader,
+    state_topic: &str,
+    parts: &[i32],
+    timeout: Duration,
+) -> KafkaResult<HashMap<i32, i64>> {
+    let mut tpl = TopicPartitionList::new();
+    for p in parts {
+        tpl.add_partition(state_topic, *p);
+    }
+    let pointers = member.committed_offsets(tpl, timeout)?;
+    let mut out = HashMap::new();
+    for e in pointers.elements() {
+        let p = e.partition();
+        let (low, _) = reader.fetch_watermarks(state_topic, p, timeout)?;
         let from = match e.offset() {
             Offset::Offset(o) if o >= 0 => o.max(low),
             _ => low,
         };
-        tracing::debug!(partition = p, pointer = ?e.offset(), low, end, "kafka: reading saved state");
-        read.add_partition_offset(&state_topic, p, Offset::Offset(from.min(end)))?;
-        ends.insert(p, end);
+        tracing::debug!(partition = p, pointer = ?e.offset(), low, "kafka: reading saved state");
+        out.insert(p, from);
     }
-    if ends.is_empty() {
-        let mut out: Vec<Saved> = saved.into_values().collect();
-        out.sort_by_key(|s| s.partition);
-        return Ok(out);
+    Ok(out)
+}
+
+/// Reads partitions of `state_topic` from `starts` up to and including
+/// their `ends`, calling `visit(partition, offset, key, value)` in order.
+/// Fails after `idle` without a record.
+fn read_range(
+    reader: &Reader,
+    state_topic: &str,
+    starts: &HashMap<i32, i64>,
+    ends: &HashMap<i32, i64>,
+    idle: Duration,
+    mut visit: impl FnMut(i32, i64, Option<&[u8]>, Option<&[u8]>),
+) -> KafkaResult<()> {
+    let mut left: HashMap<i32, i64> = ends
+        .iter()
+        .filter(|(p, _)| starts.contains_key(p))
+        .map(|(p, e)| (*p, *e))
+        .collect();
+    if left.is_empty() {
+        return Ok(());
     }
-    reader.assign(&read)?;
-    let deadline = std::time::Instant::now() + timeout;
-    let mut best: HashMap<i32, (u64, i64)> = HashMap::new();
-    // The highest generation claimed so far per partition: saved records'
-    // generations, and one more for each earlier marker of this group.
-    let mut claimed: HashMap<i32, u64> = HashMap::new();
-    while !ends.is_empty() {
+    let mut tpl = TopicPartitionList::new();
+    for (p, from) in starts {
+        if let Some(end) = left.get(p) {
+            tpl.add_partition_offset(state_topic, *p, Offset::Offset((*from).min(*end)))?;
+        }
+    }
+    reader.assign(&tpl)?;
+    let mut deadline = std::time::Instant::now() + idle;
+    while !left.is_empty() {
         if std::time::Instant::now() > deadline {
             let _ = reader.unassign();
             return Err(KafkaError::MessageConsumption(
@@ -158,56 +221,141 @@ pub(crate) fn load<C: ConsumerContext>(
         };
         let m = match r {
             Err(KafkaError::PartitionEOF(_)) => continue,
-            other => other?,
-        };
-        let p = m.partition();
-        let Some(end) = ends.get(&p).copied() else { continue };
-        if m.offset() >= end {
-            ends.remove(&p);
-        }
-        if m.key() == Some(MARKER_KEY) {
-            if m.offset() < end && m.payload() == Some(format!("{group_id}/{p}").as_bytes()) {
-                let c = claimed.entry(p).or_default();
-                *c += 1;
+            Err(e) => {
+                let _ = reader.unassign();
+                return Err(e);
             }
-            continue;
-        }
-        if m.key() != Some(group_id.as_bytes()) {
-            continue;
-        }
-        let Some((generation, committed, meta)) = m.payload().and_then(decode) else {
-            continue;
+            Ok(m) => m,
         };
-        let c = claimed.entry(p).or_default();
-        *c = (*c).max(generation);
-        let rank = (generation, m.offset());
-        if best.get(&p).is_some_and(|b| *b > rank) {
-            continue;
+        deadline = std::time::Instant::now() + idle;
+        let p = m.partition();
+        let Some(end) = left.get(&p).copied() else { continue };
+        if m.offset() >= end {
+            left.remove(&p);
         }
-        best.insert(p, rank);
-        tracing::trace!(
-            partition = p,
-            offset = m.offset(),
-            generation,
-            committed,
-            "kafka: saved state record"
-        );
-        if let Some(s) = saved.get_mut(&p) {
-            s.committed = committed;
-            s.known = true;
-            s.generation = generation;
-            s.meta = meta;
+        if m.offset() <= end {
+            visit(p, m.offset(), m.key(), m.payload());
         }
     }
     reader.unassign()?;
-    for (p, c) in claimed {
-        if let Some(s) = saved.get_mut(&p) {
-            s.generation = s.generation.max(c);
+    Ok(())
+}
+
+/// Reads the saved progress of `parts` for `group_id`, claiming them: a
+/// marker record is appended to each state partition (with `producer`),
+/// then every record from the group's pointer up to that marker is read
+/// (with `reader`, a consumer outside the group). The newest record of the
+/// highest generation is the saved state. The claim's generation is above
+/// the marker's offset and every generation read, so claims made later
+/// (their markers land later) always rank higher, whatever was read.
+pub(crate) fn load<C: ConsumerContext>(
+    member: &BaseConsumer<C>,
+    reader: &Reader,
+    producer: &FutureProducer,
+    names: &Names,
+    group_id: &str,
+    parts: &[i32],
+    timeout: Duration,
+) -> KafkaResult<Vec<Saved>> {
+    let state_topic = names.state();
+    let from = starts(member, reader, &state_topic, parts, timeout)?;
+    let ends = append_markers(producer, &state_topic, parts, |p| format!("{group_id}/{p}"), timeout)?;
+    let mut best: HashMap<i32, Record> = HashMap::new();
+    read_range(reader, &state_topic, &from, &ends, timeout, |p, offset, key, value| {
+        if let Some(r) = record_of(group_id, offset, key, value) {
+            tracing::trace!(
+                partition = p,
+                offset,
+                generation = r.generation,
+                committed = r.committed,
+                "kafka: saved state record"
+            );
+            if ranks_above(&r, best.get(&p)) {
+                best.insert(p, r);
+            }
         }
-    }
-    let mut out: Vec<Saved> = saved.into_values().collect();
+    })?;
+    let mut out: Vec<Saved> = parts
+        .iter()
+        .map(|p| {
+            let end = ends.get(p).copied().unwrap_or(0).max(0) as u64;
+            match best.remove(p) {
+                Some(r) => Saved {
+                    partition: *p,
+                    committed: r.committed,
+                    known: true,
+                    generation: r.generation.max(end),
+                    meta: r.meta,
+                },
+                None => Saved {
+                    partition: *p,
+                    committed: 0,
+                    known: false,
+                    generation: end,
+                    meta: String::new(),
+                },
+            }
+        })
+        .collect();
     out.sort_by_key(|s| s.partition);
     Ok(out)
+}
+
+/// Moves `group_id`'s pointers into the state partitions: `list` holds
+/// `(partition, the writer's generation, offset of its newest record)`.
+/// First it checks, as [`load`] reads, that no newer owner wrote: a marker
+/// is appended and everything from the current pointer up to it is read;
+/// a partition holding a record of a higher generation is returned (the
+/// caller lost it) and its pointer is left alone. A pointer is so only
+/// ever moved to a record that ranked highest when it was moved, and a
+/// later owner's records all land after it: a stalled owner's late commit
+/// cannot hide a newer owner's state from the next reader.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn advance<C: ConsumerContext>(
+    member: &BaseConsumer<C>,
+    reader: &Reader,
+    producer: &FutureProducer,
+    names: &Names,
+    group_id: &str,
+    list: &[(i32, u64, i64)],
+    timeout: Duration,
+    mode: CommitMode,
+) -> KafkaResult<Vec<i32>> {
+    let state_topic = names.state();
+    let parts: Vec<i32> = list.iter().map(|(p, _, _)| *p).collect();
+    let from = starts(member, reader, &state_topic, &parts, timeout)?;
+    let ends = append_markers(
+        producer,
+        &state_topic,
+        &parts,
+        |p| format!("{group_id}/{p}/check"),
+        timeout,
+    )?;
+    let own: HashMap<i32, u64> = list.iter().map(|(p, g, _)| (*p, *g)).collect();
+    let mut stale: Vec<i32> = Vec::new();
+    read_range(reader, &state_topic, &from, &ends, timeout, |p, offset, key, value| {
+        if let Some(r) = record_of(group_id, offset, key, value) {
+            if own.get(&p).is_some_and(|g| r.generation > *g) && !stale.contains(&p) {
+                tracing::debug!(
+                    partition = p,
+                    offset,
+                    generation = r.generation,
+                    "kafka: a newer owner wrote this partition's state"
+                );
+                stale.push(p);
+            }
+        }
+    })?;
+    let mut tpl = TopicPartitionList::new();
+    for (p, _, at) in list {
+        if !stale.contains(p) {
+            tpl.add_partition_offset(&state_topic, *p, Offset::Offset(*at))?;
+        }
+    }
+    if tpl.count() > 0 {
+        member.commit(&tpl, mode)?;
+    }
+    Ok(stale)
 }
 
 #[cfg(test)]
@@ -222,5 +370,171 @@ mod tests {
         );
         assert_eq!(decode(b"junk"), None);
         assert_eq!(decode(&[0xff, b'|']), None);
+    }
+}
+
+/// The state protocol on the test broker (`KAFKA_BROKERS`), one owner step
+/// at a time, as the source takes them.
+#[cfg(test)]
+mod broker_tests {
+    use super::*;
+    use crate::{KafkaConfig, KafkaTransport};
+
+    struct Bench {
+        t: KafkaTransport,
+        names: Names,
+        group_id: String,
+        member: BaseConsumer,
+        reader: Reader,
+    }
+
+    impl Bench {
+        async fn new(what: &str) -> Bench {
+            let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
+            let cfg = KafkaConfig {
+                brokers,
+                partitions: 1,
+                ..KafkaConfig::default()
+            };
+            let t = KafkaTransport::connect(cfg).await.expect("the test broker answers");
+            let nonce = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos();
+            let names = Names::new(&format!("ko-state-{what}-{nonce}")).unwrap();
+            t.ensure(&names).await.unwrap();
+            let group_id = names.group_id("g");
+            let mut c = crate::base_config(&t.cfg);
+            c.set("group.id", &group_id).set("enable.auto.commit", "false");
+            let member: BaseConsumer = c.create().unwrap();
+            let mut r = crate::base_config(&t.cfg);
+            r.set("group.id", "keyorder-state-reader")
+                .set("enable.auto.commit", "false");
+            let reader: Reader = r.create().unwrap();
+            Bench {
+                t,
+                names,
+                group_id,
+                member,
+                reader,
+            }
+        }
+
+        /// An owner's claim: its saved state and its generation.
+        fn claim(&self) -> (Saved, u64) {
+            let s = load(
+                &self.member,
+                &self.reader,
+                &self.t.state_producer,
+                &self.names,
+                &self.group_id,
+                &[0],
+                Duration::from_secs(10),
+            )
+            .unwrap()
+            .remove(0);
+            let generation = s.generation + 1;
+            (s, generation)
+        }
+
+        /// An owner's state round: one record, then its pointer.
+        async fn round(&self, generation: u64, committed: i64) -> Vec<i32> {
+            let key = record_key(&self.group_id, generation);
+            let value = encode(generation, committed, "");
+            let (_, at) = self
+                .t
+                .produce_state(&self.names.state(), 0, key.as_bytes(), value.as_bytes())
+                .await
+                .unwrap();
+            advance(
+                &self.member,
+                &self.reader,
+                &self.t.state_producer,
+                &self.names,
+                &self.group_id,
+                &[(0, generation, at)],
+                Duration::from_secs(10),
+                CommitMode::Sync,
+            )
+            .unwrap()
+        }
+    }
+
+    /// Finding 1 of issue 35: a stalled owner's last round lands after the
+    /// next owner's; the owner after them must still restore the newest
+    /// owner's state and take a generation above every earlier one.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stale_round_never_rolls_the_next_owner_back() {
+        let b = Bench::new("stale").await;
+        let (_, a) = b.claim();
+        b.round(a, 10).await;
+        let (saved, g2) = b.claim();
+        assert_eq!(saved.committed, 10, "the second owner restores the first's state");
+        assert!(g2 > a, "generations go up: {a} then {g2}");
+        b.round(g2, 20).await;
+        // The first owner, stalled with a round in flight, comes back.
+        b.round(a, 15).await;
+        let (saved, g3) = b.claim();
+        assert_eq!(
+            saved.committed, 20,
+            "the third owner restores the second owner's state, not the stale first's"
+        );
+        assert!(g3 > g2, "generations never repeat: {a}, {g2}, then {g3}");
+    }
+
+    /// Finding 2 of issue 35: the state topic is compacted (the newest
+    /// record of each key survives). After a stale owner's late record, the
+    /// partition as compaction leaves it must still rank the newest owner's
+    /// state first.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn compaction_keeps_the_newest_owners_state() {
+        let b = Bench::new("compact").await;
+        let (_, a) = b.claim();
+        b.round(a, 10).await;
+        let (_, g2) = b.claim();
+        b.round(g2, 20).await;
+        b.round(a, 15).await;
+        // Everything the partition holds, up to a marker of our own.
+        let topic = b.names.state();
+        let ends = append_markers(
+            &b.t.state_producer,
+            &topic,
+            &[0],
+            |_| "end".into(),
+            Duration::from_secs(10),
+        )
+        .unwrap();
+        let mut log: Vec<(i64, Option<Vec<u8>>, Option<Vec<u8>>)> = Vec::new();
+        read_range(
+            &b.reader,
+            &topic,
+            &HashMap::from([(0, 0)]),
+            &ends,
+            Duration::from_secs(10),
+            |_, offset, key, value| log.push((offset, key.map(<[u8]>::to_vec), value.map(<[u8]>::to_vec))),
+        )
+        .unwrap();
+        // Compaction: the newest record of each key.
+        let mut newest: HashMap<Option<Vec<u8>>, i64> = HashMap::new();
+        for (offset, key, _) in &log {
+            newest.insert(key.clone(), *offset);
+        }
+        let mut best: Option<Record> = None;
+        for (offset, key, value) in &log {
+            if newest.get(key) != Some(offset) {
+                continue;
+            }
+            if let Some(r) = record_of(&b.group_id, *offset, key.as_deref(), value.as_deref()) {
+                if ranks_above(&r, best.as_ref()) {
+                    best = Some(r);
+                }
+            }
+        }
+        let best = best.expect("a record survives compaction");
+        assert_eq!(
+            (best.generation, best.committed),
+            (g2, 20),
+            "after compaction the second owner's state still ranks first"
+        );
     }
 }
