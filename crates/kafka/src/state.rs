@@ -504,7 +504,8 @@ mod broker_tests {
             Duration::from_secs(10),
         )
         .unwrap();
-        let mut log: Vec<(i64, Option<Vec<u8>>, Option<Vec<u8>>)> = Vec::new();
+        type Entry = (i64, Option<Vec<u8>>, Option<Vec<u8>>);
+        let mut log: Vec<Entry> = Vec::new();
         read_range(
             &b.reader,
             &topic,

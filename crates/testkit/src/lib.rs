@@ -1,4 +1,4 @@
-//! The keyorder conformance suite: scenarios C1-C20 of
+//! The keyorder conformance suite: scenarios C1-C21 of
 //! `shared/design/CONFORMANCE.md`, written once as functions over a
 //! [`Harness`] that each adapter implements, and the one [`checker`] that
 //! judges their event logs.
@@ -18,6 +18,7 @@ pub mod checker;
 pub mod eventlog;
 mod faults;
 mod groups;
+mod handover;
 pub mod instance;
 pub mod outbox;
 pub mod pglog;

@@ -1,4 +1,4 @@
-//! Scenarios C1-C20, written once.
+//! Scenarios C1-C21, written once.
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -61,6 +61,8 @@ pub enum Scenario {
     C19,
     /// C20 a worker whose clock is far off.
     C20,
+    /// C21 one scope handed over again and again, one owner stalled.
+    C21,
 }
 
 pub(crate) type Outcome = std::result::Result<(), String>;
@@ -71,7 +73,7 @@ pub(crate) fn err(e: impl std::fmt::Display) -> String {
 
 impl Scenario {
     /// Every scenario, in order.
-    pub const ALL: [Scenario; 20] = [
+    pub const ALL: [Scenario; 21] = [
         Scenario::C1,
         Scenario::C2,
         Scenario::C3,
@@ -92,6 +94,7 @@ impl Scenario {
         Scenario::C18,
         Scenario::C19,
         Scenario::C20,
+        Scenario::C21,
     ];
 
     /// The trial name's scenario part, e.g. `c1_per_key_order`.
@@ -117,6 +120,7 @@ impl Scenario {
             Scenario::C18 => "c18_resolve_under_flow",
             Scenario::C19 => "c19_connection_faults",
             Scenario::C20 => "c20_clock_skew",
+            Scenario::C21 => "c21_repeated_handover",
         }
     }
 
@@ -138,7 +142,7 @@ impl Scenario {
                     caps.multi_process,
                 ),
             ]),
-            Scenario::C7 => need(&[
+            Scenario::C7 | Scenario::C21 => need(&[
                 ("fencing or self_fencing", caps.fencing || caps.self_fencing),
                 (
                     "multi_process (SIGSTOP needs a broker shared across processes)",
@@ -163,7 +167,10 @@ impl Scenario {
     /// Runs the scenario; `Err` explains the failure.
     pub async fn run(self, harness: &dyn Harness) -> Outcome {
         let mut ctx = Ctx::new(harness, self);
-        if matches!(self, Scenario::C6 | Scenario::C7 | Scenario::C19 | Scenario::C20) {
+        if matches!(
+            self,
+            Scenario::C6 | Scenario::C7 | Scenario::C19 | Scenario::C20 | Scenario::C21
+        ) {
             // Separate processes share the event log in PostgreSQL.
             let log = PgEventLog::connect(&harness.event_log_url(), &ctx.ns)
                 .await
@@ -191,6 +198,7 @@ impl Scenario {
             Scenario::C18 => crate::groups::c18(&ctx).await,
             Scenario::C19 => crate::faults::c19(&ctx).await,
             Scenario::C20 => crate::faults::c20(&ctx).await,
+            Scenario::C21 => crate::handover::c21(&ctx).await,
             #[allow(unreachable_patterns)]
             _ => Err(format!("{}: no runner", self.slug())),
         }
