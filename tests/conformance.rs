@@ -466,6 +466,9 @@ impl Harness for KafkaHarness {
     fn name(&self) -> &str {
         "kafka"
     }
+    fn settle_joins(&self) -> bool {
+        true
+    }
     fn capabilities(&self) -> Capabilities {
         keyorder::kafka::CAPABILITIES
     }

@@ -69,6 +69,9 @@ pub(crate) async fn run(a: FailoverArgs) -> anyhow::Result<()> {
         hold_ms: 3_600_000,
         concurrency: 64,
         lease_ms: (a.ttl_ms, a.heartbeat_ms, a.margin_ms),
+        crash_on_poison: false,
+        park_after: None,
+        max_attempts: None,
     })
     .await
     .map_err(anyhow::Error::msg)?;

@@ -906,7 +906,13 @@ impl Source {
     }
 
     /// Drops every partition here and replaces the member (after a gap).
-    fn replace_member(&mut self) -> Result<()> {
+    ///
+    /// The old member leaves the group before the new one joins: a group
+    /// that still counts the old member (its own rejoin after the gap, not
+    /// yet left) waits for it in the next rebalance for as long as the
+    /// rebalance timeout (`max.poll.interval.ms`, 5 minutes by default), and
+    /// nobody in the group gets partitions meanwhile (C21 on tansu).
+    async fn replace_member(&mut self) -> Result<()> {
         self.stop.store(true, Ordering::SeqCst);
         *self.shared.member.lock().unwrap_or_else(|e| e.into_inner()) = None;
         let parts: Vec<i32> = self.local.keys().copied().collect();
@@ -914,7 +920,11 @@ impl Source {
             self.forget(p);
         }
         self.pending.clear();
-        self.thread = None;
+        if let Some(thread) = self.thread.take() {
+            if tokio::time::timeout(self.spec.lease.ttl, thread).await.is_err() {
+                tracing::warn!(topic = %self.shared.names.topic(), "kafka: the old member did not leave the group in time; joining anyway");
+            }
+        }
         self.shared.replace.store(false, Ordering::SeqCst);
         tracing::info!(topic = %self.shared.names.topic(), "kafka: rejoining the group with a new member");
         self.start_member()
@@ -1305,7 +1315,7 @@ impl TransportSource for Source {
             }
         }
         if self.shared.replace.load(Ordering::SeqCst) {
-            self.replace_member()?;
+            self.replace_member().await?;
         }
         // Partitions lost to the self-fence are gone from the shared map.
         let gone: Vec<i32> = self

@@ -35,6 +35,47 @@ async fn wait_owner(ctx: &Ctx<'_>, instance: &str, key: &str, seq: u64) -> Outco
     .await
 }
 
+/// Where the harness asks for it ([`crate::Harness::settle_joins`]): lets
+/// `instance`, which just joined or rejoined, receive work before another
+/// member leaves. Publishes one more message per key at a time (sequence
+/// `next`) until `instance` applied one of them.
+async fn settle_join(
+    ctx: &Ctx<'_>,
+    client: &keyorder_core::Client,
+    cat: &str,
+    ks: &[String],
+    instance: &str,
+    next: &mut u64,
+    published: &mut Vec<crate::checker::Published>,
+) -> Outcome {
+    if !ctx.h.settle_joins() {
+        return Ok(());
+    }
+    let from = *next;
+    let deadline = tokio::time::Instant::now() + ctx.h.deadline();
+    loop {
+        published.extend(publish_range(client, cat, ks, *next..*next + 1, 0).await.map_err(err)?);
+        *next += 1;
+        let log = ctx.log.clone();
+        let got = wait_until(&format!("{instance} to receive work"), Duration::from_secs(5), || {
+            let log = log.clone();
+            async move {
+                events(&log)
+                    .await
+                    .iter()
+                    .any(|e| e.instance == instance && e.seq >= from && e.ok)
+            }
+        })
+        .await;
+        if got.is_ok() {
+            return ctx.wait_applied(published, &HashSet::new()).await;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(format!("{instance} received no work after it joined"));
+        }
+    }
+}
+
 /// The owners of `key` in the order their runs started, each with the
 /// lowest and highest fencing token it ran the key under: a new run starts
 /// where the instance changes.
@@ -95,22 +136,43 @@ pub(crate) async fn c21(ctx: &Ctx<'_>) -> Outcome {
     })
     .await?;
     ctx.wait_applied(&published, &HashSet::new()).await?;
+    let mut next = 20;
+    settle_join(ctx, &client, &cat, &ks, "w1", &mut next, &mut published).await?;
     // Hand-over 2: i2 leaves; the resumed w1 is the only owner left.
     stop_all(vec![i2]).await?;
-    published.extend(publish_range(&client, &cat, &ks, 20..30, 0).await.map_err(err)?);
-    wait_owner(ctx, "w1", &key, 20).await?;
+    let from = next;
+    published.extend(
+        publish_range(&client, &cat, &ks, from..from + 10, 0)
+            .await
+            .map_err(err)?,
+    );
+    next += 10;
+    wait_owner(ctx, "w1", &key, from).await?;
     ctx.wait_applied(&published, &HashSet::new()).await?;
     // Hand-over 3: i3 joins, w1 leaves.
     let i3 = ctx.start(ctx.ordered(&client, &cat, "g"), "i3").await?;
+    settle_join(ctx, &client, &cat, &ks, "i3", &mut next, &mut published).await?;
     let w1_stats = w1.terminate().await?;
-    published.extend(publish_range(&client, &cat, &ks, 30..40, 0).await.map_err(err)?);
-    wait_owner(ctx, "i3", &key, 30).await?;
+    let from = next;
+    published.extend(
+        publish_range(&client, &cat, &ks, from..from + 10, 0)
+            .await
+            .map_err(err)?,
+    );
+    next += 10;
+    wait_owner(ctx, "i3", &key, from).await?;
     ctx.wait_applied(&published, &HashSet::new()).await?;
     // Hand-over 4: i4 joins, i3 leaves.
     let i4: Instance = ctx.start(ctx.ordered(&client, &cat, "g"), "i4").await?;
+    settle_join(ctx, &client, &cat, &ks, "i4", &mut next, &mut published).await?;
     stop_all(vec![i3]).await?;
-    published.extend(publish_range(&client, &cat, &ks, 40..50, 0).await.map_err(err)?);
-    wait_owner(ctx, "i4", &key, 40).await?;
+    let from = next;
+    published.extend(
+        publish_range(&client, &cat, &ks, from..from + 10, 0)
+            .await
+            .map_err(err)?,
+    );
+    wait_owner(ctx, "i4", &key, from).await?;
     ctx.wait_applied(&published, &HashSet::new()).await?;
     stop_all(vec![i4]).await?;
     let refused =

@@ -62,6 +62,9 @@ pub struct Switches {
     /// `(seq, d)`: the first message whose sequence is at least `seq` sleeps
     /// `d` inside the handler, once (a place to kill or stop the process).
     pub hold: std::sync::Mutex<Option<(u64, Duration)>>,
+    /// While set, a message with `poison: true` kills its own process
+    /// (`SIGKILL`, no core dump, nothing flushed) once its start is logged.
+    pub crash: AtomicBool,
 }
 
 /// The handler every scenario uses: logs start and end to the event log,
@@ -88,6 +91,13 @@ pub fn logging_handler(
                 })
                 .await
                 .map_err(HandlerError::retry)?;
+            if p.poison && switches.crash.load(Ordering::SeqCst) {
+                let _ = std::process::Command::new("kill")
+                    .args(["-KILL", &std::process::id().to_string()])
+                    .status();
+                // Not reached: the signal is delivered before `kill` returns.
+                std::process::abort();
+            }
             let barrier = switches.barrier.lock().unwrap().clone();
             if let Some(barrier) = barrier {
                 let limit = *switches.barrier_timeout.lock().unwrap();

@@ -1,4 +1,4 @@
-//! The keyorder conformance suite: scenarios C1-C21 of
+//! The keyorder conformance suite: scenarios C1-C22 of
 //! `shared/design/CONFORMANCE.md`, written once as functions over a
 //! [`Harness`] that each adapter implements, and the one [`checker`] that
 //! judges their event logs.
@@ -15,6 +15,7 @@ use keyorder_core::{Capabilities, Client, LeaseConfig, Result};
 
 pub mod broken;
 pub mod checker;
+mod crashloop;
 pub mod eventlog;
 mod faults;
 mod groups;
@@ -107,6 +108,17 @@ pub trait Harness: Send + Sync {
     /// consumes at a time by design), where C2 checks everything but spread.
     fn spreads(&self) -> bool {
         true
+    }
+
+    /// Whether a scenario that hands scopes over must let a member that
+    /// just joined (or rejoined) receive work before another member leaves.
+    /// `true` on the Kafka test broker: tansu 0.6 keeps a member that left
+    /// during a pending rebalance as the new generation's leader, the
+    /// remaining members' `SyncGroup` fails with "rebalance in progress"
+    /// again and again, and the group stalls (seen in C21; Apache Kafka
+    /// elects another leader).
+    fn settle_joins(&self) -> bool {
+        false
     }
 
     /// The URL a worker process connects with (process scenarios C6, C7).

@@ -1,4 +1,4 @@
-//! Scenarios C1-C21, written once.
+//! Scenarios C1-C22, written once.
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -63,6 +63,8 @@ pub enum Scenario {
     C20,
     /// C21 one scope handed over again and again, one owner stalled.
     C21,
+    /// C22 a message that kills its process on every attempt, restarted.
+    C22,
 }
 
 pub(crate) type Outcome = std::result::Result<(), String>;
@@ -73,7 +75,7 @@ pub(crate) fn err(e: impl std::fmt::Display) -> String {
 
 impl Scenario {
     /// Every scenario, in order.
-    pub const ALL: [Scenario; 21] = [
+    pub const ALL: [Scenario; 22] = [
         Scenario::C1,
         Scenario::C2,
         Scenario::C3,
@@ -95,6 +97,7 @@ impl Scenario {
         Scenario::C19,
         Scenario::C20,
         Scenario::C21,
+        Scenario::C22,
     ];
 
     /// The trial name's scenario part, e.g. `c1_per_key_order`.
@@ -121,6 +124,7 @@ impl Scenario {
             Scenario::C19 => "c19_connection_faults",
             Scenario::C20 => "c20_clock_skew",
             Scenario::C21 => "c21_repeated_handover",
+            Scenario::C22 => "c22_crash_loop",
         }
     }
 
@@ -150,6 +154,16 @@ impl Scenario {
                 ),
             ]),
             Scenario::C11 => need(&[("correlated_ownership", caps.correlated_ownership)]),
+            Scenario::C22 => need(&[
+                (
+                    "halt_on_poison or park_and_release",
+                    caps.halt_on_poison || caps.park_and_release,
+                ),
+                (
+                    "multi_process (a restarted worker needs a broker shared across processes)",
+                    caps.multi_process,
+                ),
+            ]),
             Scenario::C19 | Scenario::C20 => need(&[(
                 "multi_process (a fault between a worker process and its broker needs a broker shared across \
                  processes)",
@@ -169,7 +183,7 @@ impl Scenario {
         let mut ctx = Ctx::new(harness, self);
         if matches!(
             self,
-            Scenario::C6 | Scenario::C7 | Scenario::C19 | Scenario::C20 | Scenario::C21
+            Scenario::C6 | Scenario::C7 | Scenario::C19 | Scenario::C20 | Scenario::C21 | Scenario::C22
         ) {
             // Separate processes share the event log in PostgreSQL.
             let log = PgEventLog::connect(&harness.event_log_url(), &ctx.ns)
@@ -199,6 +213,7 @@ impl Scenario {
             Scenario::C19 => crate::faults::c19(&ctx).await,
             Scenario::C20 => crate::faults::c20(&ctx).await,
             Scenario::C21 => crate::handover::c21(&ctx).await,
+            Scenario::C22 => crate::crashloop::c22(&ctx).await,
             #[allow(unreachable_patterns)]
             _ => Err(format!("{}: no runner", self.slug())),
         }
@@ -995,6 +1010,9 @@ impl Ctx<'_> {
                 lease.heartbeat.as_millis() as u64,
                 lease.margin.as_millis() as u64,
             ),
+            crash_on_poison: false,
+            park_after: None,
+            max_attempts: None,
         })
     }
 

@@ -71,6 +71,17 @@ pub struct WorkerConfig {
     pub concurrency: usize,
     /// Lease TTL, heartbeat and margin in ms.
     pub lease_ms: (u64, u64, u64),
+    /// A poison message (`Payload::poison`) kills the process (`SIGKILL`
+    /// to itself) on every attempt, after its start is logged (C22).
+    #[serde(default)]
+    pub crash_on_poison: bool,
+    /// The poison policy: `None` the default (`Halt`), `Some(n)` parks
+    /// after `n` attempts.
+    #[serde(default)]
+    pub park_after: Option<u32>,
+    /// Attempts before `Halt` applies (`RetryPolicy::max_attempts`).
+    #[serde(default)]
+    pub max_attempts: Option<u32>,
 }
 
 /// Connects a client from a URL (the runner passes `keyorder::connect`).
@@ -145,9 +156,22 @@ async fn worker_main(cfg: WorkerConfig, connect: Connector) -> Result<StatsSnaps
     let log: Arc<dyn EventLog> = Arc::new(PgEventLog::connect(&cfg.log_url, &cfg.run).await?);
     let switches = Arc::new(Switches::default());
     *switches.hold.lock().unwrap() = cfg.hold_from_seq.map(|seq| (seq, Duration::from_millis(cfg.hold_ms)));
+    switches
+        .crash
+        .store(cfg.crash_on_poison, std::sync::atomic::Ordering::SeqCst);
     let (ttl, heartbeat, margin) = cfg.lease_ms;
-    let subscription = client
-        .subscribe(&cfg.category, &cfg.group)
+    let mut builder = client.subscribe(&cfg.category, &cfg.group);
+    if let Some(max_attempts) = cfg.max_attempts {
+        builder = builder.retry(keyorder_core::RetryPolicy {
+            max_attempts,
+            initial_backoff: Duration::from_millis(50),
+            max_backoff: Duration::from_millis(200),
+        });
+    }
+    if let Some(max_attempts) = cfg.park_after {
+        builder = builder.poison(keyorder_core::PoisonPolicy::Park { max_attempts });
+    }
+    let subscription = builder
         .ordered_by(KeySource::routing_key())
         .instance_id(&cfg.instance)
         .concurrency(cfg.concurrency)
@@ -321,6 +345,11 @@ impl WorkerProcess {
         } else {
             Err(format!("kill -{sig} {} failed", self.pid))
         }
+    }
+
+    /// Whether the process has exited (by itself or by a signal).
+    pub fn exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)))
     }
 
     /// `kill -9`.
