@@ -167,6 +167,102 @@ struct State {
     scopes: HashMap<Arc<str>, usize>,
 }
 
+/// Runs a message that was delivered before without being settled alone:
+/// nothing else runs while it does. A message that kills its process (a
+/// crash counts as an attempt for every message in flight) is then the only
+/// one charged for the crash, and messages of other keys that happened to
+/// run beside it do not use up their attempts and halt or park (C22).
+#[derive(Default)]
+struct Gate {
+    state: Mutex<GateState>,
+    changed: Notify,
+}
+
+#[derive(Default)]
+struct GateState {
+    /// Handlers running beside each other.
+    shared: usize,
+    /// A suspect runs.
+    exclusive: bool,
+    /// Suspects waiting for their turn (new shared runs wait behind them).
+    queued: usize,
+}
+
+/// Held while a handler runs; lets the next one in when dropped.
+struct GatePass<'a> {
+    gate: &'a Gate,
+    exclusive: bool,
+}
+
+impl Gate {
+    fn lock(&self) -> MutexGuard<'_, GateState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    async fn shared(&self) -> GatePass<'_> {
+        loop {
+            let notified = self.changed.notified();
+            {
+                let mut st = self.lock();
+                if !st.exclusive && st.queued == 0 {
+                    st.shared += 1;
+                    return GatePass {
+                        gate: self,
+                        exclusive: false,
+                    };
+                }
+            }
+            notified.await;
+        }
+    }
+
+    async fn exclusive(&self) -> GatePass<'_> {
+        // Counted as queued at once: shared runs that come later wait.
+        let queued = Queued(self);
+        self.lock().queued += 1;
+        loop {
+            let notified = self.changed.notified();
+            {
+                let mut st = self.lock();
+                if !st.exclusive && st.shared == 0 {
+                    st.exclusive = true;
+                    st.queued -= 1;
+                    std::mem::forget(queued);
+                    return GatePass {
+                        gate: self,
+                        exclusive: true,
+                    };
+                }
+            }
+            notified.await;
+        }
+    }
+}
+
+/// Un-queues a suspect whose wait was abandoned (shutdown).
+struct Queued<'a>(&'a Gate);
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        self.0.lock().queued -= 1;
+        self.0.changed.notify_waiters();
+    }
+}
+
+impl Drop for GatePass<'_> {
+    fn drop(&mut self) {
+        {
+            let mut st = self.gate.lock();
+            if self.exclusive {
+                st.exclusive = false;
+            } else {
+                st.shared -= 1;
+            }
+        }
+        self.gate.changed.notify_waiters();
+    }
+}
+
 #[derive(Default)]
 struct Health {
     failures: VecDeque<(Instant, u64)>,
@@ -188,6 +284,8 @@ struct Inner {
     epoch: AtomicU64,
     waiters: AtomicUsize,
     stopping: Stop,
+    /// Redelivered messages run alone ([`Gate`]).
+    gate: Gate,
     stats: Arc<Stats>,
     /// Told of every delivery's settlement, when the application asked.
     observer: std::sync::OnceLock<crate::handler::SettledHook>,
@@ -247,6 +345,7 @@ impl Dispatcher {
                 epoch: AtomicU64::new(0),
                 waiters: AtomicUsize::new(0),
                 stopping: Stop::new(),
+                gate: Gate::default(),
                 stats,
                 observer: std::sync::OnceLock::new(),
             }),
@@ -968,6 +1067,19 @@ impl Inner {
         }
         let mut fenced_attempt: Option<u32> = None;
         let mut fenced_runs = 0u32;
+        // The first run here of a message delivered before without being
+        // settled (it may have crashed a process) runs alone; later local
+        // retries did not crash and run beside others.
+        let pass = if settle.delivered_before() {
+            bump(&self.stats.isolated, "keyorder_isolated_runs_total");
+            rt::race(self.gate.exclusive(), self.stopping.stopped()).await
+        } else {
+            rt::race(self.gate.shared(), self.stopping.stopped()).await
+        };
+        let mut pass = match pass {
+            Either::Left(pass) => Some(pass),
+            Either::Right(()) => return Outcome::Stopped,
+        };
         loop {
             if !self.global_pause().await {
                 return Outcome::Stopped;
@@ -1049,6 +1161,7 @@ impl Inner {
                     }
                 }
             };
+            drop(pass.take());
             let degraded = self.note_failure(job.key.as_ref());
             if !poison && attempt < max {
                 bump(&self.stats.retries, "keyorder_retries_total");

@@ -65,6 +65,9 @@ stats! {
     /// Messages of a halted key handed back to a transport that holds them
     /// until the halt is resolved (PostgreSQL), instead of waiting in memory.
     handed_back,
+    /// Redelivered, unsettled messages run alone (a crash they cause is
+    /// charged to them only).
+    isolated,
 }
 
 pub(crate) fn bump(counter: &AtomicU64, metric: &'static str) {

@@ -201,6 +201,15 @@ pub trait Settle: Send + Sync + fmt::Debug {
     fn unread(&self) -> bool {
         false
     }
+    /// Whether this message was delivered before (to this owner or an
+    /// earlier one) and not settled: an earlier attempt may have killed its
+    /// process. The dispatcher runs such a message alone, so that a crash
+    /// is charged to the message that caused it and not to every message
+    /// that ran beside it. `false` (the default) where the transport cannot
+    /// tell.
+    fn delivered_before(&self) -> bool {
+        false
+    }
 }
 
 /// Something the transport tells the subscription loop.

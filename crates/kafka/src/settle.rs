@@ -102,6 +102,10 @@ pub(crate) async fn dead_letter(
 
 #[async_trait]
 impl Settle for KafkaSettle {
+    fn delivered_before(&self) -> bool {
+        self.earlier > 0
+    }
+
     async fn begin_attempt(&self) -> Result<u32> {
         self.live()?;
         let (n, save) = {

@@ -1922,6 +1922,10 @@ impl PgSettle {
 
 #[async_trait]
 impl Settle for PgSettle {
+    fn delivered_before(&self) -> bool {
+        self.made.load(Ordering::SeqCst) > 0
+    }
+
     async fn begin_attempt(&self) -> Result<u32> {
         if lock(&self.track).resumed.remove(&self.pos) {
             self.made.store(0, Ordering::SeqCst);

@@ -265,6 +265,10 @@ impl RabbitSettle {
 
 #[async_trait]
 impl Settle for RabbitSettle {
+    fn delivered_before(&self) -> bool {
+        self.earlier > 0
+    }
+
     async fn begin_attempt(&self) -> Result<u32> {
         if self.held.reset.swap(false, Ordering::SeqCst) {
             self.attempts.store(1, Ordering::SeqCst);

@@ -108,6 +108,11 @@ impl RedisSettle {
 
 #[async_trait]
 impl Settle for RedisSettle {
+    fn delivered_before(&self) -> bool {
+        // Counted by the read that delivered it: 2 or more were delivered before.
+        self.mode != Mode::Plain && self.counted.load(Ordering::SeqCst) > 1
+    }
+
     async fn begin_attempt(&self) -> Result<u32> {
         if self.mode == Mode::Plain {
             return Ok(self.local_attempts.fetch_add(1, Ordering::SeqCst) + 1);
