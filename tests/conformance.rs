@@ -227,12 +227,6 @@ impl Harness for RedisHarness {
                  own with AOF (appendfsync always)"
                     .to_owned(),
             ),
-            // Not a capability: a defect still open (issue 35).
-            Scenario::C22 => Some(
-                "open defect (issue 35): Redis counts deliveries (the pending entry's delivery counter), not started \
-                 attempts, so every key whose head was read beside a crash-looping message halts with it"
-                    .to_owned(),
-            ),
             _ => None,
         }
     }

@@ -22,8 +22,9 @@
 //! Keys cannot contain `:`, `{` or `}` nor be a reserved lane or a `__x__`
 //! sentinel, so no key's names collide with another's or with these.
 //!
-//! Attempt counts are Redis's own delivery counters in each group's pending
-//! entries list: durable with the stream, kept across owner changes.
+//! Attempt counts are in `{c}:{key}:__attempts__:{group}` (entry id to
+//! attempts made, for entries delivered more than once; see `scripts`):
+//! durable, kept across owner changes.
 
 use keyorder_core::{Error, Result};
 

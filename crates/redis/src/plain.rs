@@ -188,6 +188,7 @@ impl GroupReader {
                 acked: self.acked.clone(),
                 local_attempts: AtomicU32::new(0),
                 counted: AtomicU32::new(u32::from(fresh)),
+                redelivered: !fresh,
             }),
         })
     }
@@ -398,6 +399,7 @@ impl PlainSource {
                             acked: self.acked.clone(),
                             local_attempts: AtomicU32::new(0),
                             counted: AtomicU32::new(1),
+                            redelivered: false,
                         }),
                     });
                 }

@@ -304,11 +304,38 @@ local function deliveries(stream, group, id)
 end
 ";
 
+/// Attempts are counted per started attempt, not per delivery: Redis's
+/// delivery counter also grows when a new owner claims an entry it never
+/// started (XAUTOCLAIM at a join), so a message read beside one that
+/// crashed its process reached the poison policy with it (C22). The hash
+/// `{stream}:__attempts__:{group}` holds, per entry delivered before, the
+/// attempts made: a first attempt is not written (a new entry's first
+/// attempt costs no round trip) and counts as made once the entry is
+/// delivered again; every later attempt is an `HINCRBY` before the
+/// handler starts. A settled entry's field is deleted.
+const ATTEMPTS: &str = r"
+local function attempts_key(stream, group)
+  return stream .. ':__attempts__:' .. group
+end
+local function attempts_made(stream, group, id)
+  return tonumber(redis.call('HGET', attempts_key(stream, group), id) or '1')
+end
+local function begin_attempt(stream, group, id)
+  local h = attempts_key(stream, group)
+  redis.call('HSETNX', h, id, 1)
+  return redis.call('HINCRBY', h, id, 1)
+end
+local function forget_attempts(stream, group, id)
+  redis.call('HDEL', attempts_key(stream, group), id)
+end
+";
+
 /// The fenced read: for each partition, only while this holder holds its
 /// lease, XREADGROUP (never BLOCK: Redis refuses it in scripts) from `>` or,
 /// to re-read the holder's own pending entries, after an id. Each entry comes
-/// with its attempt count: Redis's delivery counter, which the read itself
-/// increments (1 for a new entry), so the first attempt costs no round trip.
+/// with 1 when it is new (its first attempt, counted without a round trip)
+/// or 0 when it was delivered before (its attempt is counted by SETTLE's
+/// `a` before the handler starts, in the attempts hash: see `ATTEMPTS`).
 ///
 /// A successful fenced read also extends the lease by the TTL: it is a
 /// renewal, so the consumer's self-fence may count it as a confirmation
@@ -357,7 +384,7 @@ for i = 1, #KEYS / 2 do
       local entries, attempts = {{}}, {{}}
       if r then entries = r[1][2] end
       for j, e in ipairs(entries) do
-        if start == '>' then attempts[j] = 1 else attempts[j] = deliveries(stream, ARGV[1], e[1]) end
+        if start == '>' then attempts[j] = 1 else attempts[j] = 0 end
       end
       out[i] = {{entries, attempts}}
     end
@@ -371,8 +398,8 @@ return out
 /// Attempt increments and acknowledgements of many deliveries in one step,
 /// each fenced by its holder (an empty holder is unfenced: the keyless
 /// stream). A lease is read once per call. An attempt after the first is
-/// counted by XCLAIM to the same consumer, which increments Redis's delivery
-/// counter.
+/// counted in the attempts hash (`ATTEMPTS`); XCLAIM to the same consumer
+/// resets the entry's idle time.
 ///
 /// KEYS: (lease, stream) per operation. ARGV: (kind `a` or `k`, holder,
 /// group, entry id, consumer) per operation. Returns per operation 0 when
@@ -380,7 +407,7 @@ return out
 /// (`a`) or 1 (`k`: acknowledged).
 pub(crate) static SETTLE: LazyLock<Script> = LazyLock::new(|| {
     script(&format!(
-        r"{DELIVERIES}
+        r"{DELIVERIES}{ATTEMPTS}
 local out, held = {{}}, {{}}
 for i = 1, #ARGV / 5 do
   local kind, holder, group, entry, consumer = ARGV[5 * i - 4], ARGV[5 * i - 3], ARGV[5 * i - 2], ARGV[5 * i - 1], ARGV[5 * i]
@@ -398,10 +425,10 @@ for i = 1, #ARGV / 5 do
     out[i] = 0
   elseif kind == 'a' then
     redis.call('XCLAIM', stream, group, consumer, 0, entry)
-    local n = deliveries(stream, group, entry)
-    if n == 0 then out[i] = -1 else out[i] = n end
+    if deliveries(stream, group, entry) == 0 then out[i] = -1 else out[i] = begin_attempt(stream, group, entry) end
   else
     redis.call('XACK', stream, group, entry)
+    forget_attempts(stream, group, entry)
     out[i] = 1
   end
 end
@@ -416,9 +443,9 @@ return out
 /// group, category of the stream. Returns 1, or 0 when fenced.
 pub(crate) static HALT: LazyLock<Script> = LazyLock::new(|| {
     script(&format!(
-        r"{DELIVERIES}
+        r"{ATTEMPTS}
 if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-local attempts = deliveries(KEYS[3], ARGV[5], ARGV[3])
+local attempts = attempts_made(KEYS[3], ARGV[5], ARGV[3])
 redis.call('HSET', KEYS[2], ARGV[2], cjson.encode({{head = ARGV[3], reason = ARGV[4], attempts = attempts, category = ARGV[6]}}))
 return 1
 "
@@ -436,9 +463,10 @@ return 1
 /// settled), 0 when fenced, -1 when the entry is gone.
 pub(crate) static PARK: LazyLock<Script> = LazyLock::new(|| {
     script(&format!(
-        r"{DELIVERIES}
+        r"{DELIVERIES}{ATTEMPTS}
 if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 if deliveries(KEYS[2], ARGV[2], ARGV[3]) == 0 then return 1 end
+forget_attempts(KEYS[2], ARGV[2], ARGV[3])
 local e = redis.call('XRANGE', KEYS[2], ARGV[3], ARGV[3])
 if #e == 0 then
   redis.call('XACK', KEYS[2], ARGV[2], ARGV[3])
@@ -577,25 +605,28 @@ return 1
 /// no owner at all), recorded for the owner to release the key.
 ///
 /// KEYS: stream, halted hash, resolved hash. ARGV: group, entry id, key,
-/// action (`skip` acknowledges, `resume` resets the delivery counter to 0
+/// action (`skip` acknowledges, `resume` resets the attempt count to 0
 /// at the same consumer, `dlq` only records), wake channel.
 pub(crate) static RESOLVE: LazyLock<Script> = LazyLock::new(|| {
-    script(
-        r"
+    script(&format!(
+        r"{ATTEMPTS}
 if ARGV[4] == 'skip' then
   redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+  forget_attempts(KEYS[1], ARGV[1], ARGV[2])
 elseif ARGV[4] == 'resume' then
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
   if #p == 1 then
     redis.call('XCLAIM', KEYS[1], ARGV[1], p[1][2], 0, ARGV[2], 'RETRYCOUNT', 0, 'JUSTID')
+    -- The next attempt is the first again.
+    redis.call('HSET', attempts_key(KEYS[1], ARGV[1]), ARGV[2], 0)
   end
 end
 redis.call('HDEL', KEYS[2], ARGV[3])
 redis.call('HSET', KEYS[3], ARGV[3], ARGV[4])
 redis.call('PUBLISH', ARGV[5], ARGV[3])
 return 1
-",
-    )
+"
+    ))
 });
 
 /// The operator's view of every partition of a category for one group:

@@ -48,6 +48,8 @@ pub(crate) struct RedisSettle {
     /// The attempt count the fenced read already incremented durably (the
     /// first `begin_attempt` returns it; later ones increment again).
     pub(crate) counted: AtomicU32,
+    /// Delivered before without being settled (a re-read of a pending entry).
+    pub(crate) redelivered: bool,
 }
 
 impl fmt::Debug for RedisSettle {
@@ -109,8 +111,7 @@ impl RedisSettle {
 #[async_trait]
 impl Settle for RedisSettle {
     fn delivered_before(&self) -> bool {
-        // Counted by the read that delivered it: 2 or more were delivered before.
-        self.mode != Mode::Plain && self.counted.load(Ordering::SeqCst) > 1
+        self.redelivered
     }
 
     async fn begin_attempt(&self) -> Result<u32> {

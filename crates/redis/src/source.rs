@@ -731,6 +731,7 @@ impl Source {
                         acked: s.acked.clone(),
                         local_attempts: AtomicU32::new(0),
                         counted: AtomicU32::new(attempt.clamp(0, i64::from(u32::MAX)) as u32),
+                        redelivered: attempt == 0,
                     }),
                 });
             }

@@ -64,6 +64,9 @@ async fn run(ctx: &Ctx<'_>, variant: &str, park_after: Option<u32>, expect: &mut
         .unwrap()
         .id
         .clone();
+    // Transports name a halted head by their own id (a stream entry id on
+    // Redis), so the halt is found by the key's label.
+    let poison_label = OrderingKey::new(&poison_key).map_err(err)?.label();
     let config = |n: usize| -> Result<_, String> {
         let mut cfg = ctx.worker_config(&cat, &format!("{variant}-w{n}"), None, Duration::ZERO, 8)?;
         cfg.crash_on_poison = true;
@@ -88,7 +91,7 @@ async fn run(ctx: &Ctx<'_>, variant: &str, park_after: Option<u32>, expect: &mut
             admin
                 .halted(&cat, "g")
                 .await
-                .is_ok_and(|h| h.iter().any(|h| h.head_id == poison))
+                .is_ok_and(|h| h.iter().any(|h| h.label == poison_label))
         };
         if reached {
             break;
