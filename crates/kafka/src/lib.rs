@@ -54,6 +54,10 @@ pub const CAPABILITIES: Capabilities = Capabilities {
     persistent: false,
 };
 
+/// `min.compaction.lag.ms` of the state topic (an hour): see the README's
+/// Kafka section for an existing state topic.
+pub const STATE_MIN_COMPACTION_LAG_MS: &str = "3600000";
+
 /// Kafka's default partitioner for keyed records (Java client,
 /// `Utils.murmur2`): the 32-bit murmur2 hash with seed `0x9747b28c`.
 ///
@@ -255,7 +259,14 @@ impl KafkaTransport {
             self.create_topics(&[
                 NewTopic::new(names.topic(), self.cfg.partitions, rf()),
                 NewTopic::new(&dlq, self.cfg.partitions, rf()),
-                NewTopic::new(&state, self.cfg.partitions, rf()).set("cleanup.policy", "compact"),
+                // Compaction never touches the last hour of records: a
+                // claim or a pointer check reads from the pointer up to a
+                // marker of its own and must find every record written
+                // meanwhile (verification/kafka.pml; a read gives up long
+                // before an hour).
+                NewTopic::new(&state, self.cfg.partitions, rf())
+                    .set("cleanup.policy", "compact")
+                    .set("min.compaction.lag.ms", STATE_MIN_COMPACTION_LAG_MS),
             ])
             .await?;
             self.ensured

@@ -182,9 +182,15 @@ fn starts<C: ConsumerContext>(
     Ok(out)
 }
 
+/// The longest a read of the state topic may take in all, well inside the
+/// topic's `min.compaction.lag.ms` ([`crate::STATE_MIN_COMPACTION_LAG_MS`],
+/// an hour): records written since the read's start are never compacted
+/// away under it.
+const READ_BUDGET: Duration = Duration::from_secs(600);
+
 /// Reads partitions of `state_topic` from `starts` up to and including
 /// their `ends`, calling `visit(partition, offset, key, value)` in order.
-/// Fails after `idle` without a record.
+/// Fails after `idle` without a record, or after [`READ_BUDGET`] in all.
 fn read_range(
     reader: &Reader,
     state_topic: &str,
@@ -209,8 +215,9 @@ fn read_range(
     }
     reader.assign(&tpl)?;
     let mut deadline = std::time::Instant::now() + idle;
+    let budget = std::time::Instant::now() + READ_BUDGET;
     while !left.is_empty() {
-        if std::time::Instant::now() > deadline {
+        if std::time::Instant::now() > deadline.min(budget) {
             let _ = reader.unassign();
             return Err(KafkaError::MessageConsumption(
                 rdkafka::types::RDKafkaErrorCode::OperationTimedOut,
