@@ -182,6 +182,10 @@ struct Gate {
 struct GateState {
     /// Handlers running beside each other.
     shared: usize,
+    /// Acknowledgements of applied messages still to land: a crash before
+    /// one lands charges its message an attempt, so a suspect waits for
+    /// them as for running handlers.
+    acking: usize,
     /// A suspect runs.
     exclusive: bool,
     /// Suspects waiting for their turn (new shared runs wait behind them).
@@ -224,7 +228,7 @@ impl Gate {
             let notified = self.changed.notified();
             {
                 let mut st = self.lock();
-                if !st.exclusive && st.shared == 0 {
+                if !st.exclusive && st.shared == 0 && st.acking == 0 {
                     st.exclusive = true;
                     st.queued -= 1;
                     std::mem::forget(queued);
@@ -236,6 +240,23 @@ impl Gate {
             }
             notified.await;
         }
+    }
+}
+
+impl Gate {
+    fn ack_started(&self) {
+        self.lock().acking += 1;
+    }
+}
+
+/// One acknowledgement counted by [`Gate::ack_started`]; done when dropped
+/// (also when its task is dropped with the runtime).
+struct Acking(Arc<Inner>);
+
+impl Drop for Acking {
+    fn drop(&mut self) {
+        self.0.gate.lock().acking -= 1;
+        self.0.gate.changed.notify_waiters();
     }
 }
 
@@ -912,8 +933,10 @@ impl Inner {
                 // stays counted in the budget and as running, so `drain`
                 // waits for it.
                 let inner = self.clone();
+                let acking = Acking(self.clone());
                 rt::spawn(async move {
                     let outcome = inner.ack(&job).await;
+                    drop(acking);
                     if inner.settled(key, job, outcome) {
                         // Ready work and a free worker place: this task
                         // becomes the worker, a task wake-up sooner than
@@ -1069,17 +1092,14 @@ impl Inner {
         let mut fenced_runs = 0u32;
         // The first run here of a message delivered before without being
         // settled (it may have crashed a process) runs alone; later local
-        // retries did not crash and run beside others.
-        let pass = if settle.delivered_before() {
+        // retries did not crash and run beside others. A pass is held only
+        // while an attempt is counted and its handler runs, never across a
+        // back-off, a pause or a lease check: a suspect that waits must not
+        // keep every other key waiting with it.
+        let mut alone = settle.delivered_before();
+        if alone {
             bump(&self.stats.isolated, "keyorder_isolated_runs_total");
-            rt::race(self.gate.exclusive(), self.stopping.stopped()).await
-        } else {
-            rt::race(self.gate.shared(), self.stopping.stopped()).await
-        };
-        let mut pass = match pass {
-            Either::Left(pass) => Some(pass),
-            Either::Right(()) => return Outcome::Stopped,
-        };
+        }
         loop {
             if !self.global_pause().await {
                 return Outcome::Stopped;
@@ -1093,6 +1113,18 @@ impl Inner {
                     None => return Outcome::Stopped,
                 },
             }
+            let pass = if alone {
+                rt::race(self.gate.exclusive(), self.stopping.stopped()).await
+            } else {
+                rt::race(self.gate.shared(), self.stopping.stopped()).await
+            };
+            let pass = match pass {
+                Either::Left(pass) => pass,
+                Either::Right(()) => return Outcome::Stopped,
+            };
+            if lease.is_lost() {
+                return self.discarded(job);
+            }
             // After the handler's store refused the token, the same attempt
             // runs again: it was no failure of the message.
             let attempt = match fenced_attempt.take() {
@@ -1101,6 +1133,7 @@ impl Inner {
                     Ok(n) => n,
                     Err(Error::Fenced { .. }) => return self.fenced(job),
                     Err(err) => {
+                        drop(pass);
                         tracing::warn!(error = %err, "attempt count not recorded; retrying");
                         if !self.nap(self.cfg.retry.initial_backoff).await {
                             return Outcome::Stopped;
@@ -1130,7 +1163,14 @@ impl Inner {
                 );
                 let run = AssertUnwindSafe(self.handler.handle(delivery)).catch_unwind();
                 match tracing::Instrument::instrument(run, span).await {
-                    Ok(Ok(())) => return Outcome::Applied,
+                    Ok(Ok(())) => {
+                        // Its acknowledgement is still to be made: counted
+                        // before the pass goes, so a suspect waits for it
+                        // too (a crash before it lands makes this message
+                        // an attempt more); the worker's `Acking` ends it.
+                        self.gate.ack_started();
+                        return Outcome::Applied;
+                    }
                     Ok(Err(HandlerError::Fenced(e))) => {
                         // Not acknowledged, and no failure of the message:
                         // the broker decides who owns the scope. A stale
@@ -1146,6 +1186,7 @@ impl Inner {
                              while this instance still owns the scope"
                         );
                         self.report(job, Settlement::Fenced);
+                        drop(pass);
                         fenced_runs += 1;
                         if !self.nap(self.cfg.retry.backoff(fenced_runs)).await {
                             return Outcome::Stopped;
@@ -1161,7 +1202,8 @@ impl Inner {
                     }
                 }
             };
-            drop(pass.take());
+            drop(pass);
+            alone = false;
             let degraded = self.note_failure(job.key.as_ref());
             if !poison && attempt < max {
                 bump(&self.stats.retries, "keyorder_retries_total");

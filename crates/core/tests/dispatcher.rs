@@ -20,6 +20,8 @@ struct Broker {
     settled: Mutex<Vec<(String, &'static str)>>,
     attempts: Mutex<HashMap<String, u32>>,
     fenced: AtomicBool,
+    /// Messages delivered before without being settled (suspects).
+    suspects: Mutex<Vec<String>>,
 }
 
 impl Broker {
@@ -72,6 +74,9 @@ impl Settle for TestSettle {
     }
     async fn halt(&self, _: &str) -> keyorder_core::Result<()> {
         self.record("halt")
+    }
+    fn delivered_before(&self) -> bool {
+        self.broker.suspects.lock().unwrap().contains(&self.id)
     }
 }
 
@@ -680,4 +685,109 @@ async fn drain_does_not_wait_forever_on_an_unconfirmed_scope() {
     assert_eq!(dropped, 0);
     assert_eq!(broker.count("ack"), 0, "nothing started on the unconfirmed scope");
     assert_eq!(d.held(), 0);
+}
+
+/// What ran while a suspect (a message delivered before without being
+/// settled) ran: (suspect id, attempt, handlers running at its start and at
+/// its end), and whether any other handler started while one ran.
+#[derive(Default)]
+struct Alone {
+    running: AtomicUsize,
+    suspect_running: AtomicBool,
+    overlaps: Mutex<Vec<String>>,
+    suspect_runs: Mutex<Vec<(String, u32, usize, usize)>>,
+    /// Acknowledgements seen when s-0's second run started.
+    acks_at_second_run: Mutex<Option<usize>>,
+    s_runs: AtomicUsize,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivered_message_runs_alone_and_its_back_off_holds_no_other_key() {
+    let broker = Arc::new(Broker::default());
+    broker
+        .suspects
+        .lock()
+        .unwrap()
+        .extend(["s-0".to_owned(), "t-0".to_owned()]);
+    let alone = Arc::new(Alone::default());
+    let handler = {
+        let (alone, broker) = (alone.clone(), broker.clone());
+        move |d: Delivery| {
+            let (alone, broker) = (alone.clone(), broker.clone());
+            async move {
+                let id = d.id().to_owned();
+                let suspect = id == "s-0" || id == "t-0";
+                let at_start = alone.running.fetch_add(1, Ordering::SeqCst) + 1;
+                let s_run = if id == "s-0" {
+                    alone.s_runs.fetch_add(1, Ordering::SeqCst) + 1
+                } else {
+                    0
+                };
+                if suspect {
+                    alone.suspect_running.store(true, Ordering::SeqCst);
+                    if s_run == 2 {
+                        *alone.acks_at_second_run.lock().unwrap() = Some(broker.count("ack"));
+                    }
+                } else if alone.suspect_running.load(Ordering::SeqCst) {
+                    alone.overlaps.lock().unwrap().push(id.clone());
+                }
+                // Work that takes a while, so overlaps would show.
+                tokio::time::sleep(Duration::from_millis(if suspect { 100 } else { 5 })).await;
+                let at_end = alone.running.load(Ordering::SeqCst);
+                if suspect {
+                    alone
+                        .suspect_runs
+                        .lock()
+                        .unwrap()
+                        .push((id.clone(), d.attempt(), at_start, at_end));
+                    alone.suspect_running.store(false, Ordering::SeqCst);
+                }
+                alone.running.fetch_sub(1, Ordering::SeqCst);
+                // s-0's store refuses its first run (a fenced run, run again
+                // after a back-off) and its second fails (a local retry):
+                // neither back-off may keep the other keys waiting.
+                match s_run {
+                    1 => return Err(HandlerError::fenced("the store saw a newer token")),
+                    2 => return Err(HandlerError::retry("dependency down")),
+                    _ => {}
+                }
+                Ok(())
+            }
+        }
+    };
+    let mut c = cfg();
+    // Back-offs long enough that every other key finishes during them.
+    c.retry.initial_backoff = Duration::from_secs(3);
+    c.retry.max_backoff = Duration::from_secs(3);
+    let stats = Arc::new(Stats::default());
+    let d = Dispatcher::new(c, Arc::new(handler), stats.clone());
+    let l = lease();
+    let mut jobs = vec![job(&broker, &l, Some("s"), "s-0")];
+    jobs.extend((0..6).map(|i| job(&broker, &l, Some(&format!("k{i}")), &format!("k{i}-0"))));
+    jobs.push(job(&broker, &l, Some("t"), "t-0"));
+    jobs.extend((0..6).map(|i| job(&broker, &l, Some(&format!("k{i}")), &format!("k{i}-1"))));
+    submit_all(&d, jobs);
+    until("every message to be applied", || broker.count("ack") == 14).await;
+    let overlaps = alone.overlaps.lock().unwrap().clone();
+    assert!(
+        overlaps.is_empty(),
+        "handlers started while a suspect ran: {overlaps:?}"
+    );
+    let runs = alone.suspect_runs.lock().unwrap().clone();
+    for (id, attempt, at_start, at_end) in &runs {
+        assert_eq!(
+            (*at_start, *at_end),
+            (1, 1),
+            "{id} attempt {attempt} ran beside {} other handler(s)",
+            at_start.max(at_end) - 1
+        );
+    }
+    assert!(runs.iter().any(|(id, _, _, _)| id == "t-0"), "t-0 ran: {runs:?}");
+    assert_eq!(alone.s_runs.load(Ordering::SeqCst), 3, "s-0: fenced, failed, applied");
+    assert_eq!(
+        *alone.acks_at_second_run.lock().unwrap(),
+        Some(13),
+        "every other message was applied during s-0's back-off after its fenced run"
+    );
+    assert_eq!(stats.snapshot().isolated, 2);
 }
