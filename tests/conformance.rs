@@ -313,6 +313,10 @@ struct RabbitHarness {
     name: &'static str,
     base: String,
     topology: &'static str,
+    /// `classic` or `quorum`.
+    queue_type: &'static str,
+    /// Runs only this scenario (the quorum harness: what differs there).
+    only: Option<Scenario>,
 }
 
 #[cfg(feature = "rabbitmq")]
@@ -321,8 +325,8 @@ impl RabbitHarness {
         // `consumer_timeout_ms`: what `scripts/services` configures on both
         // nodes (RabbitMQ 3.10 lets a client neither set nor read it).
         format!(
-            "{}?{topology}&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000",
-            self.base
+            "{}?{topology}&queue_type={}&expires_ms=600000&consumer_timeout_ms=3600000",
+            self.base, self.queue_type
         )
     }
 
@@ -334,13 +338,6 @@ impl RabbitHarness {
         format!("{}&{GROUPS}", self.url(self.topology))
     }
 }
-
-/// Why C22 does not run on RabbitMQ yet: a defect still open (issue 35),
-/// not a capability.
-#[cfg(feature = "rabbitmq")]
-const RABBIT_C22: &str = "open defect (issue 35): RabbitMQ counts deliveries, not started attempts (classic queues \
-    only flag a redelivery; quorum queues' x-delivery-count also counts prefetched messages returned unstarted), so \
-    a crash loop either never halts (classic) or halts the innocent keys prefetched beside it (quorum)";
 
 /// The consumer groups the scenarios publish for before they subscribe
 /// (`crates/testkit/src/scenarios.rs` and `outbox.rs`: every group that
@@ -375,13 +372,18 @@ impl Harness for RabbitHarness {
         route_of(&self.publishing_url())
     }
     fn not_applicable(&self, scenario: Scenario) -> Option<String> {
+        if self.only.is_some_and(|only| only != scenario) {
+            return Some(
+                "runs on `rabbitmq-hash` and `rabbitmq-sac` (classic queues); this harness runs on quorum queues \
+                 only what the queue type changes (C22: attempts, which quorum queues count per delivery)"
+                    .to_owned(),
+            );
+        }
         match scenario {
             Scenario::C14 => Some(
                 "runs on `rabbitmq-restart`: restarting the RabbitMQ every trial shares would disturb the others"
                     .to_owned(),
             ),
-            // Not a capability: a defect still open (issue 35).
-            Scenario::C22 => Some(RABBIT_C22.to_owned()),
             _ => None,
         }
     }
@@ -628,11 +630,22 @@ fn harnesses() -> Vec<Arc<dyn Harness>> {
             name: "rabbitmq-hash",
             base: base.clone(),
             topology: "topology=hash&queues=8",
+            queue_type: "classic",
+            only: None,
         }));
         all.push(Arc::new(RabbitHarness {
             name: "rabbitmq-sac",
-            base,
+            base: base.clone(),
             topology: "topology=sac",
+            queue_type: "classic",
+            only: None,
+        }));
+        all.push(Arc::new(RabbitHarness {
+            name: "rabbitmq-quorum",
+            base,
+            topology: "topology=hash&queues=8",
+            queue_type: "quorum",
+            only: Some(Scenario::C22),
         }));
 
         let base = std::env::var("AMQP_RESTART_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5673/%2f".into());

@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 mod admin;
+mod attempts;
 mod claims;
 mod config;
 pub mod control;

@@ -15,6 +15,7 @@ use lapin::types::{AMQPValue, LongString};
 use lapin::Acker;
 use lapin::{BasicProperties, Channel, ExchangeKind};
 
+use crate::attempts::Attempts;
 use crate::{publish_confirmed, Halted, RabbitTransport};
 
 /// What a halted head keeps so an operator can settle it later.
@@ -213,10 +214,18 @@ pub(crate) struct RabbitSettle {
     pub(crate) scope: Arc<str>,
     pub(crate) generation: u64,
     pub(crate) message_id: String,
-    /// Deliveries before this one (`x-delivery-count`, or 1 when only
-    /// `redelivered` is known).
-    pub(crate) earlier: u32,
+    /// Delivered before and not settled (`redelivered`).
+    pub(crate) redelivered: bool,
+    /// Where attempts are written down and counted (the `attempts` module).
+    pub(crate) ledger: Arc<Attempts>,
+    /// This message's records' subject there.
+    pub(crate) subject: String,
+    /// How long a record may take to be read back.
+    pub(crate) ledger_wait: std::time::Duration,
+    /// Attempts begun here.
     pub(crate) attempts: AtomicU32,
+    /// The last attempt's number (what a halt shows).
+    pub(crate) counted: AtomicU32,
     pub(crate) held: Arc<Held>,
 }
 
@@ -246,6 +255,22 @@ impl RabbitSettle {
         }
     }
 
+    fn unrecorded(&self) -> Error {
+        Error::Broker(format!(
+            "rabbitmq: an attempt's record on `{}` was not read back within {} s",
+            crate::attempts::STREAM,
+            self.ledger_wait.as_secs()
+        ))
+    }
+
+    /// A settled message's records are no longer needed (best effort: a
+    /// count left behind only costs memory, up to the bound).
+    async fn forget(&self) {
+        if self.redelivered || self.attempts.load(Ordering::SeqCst) > 1 {
+            self.ledger.reset(&self.subject, None).await;
+        }
+    }
+
     async fn ack_now(&self) -> Result<()> {
         // Unwritten in time, it is left to the broker as a fenced one is.
         match self.held.ack().await {
@@ -266,26 +291,49 @@ impl RabbitSettle {
 #[async_trait]
 impl Settle for RabbitSettle {
     fn delivered_before(&self) -> bool {
-        self.earlier > 0
+        self.redelivered
     }
 
     async fn begin_attempt(&self) -> Result<u32> {
-        if self.held.reset.swap(false, Ordering::SeqCst) {
+        if self.held.reset.load(Ordering::SeqCst) {
+            // An operator's resume: the count starts again, durably (a
+            // crash in the run that follows counts from here).
+            if !self.ledger.reset(&self.subject, Some(self.ledger_wait)).await {
+                return Err(self.unrecorded());
+            }
+            self.held.reset.store(false, Ordering::SeqCst);
             self.attempts.store(1, Ordering::SeqCst);
+            self.counted.store(1, Ordering::SeqCst);
             return Ok(1);
         }
-        let n = self.attempts.fetch_add(1, Ordering::SeqCst) + 1;
-        Ok(self.earlier + n)
+        let begun = self.attempts.load(Ordering::SeqCst);
+        // A first delivery's first attempt: nothing ran it before, and it
+        // is not written down (the `attempts` module).
+        let n = if !self.redelivered && begun == 0 {
+            1
+        } else {
+            match self.ledger.begin(&self.subject, self.ledger_wait).await {
+                Some(written) => written.saturating_add(1),
+                None => return Err(self.unrecorded()),
+            }
+        };
+        self.attempts.fetch_add(1, Ordering::SeqCst);
+        self.counted.store(n, Ordering::SeqCst);
+        Ok(n)
     }
 
     async fn ack(&self) -> Result<()> {
-        self.ack_now().await
+        self.ack_now().await?;
+        self.forget().await;
+        Ok(())
     }
 
     async fn park(&self, reason: &str) -> Result<()> {
         // The dead letter is confirmed before the head is acknowledged.
         self.held.dead_letter(&self.dlq_channel, &self.dlq, reason).await?;
-        self.ack_now().await
+        self.ack_now().await?;
+        self.forget().await;
+        Ok(())
     }
 
     async fn halt(&self, reason: &str) -> Result<()> {
@@ -303,7 +351,7 @@ impl Settle for RabbitSettle {
             Halted {
                 scope: self.scope.to_string(),
                 head_id: self.message_id.clone(),
-                attempts: self.earlier + self.attempts.load(Ordering::SeqCst),
+                attempts: self.counted.load(Ordering::SeqCst),
                 reason: reason.to_owned(),
                 settle: self.held.clone(),
             },

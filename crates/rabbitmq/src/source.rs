@@ -51,6 +51,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::attempts::Attempts;
 use crate::claims::Claims;
 use crate::config::Topology;
 use crate::plan::{Plan, PLAN_HEADER};
@@ -101,6 +102,8 @@ struct Link {
     conn: Arc<Connection>,
     dlq_channel: Channel,
     claims: Arc<Claims>,
+    /// Attempts counted per started attempt (the `attempts` module).
+    attempts: Arc<Attempts>,
     /// This source's consumer of the group's members queue (never given a
     /// message): the queue's consumer count is the group's live members.
     _member: lapin::Consumer,
@@ -387,6 +390,23 @@ impl Source {
             }
             e => e,
         })?);
+        let ledger = crate::attempts::STREAM;
+        let tag = short("instance id", &format!("{}-attempts", self.spec.instance))?;
+        let attempts = Arc::new(Attempts::open(&conn, ledger, tag).await.map_err(|e| match e {
+            keyorder_core::Error::Broker(text) if text.contains("no queue") => {
+                self.t.forget(self.names.base());
+                self.t.forget(self.names.category());
+                keyorder_core::Error::NotFound(format!(
+                    "rabbitmq: the attempts stream `{ledger}` (attempts counted per started attempt) does not \
+                     exist: it was deleted, or the group `{}` of category `{}` was declared by an earlier version \
+                     (or with `declare=false`) without it. Build the subscription again (with `declare=true`) to \
+                     declare it",
+                    self.names.group(),
+                    self.names.category()
+                ))
+            }
+            e => e,
+        })?);
         if self.joined_at.is_none() {
             let wait = self.spec.lease.ttl.max(Duration::from_secs(5));
             let Some(offset) = claims.claim(None, wait).await else {
@@ -471,6 +491,7 @@ impl Source {
             conn,
             dlq_channel,
             claims,
+            attempts,
             _member: member,
             presence,
         });
@@ -563,7 +584,11 @@ impl Source {
             self.link = None;
             self.connect().await?;
         }
-        if self.link.as_ref().is_some_and(|l| !l.claims.alive()) {
+        if self
+            .link
+            .as_ref()
+            .is_some_and(|l| !l.claims.alive() || !l.attempts.alive())
+        {
             // No activation could get its token: start over. The connection
             // is closed before the consumers go: dropping a consumer sends
             // `basic.cancel`, and a cancel that reached the broker first
@@ -826,10 +851,17 @@ impl Source {
         if let Some(k) = &key {
             msg = msg.with_ordering_key(k.clone());
         }
-        // Quorum queues count earlier deliveries; classic ones only flag a redelivery.
-        let earlier = header_int(&props, "x-delivery-count")
-            .map(|n| n.clamp(0, i64::from(u32::MAX / 2)) as u32)
-            .unwrap_or(u32::from(d.redelivered));
+        // Attempts are counted on the attempts stream, not from the
+        // delivery: a quorum queue's `x-delivery-count` also counts
+        // prefetched messages a dead consumer never started, a classic
+        // queue only flags a redelivery (the `attempts` module).
+        let redelivered = d.redelivered || header_int(&props, "x-delivery-count").is_some_and(|n| n > 0);
+        let subject = crate::attempts::subject(
+            self.names.base(),
+            props.message_id().as_ref().map(|s| s.as_str()),
+            key_text.as_deref(),
+            &payload,
+        );
         let message_id = msg.id().to_owned();
         let key = key.map(|k| k.as_str().to_owned());
         if let Some(k) = &key {
@@ -848,8 +880,12 @@ impl Source {
                 scope: o.scope.clone(),
                 generation,
                 message_id,
-                earlier,
+                redelivered,
+                ledger: link.attempts.clone(),
+                subject,
+                ledger_wait: self.spec.lease.ttl.max(Duration::from_secs(5)),
                 attempts: AtomicU32::new(0),
+                counted: AtomicU32::new(0),
                 held: Arc::new(Held {
                     acker: d.acker.clone(),
                     payload,

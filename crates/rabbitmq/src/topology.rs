@@ -10,7 +10,10 @@
 //! | `{c}:groups` | classic queue (whatever `queue_type`: not replicated), never `x-expires`, one persistent message per group (`{"group": g, "topology": "hash:8"}`) | the group registry: `Admin::groups`, the topology each group was declared with (a different one is refused), what `remove_group` and `keyorder delete-queue` delete; a message that is no valid record is skipped |
 //! | `{c}:groups-lock` | classic queue, never `x-expires`, never holds a message | the registry's lock: whoever reads or changes the registry holds an exclusive consumer on it, for a few round trips (a group's queues are declared after it is released) |
 //!
-//! Group `{g}` of category `{c}` (its base name `{c}:{g}`):
+//! Group `{g}` of category `{c}` (its base name `{c}:{g}`): its queues are of the configured
+//! `queue_type`; quorum ones carry `x-delivery-limit` = `i32::MAX`
+//! ([`DELIVERY_LIMIT`]: never reached, where RabbitMQ 4.x's default of 20
+//! would drop a halted head):
 //!
 //! | Name | Kind | What |
 //! |---|---|---|
@@ -27,6 +30,7 @@
 //! | Name | Kind | What |
 //! |---|---|---|
 //! | `keyorder.claims` | stream queue (`x-queue-type: stream`, durable, `x-max-length-bytes` 16 MB in 1 MB segments, `x-max-age` 1D, never `x-expires`, never deleted by keyorder) | fencing tokens: a consumer's claim at its activation, and each source's join claim; a claim's offset is the token (see the `claims` module). One per virtual host, not per group: a stream holds files open on the broker for as long as it exists, and a group's queues may expire, a stream cannot |
+//! | `keyorder.attempts` | stream queue (durable, `x-max-length-bytes` 16 MB in 1 MB segments, `x-max-age` 7D, never deleted by keyorder) | attempts counted per started attempt: a record is written and read back before an attempt that is not a first delivery's first starts (see the `attempts` module) |
 //!
 //! **No two (category, group) pairs share a name.** Categories and groups
 //! are 1 to 200 bytes of `[A-Za-z0-9._-]` (the names keyorder's client
@@ -259,8 +263,26 @@ fn url_options(t: Topology) -> String {
 /// change moves keys.
 pub(crate) const RING_WEIGHT: u32 = 64;
 
+/// The delivery limit pinned on quorum queues: never reached. RabbitMQ
+/// 4.x gives a quorum queue without one a limit of 20 deliveries, past
+/// which it drops the message (or dead-letters it where a dead-letter
+/// exchange is set): a halted head, kept unacknowledged and redelivered at
+/// every hand-over, would be lost. keyorder applies its own poison policy.
+/// (`-1` cannot be used: RabbitMQ 3.x reads it as a limit, and drops a
+/// message at its first return.)
+pub(crate) const DELIVERY_LIMIT: i32 = i32::MAX;
+
 fn queue_args(qt: QueueType, sac: bool, expires: Option<u32>) -> FieldTable {
+    queue_args_limited(qt, sac, expires, true)
+}
+
+/// `queue_args`, with or without [`DELIVERY_LIMIT`] on a quorum queue
+/// (without: as an earlier version declared it).
+fn queue_args_limited(qt: QueueType, sac: bool, expires: Option<u32>, limit: bool) -> FieldTable {
     let mut args = FieldTable::default();
+    if limit && qt == QueueType::Quorum {
+        args.insert("x-delivery-limit".into(), AMQPValue::LongInt(DELIVERY_LIMIT));
+    }
     if let Some(ms) = expires {
         args.insert("x-expires".into(), AMQPValue::LongUInt(ms));
     }
@@ -657,9 +679,9 @@ async fn declare_own(conn: &Connection, queue: &str, qt: QueueType, expires: Opt
     }
 }
 
-/// Declares the virtual host's claims stream; one that exists with other
-/// retention arguments is used as it is.
-async fn declare_claims(conn: &Connection, stream: &str) -> Result<()> {
+/// Declares one of the virtual host's streams (claims, attempts); one that
+/// exists with other retention arguments is used as it is.
+async fn declare_stream(conn: &Connection, stream: &str, args: FieldTable) -> Result<()> {
     let ch = conn.create_channel().await.map_err(amqp)?;
     let declared = ch
         .queue_declare(
@@ -668,7 +690,7 @@ async fn declare_claims(conn: &Connection, stream: &str) -> Result<()> {
                 durable: true,
                 ..Default::default()
             },
-            crate::claims::stream_args(),
+            args,
         )
         .await;
     match declared {
@@ -677,10 +699,7 @@ async fn declare_claims(conn: &Connection, stream: &str) -> Result<()> {
             Ok(())
         }
         Err(e) if e.to_string().contains("PRECONDITION_FAILED") && queue_state(conn, stream).await?.is_some() => {
-            tracing::debug!(
-                stream,
-                "rabbitmq: claims stream exists with other arguments; used as it is"
-            );
+            tracing::debug!(stream, "rabbitmq: stream exists with other arguments; used as it is");
             Ok(())
         }
         Err(e) => Err(amqp(e)),
@@ -843,16 +862,69 @@ async fn declare_group(conn: &Connection, cfg: &RabbitConfig, names: &Names, g: 
     // as it is.
     declare_own(conn, &g.dlq(), qt, None, "the group's dead-letter queue").await?;
     declare_aux(conn, &g.members(), cfg.expires_ms).await?;
-    declare_claims(conn, crate::claims::STREAM).await?;
+    declare_stream(conn, crate::claims::STREAM, crate::claims::stream_args()).await?;
+    declare_stream(conn, crate::attempts::STREAM, crate::attempts::stream_args()).await?;
+    for name in g.queues(cfg.topology) {
+        declare_queue(conn, cfg, &name).await?;
+    }
     let ch = conn.create_channel().await.map_err(amqp)?;
     let res = declare_on(&ch, cfg, names, g).await;
     let _ = ch.close(200, "declared".into()).await;
     res
 }
 
-/// The group's queues, exchange and bindings, on one channel.
-async fn declare_on(ch: &Channel, cfg: &RabbitConfig, names: &Names, g: &GroupNames) -> Result<()> {
+/// Declares one of the group's queues. A quorum queue an earlier version
+/// declared without [`DELIVERY_LIMIT`] (RabbitMQ refuses to redeclare it
+/// with other arguments) is used as it is, with a warning naming the fix.
+async fn declare_queue(conn: &Connection, cfg: &RabbitConfig, name: &str) -> Result<()> {
     let qt = cfg.queue_type;
+    let sac = cfg.topology != Topology::Plain;
+    let expected = if sac {
+        format!("x-queue-type={}, x-single-active-consumer=true", qt.name())
+    } else {
+        format!("x-queue-type={}", qt.name())
+    };
+    let declare = |limit: bool| async move {
+        let ch = conn.create_channel().await.map_err(amqp)?;
+        let res = ch
+            .queue_declare(
+                name.into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                queue_args_limited(qt, sac, cfg.expires_ms, limit),
+            )
+            .await;
+        if res.is_ok() {
+            let _ = ch.close(200, "declared".into()).await;
+        }
+        Ok::<_, Error>(res)
+    };
+    let res = match declare(true).await? {
+        Err(e) if qt == QueueType::Quorum && e.to_string().contains("'x-delivery-limit'") => {
+            tracing::warn!(
+                queue = name,
+                "rabbitmq: this quorum queue was declared by an earlier keyorder without x-delivery-limit; used as \
+                 it is. On RabbitMQ 4.x such a queue drops a message after 20 deliveries (a halted head handed \
+                 over 20 times would be lost). Fix: drain the queue, delete it, and let keyorder declare it again \
+                 (with x-delivery-limit={DELIVERY_LIMIT})"
+            );
+            declare(false).await?
+        }
+        other => other,
+    };
+    res.map(|_| ()).map_err(|e| {
+        explain(
+            e,
+            &format!("queue `{name}`"),
+            &format!("keyorder needs it with {expected}: delete it (after draining) or fix its arguments"),
+        )
+    })
+}
+
+/// The group's exchange and bindings, on one channel.
+async fn declare_on(ch: &Channel, cfg: &RabbitConfig, names: &Names, g: &GroupNames) -> Result<()> {
     let entry = names.entry();
     // Again here: another process may have deleted the category since
     // this one declared it (`delete_category`).
@@ -873,30 +945,8 @@ async fn declare_on(ch: &Channel, cfg: &RabbitConfig, names: &Names, g: &GroupNa
             "keyorder needs it as a durable fanout exchange",
         )
     })?;
-    let sac = cfg.topology != Topology::Plain;
-    let expected = if sac {
-        format!("x-queue-type={}, x-single-active-consumer=true", qt.name())
-    } else {
-        format!("x-queue-type={}", qt.name())
-    };
-    for name in g.queues(cfg.topology) {
-        ch.queue_declare(
-            name.as_str().into(),
-            QueueDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            queue_args(qt, sac, cfg.expires_ms),
-        )
-        .await
-        .map_err(|e| {
-            explain(
-                e,
-                &format!("queue `{name}`"),
-                &format!("keyorder needs it with {expected}: delete it (after draining) or fix its arguments"),
-            )
-        })?;
-    }
+    // The queues were declared before (`declare_queue`), each on a channel
+    // of its own.
     match cfg.topology {
         Topology::ConsistentHash { queues: count } => {
             let x = g.hash_exchange();
@@ -975,11 +1025,12 @@ async fn verify_group(conn: &Connection, cfg: &RabbitConfig, names: &Names, g: &
             return Err(Error::Config(format!("rabbitmq: exchange `{x}` is missing; {create}")));
         }
     }
-    for q in g
-        .queues(cfg.topology)
-        .into_iter()
-        .chain([g.dlq(), g.members(), crate::claims::STREAM.to_owned()])
-    {
+    for q in g.queues(cfg.topology).into_iter().chain([
+        g.dlq(),
+        g.members(),
+        crate::claims::STREAM.to_owned(),
+        crate::attempts::STREAM.to_owned(),
+    ]) {
         if queue_state(conn, &q).await?.is_none() {
             return Err(Error::Config(format!("rabbitmq: queue `{q}` is missing; {create}")));
         }
