@@ -505,6 +505,30 @@ impl PgTransport {
         }
     }
 
+    /// Fails with [`layout_error`] unless `slots` is `queue`'s count and,
+    /// for a publisher (`groups`), every group's (a count edited in the
+    /// table while in use, C23). A consumer group checks only the queue's:
+    /// a new group may start with a count the queue was re-slotted to,
+    /// while publishes wait until the older groups are removed.
+    async fn check_layout(&self, queue: &str, slots: u32, who: &str, groups: bool) -> Result<()> {
+        let row = self
+            .db
+            .one(q(&self.sql.layout).bind(queue).bind(slots as i32))
+            .await
+            .map_err(db)?;
+        let (recorded, other): (Option<i32>, Option<String>) = (row.get(0), row.get(1));
+        match (recorded, other) {
+            (Some(n), _) if n as u32 != slots => Err(layout_error(queue, n as u32, who, slots)),
+            (Some(_), Some(grp)) if groups => Err(Error::Config(format!(
+                "postgres: queue `{queue}`'s layout changed: its consumer group `{grp}` started with another slot \
+                 count than the queue's {slots}, so keys would move between owners and lose their order; keyorder \
+                 refuses to publish. Fix: set the queue's count in the queues table back to the group's; to change \
+                 it, stop the publishers, drain every group, remove the groups, and publish to a new queue"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// The queue's slot count, created with this transport's count if new;
     /// a different persisted count is refused (keys would move).
     async fn slots_of(&self, queue: &str) -> Result<u32> {
@@ -519,11 +543,7 @@ impl PgTransport {
             .map_err(db)?
             .get(0);
         if n as u32 != self.cfg.slots {
-            return Err(Error::Config(format!(
-                "queue `{queue}` has {n} slots but this transport is configured with {}: a different slot count \
-                 would move keys between owners; use ?slots={n}",
-                self.cfg.slots
-            )));
+            return Err(layout_error(queue, n as u32, "this transport", self.cfg.slots));
         }
         Ok(n as u32)
     }
@@ -577,10 +597,7 @@ impl PgTransport {
             }
         };
         if n as u32 != slots {
-            return Err(Error::Config(format!(
-                "queue `{queue}` has {n} slots but this transport is configured with {slots}: a different slot \
-                 count would move keys between owners; use ?slots={n}"
-            )));
+            return Err(layout_error(queue, n as u32, "this transport", slots));
         }
         q(&self.sql.ensure_group)
             .bind(queue)
@@ -600,8 +617,9 @@ impl PgTransport {
         let (n, epoch): (i32, i64) = (row.get(0), row.get(1));
         if n as u32 != slots {
             return Err(Error::Config(format!(
-                "consumer group `{grp}` of queue `{queue}` started with {n} slots, the queue now has {slots}: \
-                 its slot leases and cursors are per slot; start a new group, or restore ?slots={n}"
+                "consumer group `{grp}` of queue `{queue}` started with {n} slots, the queue's layout now has \
+                 {slots}: its slot leases and cursors are per slot. Fix: start a new group, or restore ?slots={n} \
+                 (and the queue's count in the queues table)"
             )));
         }
         q(&self.sql.ensure_slots)
@@ -659,6 +677,18 @@ fn removal_error(e: sqlx::Error, what: &str) -> Error {
         }
     }
     db(e)
+}
+
+/// A queue whose recorded slot count (its layout) is not the one `who`
+/// uses: keys would move between slots.
+fn layout_error(queue: &str, recorded: u32, who: &str, uses: u32) -> Error {
+    Error::Config(format!(
+        "postgres: queue `{queue}` has a layout of {recorded} slots but {who} uses {uses}: a different slot count \
+         would move keys between owners and break their order, so it is refused. Fix: use ?slots={recorded} if \
+         that is the queue's count; if the count was changed in the queues table while the queue was in use, set \
+         it back to {uses} there (keyorder never changes it; to change it, stop the publishers, drain every group \
+         and publish to a new queue)"
+    ))
 }
 
 /// The slot of a key: `stable_hash(key) % slots` (FNV-1a 64, see
@@ -847,7 +877,12 @@ impl TransportPublisher for PgPublisher {
             let rows = self
                 .t
                 .db
-                .all(self.event(sql, &message, &headers).bind(&fence.scope).bind(token))
+                .all(
+                    self.event(sql, &message, &headers)
+                        .bind(&fence.scope)
+                        .bind(token)
+                        .bind(self.slots as i32),
+                )
                 .await
                 .map_err(|e| self.t.missing_schema(e))?;
             if !rows.is_empty() {
@@ -858,6 +893,10 @@ impl TransportPublisher for PgPublisher {
                 return Ok(());
             }
         }
+        // Nothing inserted: the fence, or the layout.
+        self.t
+            .check_layout(&self.queue, self.slots, "this publisher", true)
+            .await?;
         Err(Error::Fenced {
             scope: fence.scope.clone(),
             generation: fence.token,
@@ -866,11 +905,25 @@ impl TransportPublisher for PgPublisher {
 
     async fn publish(&self, message: Message) -> Result<()> {
         let headers = headers_of(&message)?;
-        self.t
+        let rows = self
+            .t
             .db
-            .exec(self.event(&self.t.sql.publish, &message, &headers))
+            .all(
+                self.event(&self.t.sql.publish, &message, &headers)
+                    .bind(self.slots as i32),
+            )
             .await
             .map_err(db)?;
+        if rows.is_empty() {
+            // Nothing inserted: the queue's layout is not this publisher's.
+            self.t
+                .check_layout(&self.queue, self.slots, "this publisher", true)
+                .await?;
+            return Err(Error::NotFound(format!(
+                "postgres: queue `{}` is gone (deleted while publishing)",
+                self.queue
+            )));
+        }
         Ok(())
     }
 }
@@ -1257,6 +1310,11 @@ impl PgSource {
         // lease lost, the group gone) is taken first.
         keep_round(ex, &sql, &spec, self.epoch, &self.kept).await.map_err(db)?;
         self.take_kept()?;
+        // The queue's layout is still the group's (C23): a count changed in
+        // the table stops this subscription (in-flight work finishes).
+        self.t
+            .check_layout(queue, self.slots, "this consumer group", false)
+            .await?;
         self.touch();
         self.advance_cursors().await?;
         self.touch();
@@ -2012,6 +2070,21 @@ impl PgAdmin {
 #[async_trait]
 impl Admin for PgAdmin {
     async fn scopes(&self, category: &str, group: &str) -> Result<Vec<ScopeInfo>> {
+        // A layout changed under the group is what the operator must see
+        // first (C23): its slots no longer say where keys are.
+        if let Some(row) = self
+            .t
+            .db
+            .all(q(&self.t.sql.group_slots).bind(category).bind(group))
+            .await
+            .map_err(|e| self.t.missing_schema(e))?
+            .first()
+        {
+            let n: i32 = row.get(0);
+            self.t
+                .check_layout(category, n as u32, &format!("consumer group `{group}`"), false)
+                .await?;
+        }
         let rows = self.rows(&self.t.sql.scopes, category, group).await?;
         Ok(rows
             .iter()

@@ -51,6 +51,7 @@ pub(crate) struct Sql {
     pub(crate) queue_slots: Arc<str>,
     pub(crate) ensure_group: Arc<str>,
     pub(crate) group_slots: Arc<str>,
+    pub(crate) layout: Arc<str>,
     pub(crate) ensure_slots: Arc<str>,
     pub(crate) lock_queue: Arc<str>,
     pub(crate) lock_queue_slots: Arc<str>,
@@ -126,6 +127,12 @@ impl Sql {
             queue_slots: f("select slots from {s}.queues where queue = $1"),
             ensure_group: f("insert into {s}.groups (queue, grp, slots) values ($1, $2, $3) on conflict do nothing"),
             group_slots: f("select slots, epoch from {s}.groups where queue = $1 and grp = $2"),
+            // The queue's count and the first group that started with
+            // another than $2 (a layout check, C23).
+            layout: f(
+                "select (select slots from {s}.queues where queue = $1), \
+                 (select grp from {s}.groups where queue = $1 and slots <> $2 order by grp limit 1)",
+            ),
             // A new group's slot rows start at the generation floor, which
             // is at least every generation a removed group of the same name
             // handed out: its first acquire is above them all.
@@ -199,9 +206,14 @@ impl Sql {
             ),
             // The notification names the queue and the slot (`queue\nslot`),
             // so a consumer gives read room back to that slot only.
+            // Every publish checks the queue's layout in the same statement:
+            // its slot count ($9, or $11 with a fence) is the queue's and
+            // every group's, or nothing is inserted (C23: a count changed in
+            // the table while in use would move keys).
             publish: f(
                 "with ins as (insert into {s}.events (queue, slot, key, message_id, correlation_id, headers, payload) \
-                 values ($1, $2, $3, $4, $5, $6::jsonb, $7) returning 1) \
+                 select $1, $2::int, $3::text, $4::text, $5::text, $6::jsonb, $7::bytea where (select slots from {s}.queues where queue = $1) = $9::int \
+                 and not exists (select 1 from {s}.groups where queue = $1 and slots <> $9::int) returning 1) \
                  select pg_notify($8, $1 || chr(10) || $2::int::text) from ins",
             ),
             // The fence row and the event in one statement: no event (and no
@@ -214,7 +226,9 @@ impl Sql {
             publish_fence_held: f(
                 "with f as (select 1 from {s}.publish_fences where queue = $1 and scope = $9 and token = $10 for share), \
                  ins as (insert into {s}.events (queue, slot, key, message_id, correlation_id, headers, payload) \
-                 select $1, $2::int, $3::text, $4::text, $5::text, $6::jsonb, $7::bytea from f returning 1) \
+                 select $1, $2::int, $3::text, $4::text, $5::text, $6::jsonb, $7::bytea from f where (select slots from {s}.queues where queue = $1) = $11::int \
+                 and not exists (select 1 from {s}.groups where queue = $1 and slots <> $11::int) \
+                 returning 1) \
                  select pg_notify($8, $1 || chr(10) || $2::int::text) from ins",
             ),
             publish_fenced: f(
@@ -222,7 +236,9 @@ impl Sql {
                  on conflict (queue, scope) do update set token = excluded.token \
                  where {s}.publish_fences.token <= excluded.token returning 1), \
                  ins as (insert into {s}.events (queue, slot, key, message_id, correlation_id, headers, payload) \
-                 select $1, $2::int, $3::text, $4::text, $5::text, $6::jsonb, $7::bytea from f returning 1) \
+                 select $1, $2::int, $3::text, $4::text, $5::text, $6::jsonb, $7::bytea from f where (select slots from {s}.queues where queue = $1) = $11::int \
+                 and not exists (select 1 from {s}.groups where queue = $1 and slots <> $11::int) \
+                 returning 1) \
                  select pg_notify($8, $1 || chr(10) || $2::int::text) from ins",
             ),
             live_members: Arc::from(lease.live_members.as_str()),

@@ -94,6 +94,16 @@ async fn a_different_slot_count_is_refused_for_the_queue_and_for_a_group() {
         t8.open(&fresh).await.is_ok(),
         "a new group starts with the queue's count"
     );
+    // Publishes wait until group `g` (4 slots) is removed: its keys would
+    // move (C23).
+    let p8 = t8.publisher(&queue).await.unwrap();
+    match p8
+        .publish(keyorder_core::Message::new("m").with_key("k").unwrap())
+        .await
+    {
+        Err(Error::Config(msg)) => assert!(msg.contains("group `g`") && msg.contains("Fix"), "{msg}"),
+        other => panic!("expected a configuration error, got {other:?}"),
+    }
 }
 
 #[test]

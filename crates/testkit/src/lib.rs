@@ -1,4 +1,4 @@
-//! The keyorder conformance suite: scenarios C1-C22 of
+//! The keyorder conformance suite: scenarios C1-C23 of
 //! `shared/design/CONFORMANCE.md`, written once as functions over a
 //! [`Harness`] that each adapter implements, and the one [`checker`] that
 //! judges their event logs.
@@ -25,6 +25,7 @@ pub mod outbox;
 pub mod pglog;
 pub mod proxy;
 pub mod scenarios;
+mod scopecount;
 pub mod worker;
 
 pub use checker::{check, Expectation, Published, Verdict};
@@ -162,6 +163,26 @@ pub trait Harness: Send + Sync {
     /// What a consumer group that subscribes for the first time receives.
     fn new_group_start(&self) -> NewGroupStart {
         NewGroupStart::Retained
+    }
+
+    /// C23: why this transport's scope count cannot change while it runs
+    /// (the reason C23 does not apply), or `None` when it can; then
+    /// [`Harness::change_scope_count`] changes it.
+    fn scope_count_fixed(&self) -> Option<String> {
+        Some(format!("{}: the scope count cannot change while running", self.name()))
+    }
+
+    /// C23: changes `category`'s scope count behind keyorder's back, as an
+    /// operator would; returns what changed (`4 -> 8 partitions`).
+    async fn change_scope_count(&self, category: &str) -> Option<std::result::Result<String, String>> {
+        let _ = category;
+        None
+    }
+
+    /// C23: the longest publishers and consumers may take to notice a
+    /// changed scope count (the transport's stated bound).
+    fn scope_count_detect(&self) -> Duration {
+        Duration::from_secs(30)
     }
 
     /// Restarts the broker (C14), keeping what it persisted.

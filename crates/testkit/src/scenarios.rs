@@ -1,4 +1,4 @@
-//! Scenarios C1-C22, written once.
+//! Scenarios C1-C23, written once.
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -65,6 +65,8 @@ pub enum Scenario {
     C21,
     /// C22 a message that kills its process on every attempt, restarted.
     C22,
+    /// C23 the scope count changed while publishers and consumers run.
+    C23,
 }
 
 pub(crate) type Outcome = std::result::Result<(), String>;
@@ -75,7 +77,7 @@ pub(crate) fn err(e: impl std::fmt::Display) -> String {
 
 impl Scenario {
     /// Every scenario, in order.
-    pub const ALL: [Scenario; 22] = [
+    pub const ALL: [Scenario; 23] = [
         Scenario::C1,
         Scenario::C2,
         Scenario::C3,
@@ -98,6 +100,7 @@ impl Scenario {
         Scenario::C20,
         Scenario::C21,
         Scenario::C22,
+        Scenario::C23,
     ];
 
     /// The trial name's scenario part, e.g. `c1_per_key_order`.
@@ -125,6 +128,7 @@ impl Scenario {
             Scenario::C20 => "c20_clock_skew",
             Scenario::C21 => "c21_repeated_handover",
             Scenario::C22 => "c22_crash_loop",
+            Scenario::C23 => "c23_scope_count_change",
         }
     }
 
@@ -154,6 +158,7 @@ impl Scenario {
                 ),
             ]),
             Scenario::C11 => need(&[("correlated_ownership", caps.correlated_ownership)]),
+            Scenario::C23 => harness.scope_count_fixed(),
             Scenario::C22 => need(&[
                 (
                     "halt_on_poison or park_and_release",
@@ -214,6 +219,7 @@ impl Scenario {
             Scenario::C20 => crate::faults::c20(&ctx).await,
             Scenario::C21 => crate::handover::c21(&ctx).await,
             Scenario::C22 => crate::crashloop::c22(&ctx).await,
+            Scenario::C23 => crate::scopecount::c23(&ctx).await,
             #[allow(unreachable_patterns)]
             _ => Err(format!("{}: no runner", self.slug())),
         }
