@@ -172,6 +172,12 @@ struct State {
 /// crash counts as an attempt for every message in flight) is then the only
 /// one charged for the crash, and messages of other keys that happened to
 /// run beside it do not use up their attempts and halt or park (C22).
+///
+/// A suspect waits at most [`ISOLATION_WAIT`] for the handlers running
+/// when it came (and new ones wait behind it meanwhile): a slow or hung
+/// handler must not stop every key. Past it, the suspect runs beside them
+/// (a crash then charges them too, once). The subscriptions of a process
+/// share one gate ([`Dispatcher::new_in_process`]): a crash ends them all.
 #[derive(Default)]
 struct Gate {
     state: Mutex<GateState>,
@@ -220,10 +226,11 @@ impl Gate {
         }
     }
 
-    async fn exclusive(&self) -> GatePass<'_> {
+    async fn exclusive(&self, wait: Duration) -> GatePass<'_> {
         // Counted as queued at once: shared runs that come later wait.
         let queued = Queued(self);
         self.lock().queued += 1;
+        let mut waited = std::pin::pin!(rt::sleep(wait));
         loop {
             let notified = self.changed.notified();
             {
@@ -238,9 +245,42 @@ impl Gate {
                     };
                 }
             }
+            if let Either::Right(()) = rt::race(notified, waited.as_mut()).await {
+                break;
+            }
+        }
+        // Waited long enough: no longer queued (the shared runs behind it
+        // go on), and runs beside whatever runs, once no suspect does.
+        drop(queued);
+        tracing::warn!(
+            wait_s = wait.as_secs(),
+            "a redelivered message waited its turn to run alone too long; it runs beside the others"
+        );
+        loop {
+            let notified = self.changed.notified();
+            {
+                let mut st = self.lock();
+                if !st.exclusive {
+                    st.shared += 1;
+                    return GatePass {
+                        gate: self,
+                        exclusive: false,
+                    };
+                }
+            }
             notified.await;
         }
     }
+}
+
+/// The longest a redelivered message waits to run alone ([`Gate`]).
+pub const ISOLATION_WAIT: Duration = Duration::from_secs(5);
+
+/// The gate the subscriptions of this process share.
+#[cfg(not(keyorder_shuttle))]
+fn process_gate() -> Arc<Gate> {
+    static GATE: std::sync::OnceLock<Arc<Gate>> = std::sync::OnceLock::new();
+    GATE.get_or_init(|| Arc::new(Gate::default())).clone()
 }
 
 impl Gate {
@@ -306,7 +346,7 @@ struct Inner {
     waiters: AtomicUsize,
     stopping: Stop,
     /// Redelivered messages run alone ([`Gate`]).
-    gate: Gate,
+    gate: Arc<Gate>,
     stats: Arc<Stats>,
     /// Told of every delivery's settlement, when the application asked.
     observer: std::sync::OnceLock<crate::handler::SettledHook>,
@@ -346,7 +386,25 @@ enum Outcome {
 
 impl Dispatcher {
     /// A dispatcher running `handler` under `cfg`, counting into `stats`.
+    /// Its redelivered messages run alone among its own handlers; see
+    /// [`Dispatcher::new_in_process`].
     pub fn new(cfg: DispatchConfig, handler: Arc<dyn Handler>, stats: Arc<Stats>) -> Self {
+        Self::with_gate(cfg, handler, stats, Arc::default())
+    }
+
+    /// Like [`Dispatcher::new`], but a redelivered message runs alone among
+    /// the handlers of every dispatcher of the process made this way (what a
+    /// subscription runs): a message that crashes the process is then
+    /// charged alone, whichever subscription it came from.
+    pub fn new_in_process(cfg: DispatchConfig, handler: Arc<dyn Handler>, stats: Arc<Stats>) -> Self {
+        #[cfg(not(keyorder_shuttle))]
+        let gate = process_gate();
+        #[cfg(keyorder_shuttle)]
+        let gate = Arc::default();
+        Self::with_gate(cfg, handler, stats, gate)
+    }
+
+    fn with_gate(cfg: DispatchConfig, handler: Arc<dyn Handler>, stats: Arc<Stats>, gate: Arc<Gate>) -> Self {
         let cfg = DispatchConfig {
             concurrency: cfg.concurrency.max(1),
             per_key_depth: cfg.per_key_depth.max(1),
@@ -366,7 +424,7 @@ impl Dispatcher {
                 epoch: AtomicU64::new(0),
                 waiters: AtomicUsize::new(0),
                 stopping: Stop::new(),
-                gate: Gate::default(),
+                gate,
                 stats,
                 observer: std::sync::OnceLock::new(),
             }),
@@ -1114,7 +1172,7 @@ impl Inner {
                 },
             }
             let pass = if alone {
-                rt::race(self.gate.exclusive(), self.stopping.stopped()).await
+                rt::race(self.gate.exclusive(ISOLATION_WAIT), self.stopping.stopped()).await
             } else {
                 rt::race(self.gate.shared(), self.stopping.stopped()).await
             };

@@ -381,7 +381,7 @@ impl Subscription {
     /// and are acknowledged, waiting deliveries are left to the broker, and
     /// the instance's scopes are handed over.
     pub async fn run<H: Handler>(mut self, handler: H, shutdown: impl Future<Output = ()> + Send) -> Result<RunReport> {
-        let dispatcher = Dispatcher::new(self.dispatch, Arc::new(handler), self.stats.clone());
+        let dispatcher = Dispatcher::new_in_process(self.dispatch, Arc::new(handler), self.stats.clone());
         if let Some(hook) = self.observer.take() {
             dispatcher.on_settled(hook);
         }

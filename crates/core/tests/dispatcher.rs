@@ -791,3 +791,74 @@ async fn a_redelivered_message_runs_alone_and_its_back_off_holds_no_other_key() 
     );
     assert_eq!(stats.snapshot().isolated, 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_suspect_behind_a_hung_handler_runs_beside_it_after_the_isolation_wait() {
+    let broker = Arc::new(Broker::default());
+    broker.suspects.lock().unwrap().push("s-0".into());
+    let release = Arc::new(Notify::new());
+    let handler = {
+        let release = release.clone();
+        move |d: Delivery| {
+            let release = release.clone();
+            async move {
+                if d.id() == "slow-0" {
+                    release.notified().await;
+                }
+                Ok(())
+            }
+        }
+    };
+    let d = Dispatcher::new(cfg(), Arc::new(handler), Arc::new(Stats::default()));
+    let l = lease();
+    submit_all(&d, vec![job(&broker, &l, Some("slow"), "slow-0")]);
+    until("slow-0 to start", || d.hot_keys(1).len() == 1).await;
+    submit_all(&d, vec![job(&broker, &l, Some("s"), "s-0")]);
+    submit_all(
+        &d,
+        (0..6)
+            .map(|i| job(&broker, &l, Some(&format!("k{i}")), &format!("k{i}-0")))
+            .collect(),
+    );
+    // A hung handler stops no key for longer than the isolation wait.
+    until("the suspect and every fresh key beside the hung handler", || {
+        broker.count("ack") == 7
+    })
+    .await;
+    assert!(!broker.settled().iter().any(|(id, _)| id == "slow-0"));
+    release.notify_waiters();
+    until("the hung handler to finish", || broker.count("ack") == 8).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn suspects_of_two_subscriptions_of_one_process_run_one_at_a_time() {
+    let running = Arc::new(AtomicUsize::new(0));
+    let max = Arc::new(AtomicUsize::new(0));
+    let mk = || {
+        let (running, max) = (running.clone(), max.clone());
+        move |_d: Delivery| {
+            let (running, max) = (running.clone(), max.clone());
+            async move {
+                let n = running.fetch_add(1, Ordering::SeqCst) + 1;
+                max.fetch_max(n, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                running.fetch_sub(1, Ordering::SeqCst);
+                Ok(())
+            }
+        }
+    };
+    let broker = Arc::new(Broker::default());
+    broker
+        .suspects
+        .lock()
+        .unwrap()
+        .extend(["a-0".to_owned(), "b-0".to_owned()]);
+    // What a subscription runs: the process's gate.
+    let d1 = Dispatcher::new_in_process(cfg(), Arc::new(mk()), Arc::new(Stats::default()));
+    let d2 = Dispatcher::new_in_process(cfg(), Arc::new(mk()), Arc::new(Stats::default()));
+    let l = lease();
+    submit_all(&d1, vec![job(&broker, &l, Some("a"), "a-0")]);
+    submit_all(&d2, vec![job(&broker, &l, Some("b"), "b-0")]);
+    until("both suspects to be applied", || broker.count("ack") == 2).await;
+    assert_eq!(max.load(Ordering::SeqCst), 1, "two suspects of one process ran at once");
+}
