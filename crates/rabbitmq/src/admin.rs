@@ -274,6 +274,7 @@ impl RabbitAdmin {
         let drop_head = match action {
             HeadAction::Skip => {
                 operator_ack(&held).await?;
+                held.forget_attempts().await;
                 tracing::warn!(key = %label(&found), "operator skipped a halted head");
                 true
             }
@@ -284,9 +285,20 @@ impl RabbitAdmin {
                 held.dead_letter(&ch, &dlq, "moved to the dead-letter queue by an operator")
                     .await?;
                 operator_ack(&held).await?;
+                held.forget_attempts().await;
                 true
             }
             HeadAction::Resume => {
+                // Durable before the resume returns: an owner that takes
+                // the head over next counts from 1 too.
+                if !held.ledger.reset(&held.subject, Some(held.ledger_wait)).await {
+                    return Err(Error::Broker(format!(
+                        "rabbitmq: the head's attempts could not be reset (its record on `{}` was not read back \
+                         within {} s); retry",
+                        crate::attempts::STREAM,
+                        held.ledger_wait.as_secs()
+                    )));
+                }
                 held.reset.store(true, std::sync::atomic::Ordering::SeqCst);
                 false
             }

@@ -35,13 +35,17 @@
 //!   one message runs when a process dies). A message that crashes its
 //!   process on every start reaches the poison policy after the configured
 //!   attempts.
-//! - **Forgetting.** Settling a message that has records (acknowledged or
-//!   dead-lettered) and an operator's resume write a *reset* record: its
-//!   count starts again from nothing. Counts are kept in memory only for
-//!   messages with records not reset (a handful: the messages that failed
-//!   or were redelivered and are not settled yet), at most [`MAX_COUNTS`].
+//! - **Counted once.** A record carries its attempt's id: a record whose
+//!   read-back timed out (a reader still catching up) is written again
+//!   with the same id when the attempt is begun again, and counts once.
+//! - **Forgetting.** Settling a message that has records (acknowledged,
+//!   dead-lettered, or skipped by an operator) and an operator's resume
+//!   write a *reset* record: its count starts again from nothing. Counts
+//!   are kept in memory only for messages with records not reset (a
+//!   handful: the messages that failed or were redelivered and are not
+//!   settled yet), at most [`MAX_COUNTS`].
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -79,27 +83,33 @@ const RESET: char = 'z';
 
 type Waiters = Arc<Mutex<HashMap<String, oneshot::Sender<u32>>>>;
 
-/// Counts per subject, with the order subjects were first seen in (for
-/// the bound).
+/// Per subject, the ids of its attempts, with when it was last written
+/// (for the bound).
 #[derive(Default)]
 struct Counts {
-    n: HashMap<String, (u32, u64)>,
+    n: HashMap<String, (HashSet<String>, u64)>,
     seq: u64,
 }
 
 impl Counts {
-    fn apply(&mut self, kind: char, subject: &str) -> u32 {
+    /// Applies a record; returns the subject's attempts counted now.
+    fn apply(&mut self, kind: char, attempt: &str, subject: &str) -> u32 {
         match kind {
             ATTEMPT => {
                 self.seq += 1;
                 let seq = self.seq;
-                let e = self.n.entry(subject.to_owned()).or_insert((0, seq));
-                e.0 = e.0.saturating_add(1);
-                let n = e.0;
+                let e = self.n.entry(subject.to_owned()).or_default();
+                e.0.insert(attempt.to_owned());
+                e.1 = seq;
+                let n = u32::try_from(e.0.len()).unwrap_or(u32::MAX);
                 if self.n.len() > MAX_COUNTS {
-                    if let Some(oldest) = self.n.iter().min_by_key(|(_, (_, s))| *s).map(|(k, _)| k.clone()) {
-                        self.n.remove(&oldest);
-                    }
+                    // The least recently written tenth goes at once (one
+                    // pass, not one per record).
+                    let mut seqs: Vec<u64> = self.n.values().map(|(_, s)| *s).collect();
+                    let cut = MAX_COUNTS / 10;
+                    seqs.select_nth_unstable(cut);
+                    let below = seqs[cut];
+                    self.n.retain(|_, (_, s)| *s > below);
                 }
                 n
             }
@@ -124,21 +134,33 @@ pub(crate) fn stream_args() -> FieldTable {
     args
 }
 
-/// The subject of a message's records: its group and its identity (the
-/// producer's `message_id`, or a hash of key and body), never a key.
-pub(crate) fn subject(group: &str, message_id: Option<&str>, key: Option<&str>, body: &[u8]) -> String {
-    match message_id {
-        Some(id) => format!("{group}\u{1f}i:{id}"),
-        None => {
-            // FNV-1a over the key and body: stable across processes (the
-            // standard library's hasher is seeded per process).
-            let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-            for b in key.unwrap_or("").bytes().chain([0u8]).chain(body.iter().copied()) {
-                h ^= u64::from(b);
-                h = h.wrapping_mul(0x0000_0100_0000_01b3);
-            }
-            format!("{group}\u{1f}h:{h:016x}:{}", body.len())
+/// FNV-1a 64: stable across processes (the standard library's hasher is
+/// seeded per process).
+fn fnv(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for (i, part) in parts.iter().enumerate() {
+        if i > 0 {
+            h ^= 0xff;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
         }
+        for b in part.iter() {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// The subject of a message's records: its group, a hash of its key, and
+/// its identity (the producer's `message_id`, or a hash of its body when
+/// it has none or an empty one); never a key. Two messages of one key with
+/// one id (or, without one, one body) share a count: a producer's
+/// duplicates.
+pub(crate) fn subject(group: &str, message_id: Option<&str>, key: Option<&str>, body: &[u8]) -> String {
+    let k = fnv(&[key.unwrap_or("").as_bytes()]);
+    match message_id.filter(|id| !id.is_empty()) {
+        Some(id) => format!("{group}\u{1f}{k:016x}\u{1f}i:{id}"),
+        None => format!("{group}\u{1f}{k:016x}\u{1f}h:{:016x}:{}", fnv(&[body]), body.len()),
     }
 }
 
@@ -179,11 +201,14 @@ impl Attempts {
             let mut counts = Counts::default();
             while let Some(Ok(d)) = consumer.next().await {
                 let text = String::from_utf8_lossy(&d.data);
-                // `{kind}\t{record id}\t{subject}`; anything else is ignored.
-                let mut parts = text.splitn(3, '\t');
-                if let (Some(kind), Some(id), Some(subject)) = (parts.next(), parts.next(), parts.next()) {
+                // `{kind}\t{record id}\t{attempt id}\t{subject}`; anything
+                // else is ignored.
+                let mut parts = text.splitn(4, '\t');
+                if let (Some(kind), Some(id), Some(attempt), Some(subject)) =
+                    (parts.next(), parts.next(), parts.next(), parts.next())
+                {
                     if let Some(kind) = kind.chars().next() {
-                        let n = counts.apply(kind, subject);
+                        let n = counts.apply(kind, attempt, subject);
                         if let Some(tx) = w.lock().unwrap_or_else(|e| e.into_inner()).remove(id) {
                             let _ = tx.send(n);
                         }
@@ -209,27 +234,30 @@ impl Attempts {
         !self.task.is_finished() && self.channel.status().connected()
     }
 
-    /// Writes that an attempt of `subject` begins and waits up to `wait`
-    /// for it to be read back; returns the subject's attempts written so
-    /// far, this one included. `None`: not read back in time.
-    pub(crate) async fn begin(&self, subject: &str, wait: Duration) -> Option<u32> {
-        self.write(ATTEMPT, subject, wait).await
+    /// Writes that attempt `attempt` of `subject` begins and waits up to
+    /// `wait` for it to be read back; returns the subject's attempts
+    /// written so far, this one included (an attempt id counts once).
+    /// `None`: not read back in time (begin it again with the same id).
+    pub(crate) async fn begin(&self, subject: &str, attempt: &str, wait: Duration) -> Option<u32> {
+        self.write(ATTEMPT, attempt, subject, wait).await
     }
 
     /// Writes that `subject`'s count starts again; with a `wait`, waits for
     /// it to be read back (`false`: not in time).
     pub(crate) async fn reset(&self, subject: &str, wait: Option<Duration>) -> bool {
         match wait {
-            Some(wait) => self.write(RESET, subject, wait).await.is_some(),
+            Some(wait) => self.write(RESET, "-", subject, wait).await.is_some(),
             None => {
-                self.publish(RESET, &uuid::Uuid::new_v4().simple().to_string(), subject)
+                let id = uuid::Uuid::new_v4().simple().to_string();
+                tokio::time::timeout(Duration::from_secs(10), self.publish(RESET, &id, "-", subject))
                     .await
+                    .unwrap_or(false)
             }
         }
     }
 
-    async fn publish(&self, kind: char, id: &str, subject: &str) -> bool {
-        let body = format!("{kind}\t{id}\t{subject}");
+    async fn publish(&self, kind: char, id: &str, attempt: &str, subject: &str) -> bool {
+        let body = format!("{kind}\t{id}\t{attempt}\t{subject}");
         self.channel
             .basic_publish(
                 "".into(),
@@ -242,7 +270,7 @@ impl Attempts {
             .is_ok()
     }
 
-    async fn write(&self, kind: char, subject: &str, wait: Duration) -> Option<u32> {
+    async fn write(&self, kind: char, attempt: &str, subject: &str, wait: Duration) -> Option<u32> {
         let id = uuid::Uuid::new_v4().simple().to_string();
         let (tx, rx) = oneshot::channel();
         // Registered before the publish: the read-back may come first.
@@ -250,11 +278,17 @@ impl Attempts {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(id.clone(), tx);
-        let n = if self.publish(kind, &id, subject).await {
-            tokio::time::timeout(wait, rx).await.ok().and_then(|r| r.ok())
-        } else {
-            None
-        };
+        // The publish and the read-back within `wait` together.
+        let n = tokio::time::timeout(wait, async {
+            if self.publish(kind, &id, attempt, subject).await {
+                rx.await.ok()
+            } else {
+                None
+            }
+        })
+        .await
+        .ok()
+        .flatten();
         self.waiters.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
         n
     }
@@ -265,22 +299,51 @@ mod tests {
     use super::*;
 
     #[test]
-    fn counts_attempts_per_subject_and_forgets_on_reset() {
+    fn counts_attempts_per_subject_once_per_attempt_and_forgets_on_reset() {
         let mut c = Counts::default();
-        assert_eq!(c.apply(ATTEMPT, "g\u{1f}i:a"), 1);
-        assert_eq!(c.apply(ATTEMPT, "g\u{1f}i:b"), 1);
-        assert_eq!(c.apply(ATTEMPT, "g\u{1f}i:a"), 2);
-        assert_eq!(c.apply(RESET, "g\u{1f}i:a"), 0);
-        assert_eq!(c.apply(ATTEMPT, "g\u{1f}i:a"), 1);
+        assert_eq!(c.apply(ATTEMPT, "1", "a"), 1);
+        assert_eq!(c.apply(ATTEMPT, "1", "b"), 1);
+        assert_eq!(c.apply(ATTEMPT, "2", "a"), 2);
+        // The same attempt written again (its read-back timed out).
+        assert_eq!(c.apply(ATTEMPT, "2", "a"), 2);
+        assert_eq!(c.apply(RESET, "-", "a"), 0);
+        assert_eq!(c.apply(ATTEMPT, "3", "a"), 1);
         assert_eq!(c.n.len(), 2);
     }
 
     #[test]
-    fn a_subject_without_message_id_is_stable_and_names_no_key() {
+    fn past_the_bound_the_least_recently_written_tenth_goes() {
+        let mut c = Counts::default();
+        for i in 0..=MAX_COUNTS {
+            c.apply(ATTEMPT, "1", &i.to_string());
+        }
+        assert!(
+            c.n.len() < MAX_COUNTS && c.n.len() >= MAX_COUNTS * 8 / 10,
+            "{}",
+            c.n.len()
+        );
+        assert!(c.n.contains_key(&MAX_COUNTS.to_string()), "the newest stays");
+        assert!(!c.n.contains_key("0"), "the oldest goes");
+    }
+
+    #[test]
+    fn subjects_are_stable_name_no_key_and_tell_keys_and_ids_apart() {
         let a = subject("g", None, Some("customer-42"), b"body");
         assert_eq!(a, subject("g", None, Some("customer-42"), b"body"));
         assert_ne!(a, subject("g", None, Some("customer-43"), b"body"));
         assert!(!a.contains("customer"));
-        assert_eq!(subject("g", Some("m1"), Some("k"), b""), "g\u{1f}i:m1");
+        // One id on two keys: two counts; an empty id is no id.
+        assert_ne!(
+            subject("g", Some("m1"), Some("a"), b""),
+            subject("g", Some("m1"), Some("b"), b"")
+        );
+        assert_eq!(
+            subject("g", Some(""), Some("a"), b"x"),
+            subject("g", None, Some("a"), b"x")
+        );
+        assert_ne!(
+            subject("g", Some(""), Some("a"), b"x"),
+            subject("g", Some(""), Some("a"), b"y")
+        );
     }
 }

@@ -23,8 +23,15 @@ pub(crate) struct Held {
     pub(crate) acker: Acker,
     pub(crate) payload: keyorder_core::Bytes,
     pub(crate) properties: BasicProperties,
-    /// Set by an operator's resume: the next attempt counts from 1 again.
+    /// Set by an operator's resume (after its reset record was read back):
+    /// the next attempt counts from 1 again.
     pub(crate) reset: AtomicBool,
+    /// Where attempts are written down and counted (the `attempts` module).
+    pub(crate) ledger: Arc<Attempts>,
+    /// This message's records' subject there.
+    pub(crate) subject: String,
+    /// How long a record may take to be read back.
+    pub(crate) ledger_wait: std::time::Duration,
     /// The consumer channel's barrier: the acknowledgement is known to the
     /// broker before [`Held::ack`] returns.
     pub(crate) barrier: Arc<AckBarrier>,
@@ -52,6 +59,18 @@ pub(crate) struct AckBarrier {
     confirmed: tokio::sync::watch::Sender<u64>,
     /// Set when a round trip failed or was not answered in time.
     broken: AtomicBool,
+}
+
+impl Held {
+    /// The head was settled by an operator: its attempts are forgotten,
+    /// read back before this returns, so a message with its id that comes
+    /// later (a producer's duplicate) counts from 1 (best effort: a reset
+    /// not read back in time is logged).
+    pub(crate) async fn forget_attempts(&self) {
+        if !self.ledger.reset(&self.subject, Some(self.ledger_wait)).await {
+            tracing::warn!("rabbitmq: a settled head's attempt count was not reset in time");
+        }
+    }
 }
 
 impl AckBarrier {
@@ -216,14 +235,12 @@ pub(crate) struct RabbitSettle {
     pub(crate) message_id: String,
     /// Delivered before and not settled (`redelivered`).
     pub(crate) redelivered: bool,
-    /// Where attempts are written down and counted (the `attempts` module).
-    pub(crate) ledger: Arc<Attempts>,
-    /// This message's records' subject there.
-    pub(crate) subject: String,
-    /// How long a record may take to be read back.
-    pub(crate) ledger_wait: std::time::Duration,
     /// Attempts begun here.
     pub(crate) attempts: AtomicU32,
+    /// The id of the attempt being begun, kept until its record was read
+    /// back: begun again after a time-out, it is written with the same id
+    /// and counted once.
+    pub(crate) pending: std::sync::Mutex<Option<String>>,
     /// The last attempt's number (what a halt shows).
     pub(crate) counted: AtomicU32,
     pub(crate) held: Arc<Held>,
@@ -259,7 +276,7 @@ impl RabbitSettle {
         Error::Broker(format!(
             "rabbitmq: an attempt's record on `{}` was not read back within {} s",
             crate::attempts::STREAM,
-            self.ledger_wait.as_secs()
+            self.held.ledger_wait.as_secs()
         ))
     }
 
@@ -267,7 +284,7 @@ impl RabbitSettle {
     /// count left behind only costs memory, up to the bound).
     async fn forget(&self) {
         if self.redelivered || self.attempts.load(Ordering::SeqCst) > 1 {
-            self.ledger.reset(&self.subject, None).await;
+            self.held.ledger.reset(&self.held.subject, None).await;
         }
     }
 
@@ -295,13 +312,9 @@ impl Settle for RabbitSettle {
     }
 
     async fn begin_attempt(&self) -> Result<u32> {
-        if self.held.reset.load(Ordering::SeqCst) {
-            // An operator's resume: the count starts again, durably (a
-            // crash in the run that follows counts from here).
-            if !self.ledger.reset(&self.subject, Some(self.ledger_wait)).await {
-                return Err(self.unrecorded());
-            }
-            self.held.reset.store(false, Ordering::SeqCst);
+        if self.held.reset.swap(false, Ordering::SeqCst) {
+            // An operator's resume, its reset record already read back
+            // (`local_resolve`): the count starts again.
             self.attempts.store(1, Ordering::SeqCst);
             self.counted.store(1, Ordering::SeqCst);
             return Ok(1);
@@ -312,8 +325,22 @@ impl Settle for RabbitSettle {
         let n = if !self.redelivered && begun == 0 {
             1
         } else {
-            match self.ledger.begin(&self.subject, self.ledger_wait).await {
-                Some(written) => written.saturating_add(1),
+            let id = self
+                .pending
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert_with(|| uuid::Uuid::new_v4().simple().to_string())
+                .clone();
+            match self
+                .held
+                .ledger
+                .begin(&self.held.subject, &id, self.held.ledger_wait)
+                .await
+            {
+                Some(written) => {
+                    *self.pending.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                    written.saturating_add(1)
+                }
                 None => return Err(self.unrecorded()),
             }
         };
