@@ -49,6 +49,32 @@ impl Harness for PgHarness {
     fn name(&self) -> &str {
         "postgres"
     }
+    fn scope_count_fixed(&self) -> Option<String> {
+        None
+    }
+    async fn change_scope_count(&self, category: &str) -> Option<std::result::Result<String, String>> {
+        // As an operator's `update ... set slots = ...` does.
+        let run = async {
+            let base = self.url.split('?').next().unwrap_or(&self.url);
+            let pool = keyorder::postgres::sqlx::PgPool::connect(base)
+                .await
+                .map_err(|e| e.to_string())?;
+            let (before,): (i32,) =
+                keyorder::postgres::sqlx::query_as("select slots from keyorder_conformance.queues where queue = $1")
+                    .bind(category)
+                    .fetch_one(&pool)
+                    .await
+                    .map_err(|e| e.to_string())?;
+            keyorder::postgres::sqlx::query("update keyorder_conformance.queues set slots = $2 where queue = $1")
+                .bind(category)
+                .bind(before * 2)
+                .execute(&pool)
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(format!("{before} -> {} slots", before * 2))
+        };
+        Some(run.await)
+    }
     fn capabilities(&self) -> Capabilities {
         keyorder::postgres::CAPABILITIES
     }
@@ -202,6 +228,9 @@ impl Harness for RedisHarness {
     fn name(&self) -> &str {
         "redis"
     }
+    fn scope_count_fixed(&self) -> Option<String> {
+        Some("a scope is a key (a stream per key): there is no count to change".into())
+    }
     fn capabilities(&self) -> Capabilities {
         keyorder::redis::CAPABILITIES
     }
@@ -351,6 +380,15 @@ impl Harness for RabbitHarness {
     fn name(&self) -> &str {
         self.name
     }
+    fn scope_count_fixed(&self) -> Option<String> {
+        Some(
+            "the group's queue count is recorded in its registry when the group is declared (`hash:8`), a \
+             publisher or subscription configured with another count is refused at start (crates/rabbitmq/tests/\
+             registry.rs), and keyorder has no way to change it while running; a queue bound to the ring by hand \
+             is outside the contract"
+                .into(),
+        )
+    }
     fn capabilities(&self) -> Capabilities {
         keyorder::rabbitmq::CAPABILITIES
     }
@@ -483,6 +521,14 @@ impl KafkaHarness {
 impl Harness for KafkaHarness {
     fn name(&self) -> &str {
         "kafka"
+    }
+    fn scope_count_fixed(&self) -> Option<String> {
+        Some(
+            "the test broker (tansu 0.6) refuses CreatePartitions (UnsupportedFeature), so no partition can be \
+             added while running here; the layout check (publishers, subscriptions, scopes) runs in \
+             crates/kafka/tests/layout.rs against a state topic with fewer partitions than its topic"
+                .into(),
+        )
     }
     fn settle_joins(&self) -> bool {
         true

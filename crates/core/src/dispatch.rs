@@ -273,7 +273,9 @@ impl Gate {
     }
 }
 
-/// The longest a redelivered message waits to run alone ([`Gate`]).
+/// The longest a redelivered message (one delivered before and not
+/// settled) waits to run alone, nothing else running beside it; then it
+/// runs beside the others.
 pub const ISOLATION_WAIT: Duration = Duration::from_secs(5);
 
 /// The gate the subscriptions of this process share.

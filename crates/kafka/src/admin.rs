@@ -98,7 +98,16 @@ impl KafkaAdmin {
         let (n2, g2) = (names.clone(), names.group_id(group));
         let saved = tokio::task::spawn_blocking(move || {
             let parts: Vec<i32> = (0..n).collect();
-            state::load(&c, &reader, &producer, &n2, &g2, &parts, Duration::from_secs(10))
+            state::load(
+                &c,
+                &reader,
+                &producer,
+                &n2,
+                &g2,
+                &parts,
+                Duration::from_secs(10),
+                state::Limit::none(),
+            )
         })
         .await
         .map_err(kafka_err)?
@@ -189,6 +198,16 @@ impl KafkaAdmin {
 impl Admin for KafkaAdmin {
     async fn scopes(&self, category: &str, group: &str) -> Result<Vec<ScopeInfo>> {
         let names = Names::new(category)?;
+        // A layout changed under the groups is what the operator must see
+        // first (C23): the partitions no longer say where keys are.
+        if let (Some(now), Some(layout)) = (
+            self.t.topic_count(names.topic()).await?,
+            self.t.topic_count(&names.state()).await?,
+        ) {
+            if now != layout {
+                return Err(crate::layout_changed(&names, layout, now));
+            }
+        }
         let (n, committed) = self.committed(&names, group).await?;
         let c = self.consumer(&names.group_id(group))?;
         let topic = names.topic().to_owned();

@@ -185,6 +185,37 @@ pub struct KafkaTransport {
     pub(crate) listening: Arc<control::Listening>,
     ensured: Arc<Mutex<HashSet<String>>>,
     partitions: Arc<Mutex<HashMap<String, i32>>>,
+    /// Per topic, the layout check's state ([`KafkaTransport::check_layout`]).
+    layouts: Arc<Mutex<HashMap<String, Layout>>>,
+}
+
+/// How often a publisher (and, at each heartbeat, a consumer) checks that
+/// its topic still has the partition count of keyorder's layout.
+pub const LAYOUT_CHECK: Duration = Duration::from_secs(5);
+
+/// A topic's layout as this process checks it.
+#[derive(Debug, Clone)]
+struct Layout {
+    /// The partition count keyorder uses (the state topic's).
+    count: i32,
+    /// When the topic's count was last compared with it.
+    checked: tokio::time::Instant,
+    /// The count found instead, once the topic changed (then for good).
+    changed: Option<i32>,
+}
+
+/// The error of a topic whose partition count is no longer its layout's.
+pub(crate) fn layout_changed(names: &Names, layout: i32, now: i32) -> Error {
+    Error::Config(format!(
+        "kafka: topic `{}` has {now} partitions, but keyorder's layout for it has {layout} (the count it was \
+         created with, kept by `{}`): partitions were added while it was in use, which moves keys between \
+         partitions and breaks their order, so keyorder stops publishing to it and consuming it. Fix: Kafka \
+         cannot remove partitions; stop the publishers, let every group drain the topic, then move to a new \
+         category (or delete and recreate the topic and its `.keyorder-state` and `.dlq` topics with the new \
+         count once drained)",
+        names.topic(),
+        names.state()
+    ))
 }
 
 impl fmt::Debug for KafkaTransport {
@@ -223,6 +254,7 @@ impl KafkaTransport {
             listening: Arc::default(),
             ensured: Arc::default(),
             partitions: Arc::default(),
+            layouts: Arc::default(),
         })
     }
 
@@ -275,11 +307,94 @@ impl KafkaTransport {
                 .insert(names.topic().to_owned());
         }
         let n = self.partition_count(names.topic()).await?;
+        // The layout: the state topic's count (created with the topic, and
+        // nobody adds partitions to it). A topic without one (created
+        // outside keyorder, the state topic still to come) is its own.
+        let layout = self.topic_count(&names.state()).await?.unwrap_or(n);
+        if layout != n {
+            return Err(layout_changed(names, layout, n));
+        }
+        self.layouts.lock().unwrap_or_else(|e| e.into_inner()).insert(
+            names.topic().to_owned(),
+            Layout {
+                count: n,
+                checked: tokio::time::Instant::now(),
+                changed: None,
+            },
+        );
         self.partitions
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(names.topic().to_owned(), n);
         Ok(n)
+    }
+
+    /// Checks, at most every [`LAYOUT_CHECK`], that `names`' topic still has
+    /// its layout's partition count; returns the count. Once it changed,
+    /// fails for good ([`layout_changed`]) in this process.
+    pub(crate) async fn check_layout(&self, names: &Names) -> Result<i32> {
+        let due = {
+            let mut layouts = self.layouts.lock().unwrap_or_else(|e| e.into_inner());
+            match layouts.get_mut(names.topic()) {
+                None => None,
+                Some(l) => {
+                    if let Some(now) = l.changed {
+                        return Err(layout_changed(names, l.count, now));
+                    }
+                    if l.checked.elapsed() < LAYOUT_CHECK {
+                        return Ok(l.count);
+                    }
+                    // This caller checks; the others go on meanwhile.
+                    l.checked = tokio::time::Instant::now();
+                    Some(l.count)
+                }
+            }
+        };
+        let Some(count) = due else {
+            return self.ensure(names).await;
+        };
+        match self.topic_count(names.topic()).await {
+            Ok(Some(now)) if now != count => {
+                if let Some(l) = self
+                    .layouts
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get_mut(names.topic())
+                {
+                    l.changed = Some(now);
+                }
+                metrics::counter!("keyorder_kafka_layout_changes_total").increment(1);
+                tracing::error!(
+                    topic = names.topic(),
+                    layout = count,
+                    now,
+                    "kafka: partitions added to a topic in use; publishing and consuming stopped"
+                );
+                Err(layout_changed(names, count, now))
+            }
+            // Unreadable now: checked again next time.
+            _ => Ok(count),
+        }
+    }
+
+    /// The partition count of `topic`, `None` when it does not exist (one
+    /// metadata round trip, no waiting).
+    pub(crate) async fn topic_count(&self, topic: &str) -> Result<Option<i32>> {
+        let producer = self.producer.clone();
+        let t = topic.to_owned();
+        let md = tokio::task::spawn_blocking(move || {
+            producer
+                .client()
+                .fetch_metadata(Some(&t), Duration::from_secs(10))
+                .map(|md| md.topics().first().map(|t| (t.partitions().len(), t.error())))
+        })
+        .await
+        .map_err(kafka_err)?
+        .map_err(kafka_err)?;
+        Ok(match md {
+            Some((n, None)) if n > 0 => Some(n as i32),
+            _ => None,
+        })
     }
 
     /// Creates `topics`; one that already exists is fine.
@@ -435,6 +550,7 @@ impl Transport for KafkaTransport {
     async fn publisher(&self, category: &str) -> Result<Arc<dyn TransportPublisher>> {
         let names = Names::new(category)?;
         self.ensure(&names).await?;
+        self.check_layout(&names).await?;
         Ok(Arc::new(KafkaPublisher { t: self.clone(), names }))
     }
 
@@ -467,10 +583,22 @@ impl fmt::Debug for KafkaPublisher {
 #[async_trait]
 impl TransportPublisher for KafkaPublisher {
     async fn publish(&self, message: Message) -> Result<()> {
-        // Keyless records carry no key: the partitioner spreads them.
+        // A keyed record goes to its key's partition under the layout's
+        // count, not the partitioner's: librdkafka's follows the topic's
+        // count from its next metadata refresh, and added partitions would
+        // move keys before the check below notices.
+        let count = self.t.check_layout(&self.names).await?;
         let key = message.key().map(|k| k.as_str().as_bytes());
+        // Keyless records carry no key: the partitioner spreads them.
+        let partition = key.map(|k| partition_for(k, count));
         self.t
-            .produce(self.names.topic(), key, message.payload(), headers_of(&message))
+            .produce_to(
+                self.names.topic(),
+                partition,
+                key,
+                message.payload(),
+                Some(headers_of(&message)),
+            )
             .await
             .map(|_| ())
     }

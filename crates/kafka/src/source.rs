@@ -6,7 +6,10 @@
 //!   order, to the async side. The member and its thread start at the
 //!   subscription's first call, not when it is built.
 //! - **Assign.** The thread reads the committed offsets and their metadata
-//!   first, forwards them, then assigns from exactly those offsets.
+//!   first, forwards them, then assigns from exactly those offsets. The read
+//!   holds the poll, so it is bounded well under `max.poll.interval.ms`;
+//!   partitions it could not read in time do not start, and the member
+//!   rejoins. Their leases count as confirmed when the callback began.
 //! - **Revoke.** The thread forwards the revoke and waits: the subscription
 //!   takes no new work from those partitions, lets their in-flight handlers
 //!   return, the final commit is made, and only then does the thread let the
@@ -18,7 +21,11 @@
 //!   round trip to the group coordinator. If no confirmation succeeded for
 //!   longer than the session timeout less a heartbeat (a `SIGSTOP`, a
 //!   network cut), the broker may have given the partitions away: they are
-//!   all marked lost and the member is replaced by a new one.
+//!   all marked lost and the member is replaced by a new one. A round trip
+//!   confirms only while librdkafka does not hold the assignment lost: the
+//!   coordinator answers an expelled member's offset fetch too. A poll
+//!   held past `max.poll.interval.ms` (librdkafka leaves the group) loses
+//!   every partition at once.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
@@ -30,7 +37,7 @@ use async_trait::async_trait;
 use keyorder_core::{Inbound, Message, OrderingKey, Result, ScopeLease, SourceEvent, SourceSpec, TransportSource};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol};
 use rdkafka::message::{Headers, OwnedMessage};
-use rdkafka::types::RDKafkaRespErr;
+use rdkafka::types::{RDKafkaErrorCode, RDKafkaRespErr};
 use rdkafka::{ClientContext, Message as _, Offset, TopicPartitionList};
 use tokio::sync::{mpsc, watch, Notify};
 use tokio::time::Instant;
@@ -45,8 +52,14 @@ use crate::{
 
 /// What the poll thread tells the async side, in order.
 pub(crate) enum Ev {
-    /// Partitions assigned: (partition, committed offset, commit metadata).
-    Assigned(Vec<(i32, i64, u64, String)>),
+    /// Partitions assigned: (partition, committed offset, saved generation,
+    /// commit metadata, older generations' records found), and when the assignment was known valid (the
+    /// rebalance callback's entry): the leases are confirmed as of then,
+    /// not as of when the event is applied, however long the read took.
+    Assigned {
+        parts: Vec<(i32, i64, u64, String, Vec<u64>)>,
+        at: Instant,
+    },
     /// Partitions revoked; `reply` is dropped or sent once they may go.
     Revoke {
         parts: Vec<i32>,
@@ -71,6 +84,9 @@ pub(crate) struct Ctx {
     /// than `max.poll.interval.ms`, past which the broker expels a member
     /// whose poll is held.
     revoke_wait: Duration,
+    /// The longest an assignment may wait for its saved progress: well
+    /// under `revoke_wait` (see `start_member`).
+    load_wait: Duration,
     shared: std::sync::Weak<Shared>,
 }
 
@@ -89,14 +105,26 @@ impl ConsumerContext for Ctx {
         let cooperative = matches!(c.rebalance_protocol(), RebalanceProtocol::Cooperative);
         match err {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
+                // The group gave these partitions now; the read below may
+                // take long, and the assignment is only known valid as of
+                // here.
+                let at = Instant::now();
+                let deadline = std::time::Instant::now() + self.load_wait;
                 // Read the saved progress first: the assignment starts
                 // exactly where the state it comes with was written.
                 let parts = parts_of(tpl, &self.topic);
                 tracing::debug!(instance = %self.instance, ?parts, "kafka: the group assigns; reading saved progress");
                 // Never start without it: a partition taken from its committed
-                // offset alone would run finished messages again.
+                // offset alone would run finished messages again. Retried up
+                // to `load_wait` only: the poll is held meanwhile, and a
+                // rebalance the group starts now waits for this member's
+                // rejoin at most `max.poll.interval.ms` before expelling it.
+                let limit = state::Limit {
+                    until: Some(deadline),
+                    stop: &self.stopping,
+                };
                 let mut saved = None;
-                while saved.is_none() && !self.stopping.load(Ordering::SeqCst) {
+                while saved.is_none() && !self.stopping.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
                     match state::load(
                         c,
                         &self.reader,
@@ -105,28 +133,62 @@ impl ConsumerContext for Ctx {
                         &self.group_id,
                         &parts,
                         Duration::from_secs(10),
+                        limit,
                     ) {
                         Ok(list) => saved = Some(list),
                         Err(e) => {
                             let _ = self
                                 .tx
                                 .send(Ev::Error(format!("reading saved progress: {e}; retrying")));
+                            // A broker refusing at once is not asked in a spin.
+                            // This is the poll thread, not a runtime worker.
+                            #[allow(clippy::disallowed_methods)]
+                            std::thread::sleep(Duration::from_millis(200));
                         }
                     }
                 }
-                let mut assign = TopicPartitionList::new();
-                let mut info = Vec::new();
-                for s in saved.unwrap_or_default() {
-                    let from = if s.known {
-                        Offset::Offset(s.committed)
-                    } else {
-                        Offset::Beginning
-                    };
-                    let _ = assign.add_partition_offset(&self.topic, s.partition, from);
-                    info.push((s.partition, s.committed, s.generation, s.meta));
+                if saved.is_none() && !self.stopping.load(Ordering::SeqCst) {
+                    // Not loadable in time: none of these start here. The
+                    // member leaves and rejoins, so that the group hands
+                    // them out again (to this member or another) rather
+                    // than leaving them with a member that runs none.
+                    tracing::warn!(
+                        instance = %self.instance,
+                        ?parts,
+                        wait_ms = self.load_wait.as_millis() as u64,
+                        "kafka: saved progress not read in time; not starting the assigned partitions, rejoining"
+                    );
+                    if let Some(shared) = self.shared.upgrade() {
+                        shared.replace.store(true, Ordering::SeqCst);
+                    }
+                } else if saved.is_some() && c.assignment_lost() {
+                    // The group expelled this member while it read (and the
+                    // assign call below would clear the flag): nothing starts,
+                    // what it owned from before is lost too, and the member
+                    // rejoins (as after a gap) so that no partition stays
+                    // with it unread.
+                    tracing::warn!(instance = %self.instance, ?parts, "kafka: assignment lost while reading saved progress; rejoining");
+                    saved = None;
+                    if let Some(shared) = self.shared.upgrade() {
+                        shared.lose_all("the assignment was lost while reading saved progress");
+                        shared.replace.store(true, Ordering::SeqCst);
+                    }
                 }
-                tracing::debug!(instance = %self.instance, ?parts, "kafka: saved progress read");
-                let _ = self.tx.send(Ev::Assigned(info));
+                let mut assign = TopicPartitionList::new();
+                if let Some(saved) = saved {
+                    let mut info = Vec::new();
+                    for s in saved {
+                        let from = if s.known {
+                            Offset::Offset(s.committed)
+                        } else {
+                            Offset::Beginning
+                        };
+                        let _ = assign.add_partition_offset(&self.topic, s.partition, from);
+                        info.push((s.partition, s.committed, s.generation, s.meta, s.older));
+                    }
+                    tracing::debug!(instance = %self.instance, ?parts, "kafka: saved progress read");
+                    let _ = self.tx.send(Ev::Assigned { parts: info, at });
+                }
                 let r = if cooperative {
                     c.incremental_assign(&assign)
                 } else {
@@ -192,6 +254,9 @@ pub(crate) struct Part {
     releasing: AtomicBool,
     /// Halted heads held here, by offset (for the operator's actions).
     heads: Mutex<HashMap<i64, HeldHead>>,
+    /// Generations of earlier owners' records the claim found, whose keys
+    /// are deleted after this owner's first checked pointer move.
+    superseded: Mutex<Vec<u64>>,
 }
 
 /// A halted head as the owner keeps it.
@@ -580,12 +645,21 @@ impl Shared {
                 &asked,
                 Duration::from_secs(10),
                 CommitMode::Async,
+                // A close does not wait out the check's read.
+                state::Limit {
+                    until: None,
+                    stop: &me.closed,
+                },
             )
         })
         .await;
         match checked {
-            Ok(Ok(stale)) if !stale.is_empty() => self.lose_parts(&stale, true),
-            Ok(Ok(_)) => {}
+            Ok(Ok(stale)) => {
+                if !stale.is_empty() {
+                    self.lose_parts(&stale, true);
+                }
+                self.tombstone_superseded(&list, &stale).await;
+            }
             other => {
                 let error = match other {
                     Ok(Err(e)) => e.to_string(),
@@ -597,6 +671,39 @@ impl Shared {
                 let mut pointers = self.pointers.lock().unwrap_or_else(|e| e.into_inner());
                 for (p, g, at) in list {
                     pointers.state.entry(p).or_insert((g, at));
+                }
+            }
+        }
+    }
+
+    /// Deletes the keys of the earlier owners' records each claim found
+    /// (see [`state::tombstone`]) for the partitions whose pointer check
+    /// just passed with a durable record of this owner's generation: the
+    /// state topic would otherwise keep a key per generation for good.
+    async fn tombstone_superseded(&self, checked: &[(i32, u64, i64)], stale: &[i32]) {
+        let group_id = self.names.group_id(&self.group);
+        for (partition, generation, _) in checked {
+            if stale.contains(partition) {
+                continue;
+            }
+            let Some(part) = self.part(*partition) else { continue };
+            if part.lease.is_lost() || part.lease.generation() != *generation {
+                continue;
+            }
+            let older: Vec<u64> = std::mem::take(&mut *part.superseded.lock().unwrap_or_else(|e| e.into_inner()))
+                .into_iter()
+                .filter(|g| g < generation)
+                .collect();
+            if older.is_empty() {
+                continue;
+            }
+            match state::tombstone(&self.t.state_producer, &self.names, &group_id, *partition, &older).await {
+                Ok(()) => {
+                    tracing::debug!(partition, generations = ?older, "kafka: earlier owners' state records deleted");
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, partition, "kafka: deleting earlier owners' state records failed; retrying at the next check");
+                    part.superseded.lock().unwrap_or_else(|e| e.into_inner()).extend(older);
                 }
             }
         }
@@ -624,6 +731,34 @@ impl Shared {
         }
         if rejoin {
             self.replace.store(true, Ordering::SeqCst);
+        }
+        self.completed.send_modify(|_| {});
+    }
+
+    /// Drops every owned partition: the member's assignment was lost (the
+    /// group expelled it: `max.poll.interval.ms` exceeded, or expelled
+    /// while an assignment read its state), a gap in membership as the
+    /// self-fence's. librdkafka rejoins by itself, and the lost revoke
+    /// that follows finds nothing left to wait for.
+    pub(crate) fn lose_all(&self, why: &str) {
+        let lost: Vec<Arc<Part>> = self
+            .parts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .map(|(_, p)| p)
+            .collect();
+        if lost.is_empty() {
+            return;
+        }
+        metrics::counter!("keyorder_kafka_partitions_lost_total").increment(lost.len() as u64);
+        tracing::warn!(
+            partitions = lost.len(),
+            why,
+            "kafka: assignment lost; every partition lost"
+        );
+        for p in lost {
+            p.lease.lose();
         }
         self.completed.send_modify(|_| {});
     }
@@ -676,37 +811,45 @@ impl Shared {
                 continue;
             }
             let Some(member) = self.member() else { continue };
+            // Also with nothing owned: membership is confirmed while an
+            // assignment reads its saved progress (librdkafka heartbeats
+            // meanwhile), so a long read does not end in a gap.
             let parts = self.owned();
-            if parts.is_empty() {
-                continue;
-            }
             let sent = Instant::now();
-            // A round trip to the group's coordinator (an offset fetch for
-            // the group), not only to a partition leader: a member cut off
-            // from its coordinator cannot heartbeat either, and the broker
-            // hands its partitions on after the session timeout. Group
-            // membership itself is librdkafka's heartbeat (a lost membership
-            // arrives as a revoke), and the pointer check finds a newer
-            // owner's state (see `checkpoint`).
-            let (topic, first) = (self.names.topic().to_owned(), parts[0].partition);
-            let ok = tokio::task::spawn_blocking(move || {
-                let mut tpl = TopicPartitionList::new();
-                tpl.add_partition(&topic, first);
-                member.committed_offsets(tpl, Duration::from_secs(5))
-            })
-            .await
-            .is_ok_and(|r| r.is_ok());
+            let (topic, first) = (self.names.topic().to_owned(), parts.first().map_or(0, |p| p.partition));
+            let ok = tokio::task::spawn_blocking(move || membership_confirmed(&*member, &topic, first))
+                .await
+                .unwrap_or(false);
             if !ok {
                 tracing::debug!(topic = %self.names.topic(), "kafka: heartbeat round trip failed");
             }
             if ok && !self.check_gap() {
-                *self.last_confirm.lock().unwrap_or_else(|e| e.into_inner()) = sent;
+                {
+                    let mut last = self.last_confirm.lock().unwrap_or_else(|e| e.into_inner());
+                    *last = (*last).max(sent);
+                }
                 for p in parts {
                     p.lease.confirm(sent);
                 }
             }
         }
     }
+}
+
+/// The heartbeat's round trip: whether `member` still holds its
+/// assignment. An offset fetch from the group's coordinator, not only a
+/// partition leader: a member cut off from its coordinator cannot heartbeat
+/// either, and the broker hands its partitions on after the session
+/// timeout. The fetch alone does not show membership: the coordinator
+/// answers it for a member it expelled too (past `max.poll.interval.ms`,
+/// or its session timed out), so the assignment must also not be lost
+/// (librdkafka marks it lost then; the lost revoke comes only at a later
+/// poll). The pointer check finds a newer owner's state (see `checkpoint`).
+pub(crate) fn membership_confirmed<C: ConsumerContext>(member: &BaseConsumer<C>, topic: &str, partition: i32) -> bool {
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition(topic, partition);
+    // Checked after the round trip: a loss while it ran is seen.
+    member.committed_offsets(tpl, Duration::from_secs(5)).is_ok() && !member.assignment_lost()
 }
 
 /// One partition's state in a write round.
@@ -747,6 +890,9 @@ pub(crate) struct Source {
     /// Whether the group member was started (at the first `fetch` or
     /// `maintain`, not at `open`).
     joined: bool,
+    /// A partition beyond the layout's count was assigned (C23): never
+    /// started; the subscription stops at its next `maintain`.
+    outside_layout: Option<i32>,
 }
 
 impl fmt::Debug for Source {
@@ -812,6 +958,7 @@ impl Source {
             last_report: None,
             turn: 0,
             joined: false,
+            outside_layout: None,
         };
         source.tasks.push(tokio::spawn(shared.clone().committer()));
         source.tasks.push(tokio::spawn(shared.clone().checkpointer()));
@@ -854,6 +1001,10 @@ impl Source {
             .unwrap_or(300_000)
             .max(session_ms + 1000);
         let revoke_wait = Duration::from_millis((max_poll_ms - session_ms) as u64);
+        // An assignment's read of its saved progress holds the poll as a
+        // revoke does, so it is bounded by the same reasoning, with room
+        // to spare: half of it (145 s by default).
+        let load_wait = revoke_wait / 2;
         c.set("group.id", self.shared.names.group_id(&self.spec.group))
             .set("client.id", format!("keyorder-{}", self.spec.instance))
             .set("enable.auto.commit", "false")
@@ -883,6 +1034,7 @@ impl Source {
             producer: self.shared.t.state_producer.clone(),
             instance: self.spec.instance.to_string(),
             revoke_wait,
+            load_wait,
             shared: Arc::downgrade(&self.shared),
         };
         let member: Member = c.create_with_context(ctx).map_err(kafka_err)?;
@@ -920,6 +1072,7 @@ impl Source {
             self.forget(p);
         }
         self.pending.clear();
+        self.drain_events();
         if let Some(thread) = self.thread.take() {
             if tokio::time::timeout(self.spec.lease.ttl, thread).await.is_err() {
                 tracing::warn!(topic = %self.shared.names.topic(), "kafka: the old member did not leave the group in time; joining anyway");
@@ -928,6 +1081,18 @@ impl Source {
         self.shared.replace.store(false, Ordering::SeqCst);
         tracing::info!(topic = %self.shared.names.topic(), "kafka: rejoining the group with a new member");
         self.start_member()
+    }
+
+    /// Closes the old poll thread's channel and drops what it sent unread.
+    /// An unread revoke holds the sender its callback waits on: the thread
+    /// would wait up to `revoke_wait` for an answer while the caller waits
+    /// for the thread. Dropping the sender answers it (the source went
+    /// away), and once closed the callback sends nothing to wait on.
+    fn drain_events(&mut self) {
+        self.rx.close();
+        while let Ok(ev) = self.rx.try_recv() {
+            drop(ev);
+        }
     }
 
     /// Forgets a partition locally: its lease is lost, held work dropped.
@@ -986,11 +1151,23 @@ impl Source {
 
     fn apply(&mut self, ev: Ev) {
         match ev {
-            Ev::Assigned(list) => {
-                // The broker just gave these to this member: that confirms it.
-                let sent = Instant::now();
-                *self.shared.last_confirm.lock().unwrap_or_else(|e| e.into_inner()) = sent;
-                for (partition, committed, saved_generation, meta) in list {
+            Ev::Assigned { parts: list, at } => {
+                // The broker gave these to this member at `at` (the
+                // callback's entry): that confirms it as of then, not now;
+                // a lease older than the self-fence allows waits for the
+                // next heartbeat. Never moves the confirmation backwards.
+                let sent = at;
+                {
+                    let mut last = self.shared.last_confirm.lock().unwrap_or_else(|e| e.into_inner());
+                    *last = (*last).max(sent);
+                }
+                for (partition, committed, saved_generation, meta, older) in list {
+                    if partition >= self.shared.partitions {
+                        // Added to the topic while in use: keys moved into
+                        // it. Never started (C23).
+                        self.outside_layout = Some(partition);
+                        continue;
+                    }
                     let restored = decode(committed, &meta);
                     // One more than the generation of the newest saved state:
                     // the fencing token, per partition.
@@ -1005,6 +1182,7 @@ impl Source {
                         saved_version: AtomicU64::new(0),
                         releasing: AtomicBool::new(false),
                         heads: Mutex::default(),
+                        superseded: Mutex::new(older),
                     });
                     tracing::debug!(instance = %self.spec.instance, scope = %scope, generation, from = committed, "kafka: assigned");
                     metrics::counter!("keyorder_kafka_partitions_assigned_total").increment(1);
@@ -1231,6 +1409,15 @@ fn poll_loop(member: Arc<Member>, tx: mpsc::UnboundedSender<Ev>, stop: Arc<Atomi
             Some(Ok(m)) if tx.send(Ev::Msg(m.detach())).is_err() => break,
             Some(Ok(_)) => {}
             Some(Err(e)) => {
+                // The poll was held past `max.poll.interval.ms`: librdkafka
+                // left the group (and rejoins), so every partition may be
+                // another member's already. A gap in membership, as the
+                // self-fence's: nothing owned here may run on.
+                if e.rdkafka_error_code() == Some(RDKafkaErrorCode::PollExceeded) {
+                    if let Some(shared) = member.context().shared.upgrade() {
+                        shared.lose_all("max.poll.interval.ms exceeded");
+                    }
+                }
                 let _ = tx.send(Ev::Error(e.to_string()));
             }
             None => {}
@@ -1264,7 +1451,16 @@ async fn check_partition_count(t: &KafkaTransport, names: &Names, group: &str, p
     let (n2, g2) = (names.clone(), names.group_id(group));
     let saved = tokio::task::spawn_blocking(move || {
         let parts: Vec<i32> = (0..partitions).collect();
-        state::load(&probe, &reader, &producer, &n2, &g2, &parts, Duration::from_secs(10))
+        state::load(
+            &probe,
+            &reader,
+            &producer,
+            &n2,
+            &g2,
+            &parts,
+            Duration::from_secs(10),
+            state::Limit::none(),
+        )
     })
     .await
     .map_err(kafka_err)?
@@ -1303,6 +1499,12 @@ impl TransportSource for Source {
 
     async fn maintain(&mut self) -> Result<Vec<SourceEvent>> {
         self.join()?;
+        // The topic still has its layout's count (C23): at most every
+        // `LAYOUT_CHECK`, and at once when a partition beyond it came.
+        if let Some(p) = self.outside_layout {
+            return Err(crate::layout_changed(&self.shared.names, self.shared.partitions, p + 1));
+        }
+        self.shared.t.check_layout(&self.shared.names).await?;
         if tracing::enabled!(tracing::Level::TRACE)
             && self.last_report.is_none_or(|t| t.elapsed() > Duration::from_secs(5))
         {
@@ -1368,6 +1570,7 @@ impl TransportSource for Source {
         self.stop.store(true, Ordering::SeqCst);
         *self.shared.member.lock().unwrap_or_else(|e| e.into_inner()) = None;
         self.pending.clear();
+        self.drain_events();
         if let Some(thread) = self.thread.take() {
             // Leaving the group normally takes well under a second; a broker
             // that does not answer must not hold the shutdown (the session
@@ -1380,5 +1583,78 @@ impl TransportSource for Source {
             t.abort();
         }
         Ok(())
+    }
+}
+
+/// The heartbeat's confirmation on the test broker (`KAFKA_BROKERS`).
+#[cfg(test)]
+mod broker_tests {
+    use super::*;
+    use crate::{KafkaConfig, KafkaTransport};
+
+    /// A member the group expelled (its poll held past
+    /// `max.poll.interval.ms`) still gets its offset fetch answered: that
+    /// round trip alone kept confirming its leases, and its self-fence let
+    /// work start on partitions another member may own.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_expelled_member_is_not_confirmed() {
+        let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
+        let cfg = KafkaConfig {
+            brokers,
+            partitions: 1,
+            ..KafkaConfig::default()
+        };
+        let t = KafkaTransport::connect(cfg).await.expect("the test broker answers");
+        let nonce = uuid::Uuid::new_v4().simple().to_string();
+        let names = Names::new(&format!("ko-expel-{}", &nonce[..12])).unwrap();
+        t.ensure(&names).await.unwrap();
+        let mut c = base_config(&t.cfg);
+        c.set("group.id", names.group_id("g"))
+            .set("enable.auto.commit", "false")
+            .set("session.timeout.ms", "6000")
+            .set("heartbeat.interval.ms", "500")
+            .set("max.poll.interval.ms", "6000");
+        let member: Arc<BaseConsumer> = Arc::new(c.create().unwrap());
+        member.subscribe(&[names.topic()]).unwrap();
+        let topic = names.topic().to_owned();
+        let confirmed = |member: &Arc<BaseConsumer>| {
+            let (member, topic) = (member.clone(), topic.clone());
+            tokio::task::spawn_blocking(move || membership_confirmed(&*member, &topic, 0))
+        };
+        let m = member.clone();
+        tokio::task::spawn_blocking(move || {
+            let deadline = std::time::Instant::now() + Duration::from_secs(60);
+            while m.assignment().map(|a| a.count()).unwrap_or(0) == 0 {
+                assert!(std::time::Instant::now() < deadline, "the member gets its partition");
+                let _ = m.poll(Duration::from_millis(100));
+            }
+        })
+        .await
+        .unwrap();
+        assert!(confirmed(&member).await.unwrap(), "a member in the group is confirmed");
+        // Not polled for longer than `max.poll.interval.ms`: librdkafka
+        // leaves the group and marks the assignment lost.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !member.assignment_lost() {
+            assert!(Instant::now() < deadline, "librdkafka marks the assignment lost");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let (m, t2) = (member.clone(), topic.clone());
+        let fetched = tokio::task::spawn_blocking(move || {
+            let mut tpl = TopicPartitionList::new();
+            tpl.add_partition(&t2, 0);
+            m.committed_offsets(tpl, Duration::from_secs(5)).is_ok()
+        })
+        .await
+        .unwrap();
+        assert!(
+            fetched,
+            "the coordinator still answers the expelled member's offset fetch"
+        );
+        assert!(
+            !confirmed(&member).await.unwrap(),
+            "an expelled member's round trip confirms nothing"
+        );
+        drop(member);
     }
 }

@@ -39,7 +39,8 @@
 //! hand-over needs its state.
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext};
 use rdkafka::error::{KafkaError, KafkaResult};
@@ -54,6 +55,45 @@ const MARKER_KEY: &[u8] = b"keyorder-marker";
 /// A consumer outside any group that reads state records.
 pub(crate) type Reader = BaseConsumer;
 
+/// When a state read gives up before it is done: past `until`, or once
+/// `stop` is set (the source closing: a close must not wait out a read).
+#[derive(Clone, Copy)]
+pub(crate) struct Limit<'a> {
+    pub(crate) until: Option<Instant>,
+    pub(crate) stop: &'a AtomicBool,
+}
+
+/// Never set: a read that only its own budget bounds.
+static NEVER: AtomicBool = AtomicBool::new(false);
+
+impl Limit<'static> {
+    /// Bounded by the read's own timeouts and [`READ_BUDGET`] only.
+    pub(crate) fn none() -> Self {
+        Limit {
+            until: None,
+            stop: &NEVER,
+        }
+    }
+}
+
+impl Limit<'_> {
+    /// `timeout`, cut to what is left; an error once stopped or past `until`.
+    fn left(&self, timeout: Duration) -> KafkaResult<Duration> {
+        if self.stop.load(Ordering::SeqCst) {
+            return Err(KafkaError::Canceled);
+        }
+        match self.until {
+            None => Ok(timeout),
+            Some(until) => match until.checked_duration_since(Instant::now()) {
+                Some(left) if !left.is_zero() => Ok(timeout.min(left)),
+                _ => Err(KafkaError::MessageConsumption(
+                    rdkafka::types::RDKafkaErrorCode::OperationTimedOut,
+                )),
+            },
+        }
+    }
+}
+
 /// A partition's saved progress.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Saved {
@@ -66,6 +106,10 @@ pub(crate) struct Saved {
     /// record's, or one per owner that appended a marker since (0: none).
     pub(crate) generation: u64,
     pub(crate) meta: String,
+    /// The generations of this group's records (keyed by
+    /// [`record_key`]) the read found: the claim's owner deletes their keys
+    /// once a record of its own is durable ([`tombstone`]).
+    pub(crate) older: Vec<u64>,
 }
 
 /// The key of a state record written by `group_id`'s owner of generation
@@ -137,9 +181,11 @@ fn append_markers(
     parts: &[i32],
     payload: impl Fn(i32) -> String,
     timeout: Duration,
+    limit: Limit<'_>,
 ) -> KafkaResult<HashMap<i32, i64>> {
     let mut ends = HashMap::new();
     for p in parts {
+        let timeout = limit.left(timeout)?;
         let body = payload(*p);
         let marker = FutureRecord::<[u8], [u8]>::to(state_topic)
             .partition(*p)
@@ -162,16 +208,17 @@ fn starts<C: ConsumerContext>(
     state_topic: &str,
     parts: &[i32],
     timeout: Duration,
+    limit: Limit<'_>,
 ) -> KafkaResult<HashMap<i32, i64>> {
     let mut tpl = TopicPartitionList::new();
     for p in parts {
         tpl.add_partition(state_topic, *p);
     }
-    let pointers = member.committed_offsets(tpl, timeout)?;
+    let pointers = member.committed_offsets(tpl, limit.left(timeout)?)?;
     let mut out = HashMap::new();
     for e in pointers.elements() {
         let p = e.partition();
-        let (low, _) = reader.fetch_watermarks(state_topic, p, timeout)?;
+        let (low, _) = reader.fetch_watermarks(state_topic, p, limit.left(timeout)?)?;
         let from = match e.offset() {
             Offset::Offset(o) if o >= 0 => o.max(low),
             _ => low,
@@ -190,13 +237,15 @@ const READ_BUDGET: Duration = Duration::from_secs(600);
 
 /// Reads partitions of `state_topic` from `starts` up to and including
 /// their `ends`, calling `visit(partition, offset, key, value)` in order.
-/// Fails after `idle` without a record, or after [`READ_BUDGET`] in all.
+/// Fails after `idle` without a record, after [`READ_BUDGET`] in all, or
+/// as `limit` says.
 fn read_range(
     reader: &Reader,
     state_topic: &str,
     starts: &HashMap<i32, i64>,
     ends: &HashMap<i32, i64>,
     idle: Duration,
+    limit: Limit<'_>,
     mut visit: impl FnMut(i32, i64, Option<&[u8]>, Option<&[u8]>),
 ) -> KafkaResult<()> {
     let mut left: HashMap<i32, i64> = ends
@@ -222,6 +271,12 @@ fn read_range(
             return Err(KafkaError::MessageConsumption(
                 rdkafka::types::RDKafkaErrorCode::OperationTimedOut,
             ));
+        }
+        // Checked at every poll: a close or a rebalance callback's bound
+        // must not wait out an idle timeout or the whole budget.
+        if let Err(e) = limit.left(idle) {
+            let _ = reader.unassign();
+            return Err(e);
         }
         let Some(r) = reader.poll(Duration::from_millis(50)) else {
             continue;
@@ -255,6 +310,8 @@ fn read_range(
 /// highest generation is the saved state. The claim's generation is above
 /// the marker's offset and every generation read, so claims made later
 /// (their markers land later) always rank higher, whatever was read.
+/// Each step waits at most `timeout`, and the whole read as `limit` says.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn load<C: ConsumerContext>(
     member: &BaseConsumer<C>,
     reader: &Reader,
@@ -263,29 +320,54 @@ pub(crate) fn load<C: ConsumerContext>(
     group_id: &str,
     parts: &[i32],
     timeout: Duration,
+    limit: Limit<'_>,
 ) -> KafkaResult<Vec<Saved>> {
     let state_topic = names.state();
-    let from = starts(member, reader, &state_topic, parts, timeout)?;
-    let ends = append_markers(producer, &state_topic, parts, |p| format!("{group_id}/{p}"), timeout)?;
+    let from = starts(member, reader, &state_topic, parts, timeout, limit)?;
+    let ends = append_markers(
+        producer,
+        &state_topic,
+        parts,
+        |p| format!("{group_id}/{p}"),
+        timeout,
+        limit,
+    )?;
     let mut best: HashMap<i32, Record> = HashMap::new();
-    read_range(reader, &state_topic, &from, &ends, timeout, |p, offset, key, value| {
-        if let Some(r) = record_of(group_id, offset, key, value) {
-            tracing::trace!(
-                partition = p,
-                offset,
-                generation = r.generation,
-                committed = r.committed,
-                "kafka: saved state record"
-            );
-            if ranks_above(&r, best.get(&p)) {
-                best.insert(p, r);
+    let mut older: HashMap<i32, Vec<u64>> = HashMap::new();
+    read_range(
+        reader,
+        &state_topic,
+        &from,
+        &ends,
+        timeout,
+        limit,
+        |p, offset, key, value| {
+            if let Some(r) = record_of(group_id, offset, key, value) {
+                // Keyed by generation (not wave 1's group alone): deletable.
+                if key != Some(group_id.as_bytes()) {
+                    let seen = older.entry(p).or_default();
+                    if !seen.contains(&r.generation) {
+                        seen.push(r.generation);
+                    }
+                }
+                tracing::trace!(
+                    partition = p,
+                    offset,
+                    generation = r.generation,
+                    committed = r.committed,
+                    "kafka: saved state record"
+                );
+                if ranks_above(&r, best.get(&p)) {
+                    best.insert(p, r);
+                }
             }
-        }
-    })?;
+        },
+    )?;
     let mut out: Vec<Saved> = parts
         .iter()
         .map(|p| {
             let end = ends.get(p).copied().unwrap_or(0).max(0) as u64;
+            let older = older.remove(p).unwrap_or_default();
             match best.remove(p) {
                 Some(r) => Saved {
                     partition: *p,
@@ -293,6 +375,7 @@ pub(crate) fn load<C: ConsumerContext>(
                     known: true,
                     generation: r.generation.max(end),
                     meta: r.meta,
+                    older,
                 },
                 None => Saved {
                     partition: *p,
@@ -300,12 +383,45 @@ pub(crate) fn load<C: ConsumerContext>(
                     known: false,
                     generation: end,
                     meta: String::new(),
+                    older,
                 },
             }
         })
         .collect();
     out.sort_by_key(|s| s.partition);
     Ok(out)
+}
+
+/// Deletes the keys of `group_id`'s records of `generations` on state
+/// partition `partition`: a tombstone (a null value) each, so compaction
+/// removes them and the topic does not keep one key per generation for
+/// good. Called by the owner of a higher generation once a record of its
+/// own is durable and its pointer check passed. No claim needs them then:
+/// a read starts at the pointer, at or before that record, and ranks it
+/// above every record tombstoned (all of lower generations); a claim's
+/// generation rests on its marker's offset and on the records it reads,
+/// and the newest record of the highest generation is never deleted. A
+/// stale owner's record landing after the tombstone survives it, as it
+/// would have without it, and ranks below.
+pub(crate) async fn tombstone(
+    producer: &FutureProducer,
+    names: &Names,
+    group_id: &str,
+    partition: i32,
+    generations: &[u64],
+) -> KafkaResult<()> {
+    let state_topic = names.state();
+    for g in generations {
+        let key = record_key(group_id, *g);
+        let record = FutureRecord::<[u8], [u8]>::to(&state_topic)
+            .partition(partition)
+            .key(key.as_bytes());
+        producer
+            .send(record, Duration::from_secs(10))
+            .await
+            .map_err(|(e, _)| e)?;
+    }
+    Ok(())
 }
 
 /// Moves `group_id`'s pointers into the state partitions: `list` holds
@@ -327,32 +443,42 @@ pub(crate) fn advance<C: ConsumerContext>(
     list: &[(i32, u64, i64)],
     timeout: Duration,
     mode: CommitMode,
+    limit: Limit<'_>,
 ) -> KafkaResult<Vec<i32>> {
     let state_topic = names.state();
     let parts: Vec<i32> = list.iter().map(|(p, _, _)| *p).collect();
-    let from = starts(member, reader, &state_topic, &parts, timeout)?;
+    let from = starts(member, reader, &state_topic, &parts, timeout, limit)?;
     let ends = append_markers(
         producer,
         &state_topic,
         &parts,
         |p| format!("{group_id}/{p}/check"),
         timeout,
+        limit,
     )?;
     let own: HashMap<i32, u64> = list.iter().map(|(p, g, _)| (*p, *g)).collect();
     let mut stale: Vec<i32> = Vec::new();
-    read_range(reader, &state_topic, &from, &ends, timeout, |p, offset, key, value| {
-        if let Some(r) = record_of(group_id, offset, key, value) {
-            if own.get(&p).is_some_and(|g| r.generation > *g) && !stale.contains(&p) {
-                tracing::debug!(
-                    partition = p,
-                    offset,
-                    generation = r.generation,
-                    "kafka: a newer owner wrote this partition's state"
-                );
-                stale.push(p);
+    read_range(
+        reader,
+        &state_topic,
+        &from,
+        &ends,
+        timeout,
+        limit,
+        |p, offset, key, value| {
+            if let Some(r) = record_of(group_id, offset, key, value) {
+                if own.get(&p).is_some_and(|g| r.generation > *g) && !stale.contains(&p) {
+                    tracing::debug!(
+                        partition = p,
+                        offset,
+                        generation = r.generation,
+                        "kafka: a newer owner wrote this partition's state"
+                    );
+                    stale.push(p);
+                }
             }
-        }
-    })?;
+        },
+    )?;
     let mut tpl = TopicPartitionList::new();
     for (p, _, at) in list {
         if !stale.contains(p) {
@@ -437,6 +563,7 @@ mod broker_tests {
                 &self.group_id,
                 &[0],
                 Duration::from_secs(10),
+                Limit::none(),
             )
             .unwrap()
             .remove(0);
@@ -462,6 +589,7 @@ mod broker_tests {
                 &[(0, generation, at)],
                 Duration::from_secs(10),
                 CommitMode::Sync,
+                Limit::none(),
             )
             .unwrap()
         }
@@ -489,6 +617,155 @@ mod broker_tests {
         assert!(g3 > g2, "generations never repeat: {a}, {g2}, then {g3}");
     }
 
+    /// After the next owner's record is durable and its pointer checked,
+    /// it deletes the earlier owner's record key: compacted (a tombstone
+    /// removes its key), the partition keeps no key of that generation, and
+    /// a claim still restores the newest owner's state with a generation
+    /// above every earlier one, even after a stale owner's late record.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tombstones_delete_earlier_generations_only() {
+        let b = Bench::new("tombstone").await;
+        let (_, a) = b.claim();
+        b.round(a, 10).await;
+        let (saved, g2) = b.claim();
+        assert_eq!(saved.older, vec![a], "the claim found the first owner's records");
+        assert!(b.round(g2, 20).await.is_empty(), "the pointer check passes");
+        tombstone(&b.t.state_producer, &b.names, &b.group_id, 0, &saved.older)
+            .await
+            .unwrap();
+        // The first owner, stalled, lands a late record after the tombstone.
+        b.round(a, 15).await;
+        let topic = b.names.state();
+        let ends = append_markers(
+            &b.t.state_producer,
+            &topic,
+            &[0],
+            |_| "end".into(),
+            Duration::from_secs(10),
+            Limit::none(),
+        )
+        .unwrap();
+        type Entry = (i64, Option<Vec<u8>>, Option<Vec<u8>>);
+        let mut log: Vec<Entry> = Vec::new();
+        read_range(
+            &b.reader,
+            &topic,
+            &HashMap::from([(0, 0)]),
+            &ends,
+            Duration::from_secs(10),
+            Limit::none(),
+            |_, offset, key, value| log.push((offset, key.map(<[u8]>::to_vec), value.map(<[u8]>::to_vec))),
+        )
+        .unwrap();
+        let first = record_key(&b.group_id, a).into_bytes();
+        let tombstoned = log
+            .iter()
+            .position(|(_, k, v)| k.as_deref() == Some(&first[..]) && v.is_none())
+            .expect("a tombstone for the first owner's key");
+        assert!(
+            !log.iter()
+                .any(|(_, k, v)| k.as_deref() == Some(record_key(&b.group_id, g2).as_bytes()) && v.is_none()),
+            "the newest owner's key is never deleted"
+        );
+        // Compaction: the newest entry of each key; a tombstone removes it.
+        let mut newest: HashMap<Option<Vec<u8>>, i64> = HashMap::new();
+        for (offset, key, _) in &log {
+            newest.insert(key.clone(), *offset);
+        }
+        let kept: Vec<&Entry> = log
+            .iter()
+            .filter(|(o, k, v)| newest.get(k) == Some(o) && v.is_some())
+            .collect();
+        let mut best: Option<Record> = None;
+        for (offset, key, value) in &kept {
+            if let Some(r) = record_of(&b.group_id, *offset, key.as_deref(), value.as_deref()) {
+                if ranks_above(&r, best.as_ref()) {
+                    best = Some(r);
+                }
+            }
+        }
+        let best = best.expect("the newest owner's record survives");
+        assert_eq!((best.generation, best.committed), (g2, 20));
+        assert!(
+            kept.iter()
+                .all(|(o, k, _)| k.as_deref() != Some(&first[..]) || *o > log[tombstoned].0),
+            "only the first owner's late record (after the tombstone) keeps its key"
+        );
+        let (saved, g3) = b.claim();
+        assert_eq!(saved.committed, 20, "a claim restores the newest owner's state");
+        assert!(g3 > g2, "generations still go up: {g2} then {g3}");
+    }
+
+    /// A read waiting for records that do not come gives up as its limit
+    /// says: at once when stopped (a close), at its deadline (an
+    /// assignment's bound), not after its idle timeout or its budget.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_read_stops_when_told_and_at_its_deadline() {
+        let b = Bench::new("stop").await;
+        let topic = b.names.state();
+        let end = append_markers(
+            &b.t.state_producer,
+            &topic,
+            &[0],
+            |_| "end".into(),
+            Duration::from_secs(10),
+            Limit::none(),
+        )
+        .unwrap()[&0];
+        // Past the marker nothing comes: the read waits for an end it
+        // never reaches.
+        let starts = HashMap::from([(0, end + 1)]);
+        let ends = HashMap::from([(0, end + 1_000)]);
+        let idle = Duration::from_secs(30);
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let setter = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            flag.store(true, Ordering::SeqCst);
+        });
+        let started = Instant::now();
+        let stopped = read_range(
+            &b.reader,
+            &topic,
+            &starts,
+            &ends,
+            idle,
+            Limit {
+                until: None,
+                stop: &stop,
+            },
+            |_, _, _, _| {},
+        );
+        setter.await.unwrap();
+        assert!(stopped.is_err(), "a stopped read fails");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "stopped after {:?}",
+            started.elapsed()
+        );
+
+        let never = AtomicBool::new(false);
+        let started = Instant::now();
+        let late = read_range(
+            &b.reader,
+            &topic,
+            &starts,
+            &ends,
+            idle,
+            Limit {
+                until: Some(started + Duration::from_millis(500)),
+                stop: &never,
+            },
+            |_, _, _, _| {},
+        );
+        assert!(late.is_err(), "a read past its deadline fails");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "gave up after {:?}",
+            started.elapsed()
+        );
+    }
+
     /// Finding 2 of issue 35: the state topic is compacted (the newest
     /// record of each key survives). After a stale owner's late record, the
     /// partition as compaction leaves it must still rank the newest owner's
@@ -509,6 +786,7 @@ mod broker_tests {
             &[0],
             |_| "end".into(),
             Duration::from_secs(10),
+            Limit::none(),
         )
         .unwrap();
         type Entry = (i64, Option<Vec<u8>>, Option<Vec<u8>>);
@@ -519,6 +797,7 @@ mod broker_tests {
             &HashMap::from([(0, 0)]),
             &ends,
             Duration::from_secs(10),
+            Limit::none(),
             |_, offset, key, value| log.push((offset, key.map(<[u8]>::to_vec), value.map(<[u8]>::to_vec))),
         )
         .unwrap();
