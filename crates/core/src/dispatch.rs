@@ -176,8 +176,10 @@ struct State {
 /// A suspect waits at most [`ISOLATION_WAIT`] for the handlers running
 /// when it came (and new ones wait behind it meanwhile): a slow or hung
 /// handler must not stop every key. Past it, the suspect runs beside them
-/// (a crash then charges them too, once). The subscriptions of a process
-/// share one gate ([`Dispatcher::new_in_process`]): a crash ends them all.
+/// (a crash then charges them too, once). Each subscription has a gate of
+/// its own; dispatchers made with [`Dispatcher::new_in_process`] share one
+/// (a crash ends every subscription of the process, but a shared gate lets
+/// one subscription's hung handler delay another's redelivered messages).
 #[derive(Default)]
 struct Gate {
     state: Mutex<GateState>,

@@ -831,7 +831,7 @@ async fn a_suspect_behind_a_hung_handler_runs_beside_it_after_the_isolation_wait
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn suspects_of_two_subscriptions_of_one_process_run_one_at_a_time() {
+async fn dispatchers_sharing_the_process_gate_run_their_suspects_one_at_a_time() {
     let running = Arc::new(AtomicUsize::new(0));
     let max = Arc::new(AtomicUsize::new(0));
     let mk = || {
@@ -853,7 +853,7 @@ async fn suspects_of_two_subscriptions_of_one_process_run_one_at_a_time() {
         .lock()
         .unwrap()
         .extend(["a-0".to_owned(), "b-0".to_owned()]);
-    // What a subscription runs: the process's gate.
+    // Dispatchers made to share the process's gate.
     let d1 = Dispatcher::new_in_process(cfg(), Arc::new(mk()), Arc::new(Stats::default()));
     let d2 = Dispatcher::new_in_process(cfg(), Arc::new(mk()), Arc::new(Stats::default()));
     let l = lease();

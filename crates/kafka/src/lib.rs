@@ -288,15 +288,20 @@ impl KafkaTransport {
         if fresh && self.cfg.create {
             let (dlq, state) = (names.dlq(), names.state());
             let rf = || TopicReplication::Fixed(self.cfg.replication);
+            self.create_topics(&[NewTopic::new(names.topic(), self.cfg.partitions, rf())])
+                .await?;
+            // The state and dead-letter topics take the topic's own count
+            // (one created earlier, by hand or with another `partitions`,
+            // keeps its own): the state topic's count is the layout.
+            let count = self.partition_count(names.topic()).await?;
             self.create_topics(&[
-                NewTopic::new(names.topic(), self.cfg.partitions, rf()),
-                NewTopic::new(&dlq, self.cfg.partitions, rf()),
+                NewTopic::new(&dlq, count, rf()),
                 // Compaction never touches the last hour of records: a
                 // claim or a pointer check reads from the pointer up to a
                 // marker of its own and must find every record written
                 // meanwhile (verification/kafka.pml; a read gives up long
                 // before an hour).
-                NewTopic::new(&state, self.cfg.partitions, rf())
+                NewTopic::new(&state, count, rf())
                     .set("cleanup.policy", "compact")
                     .set("min.compaction.lag.ms", STATE_MIN_COMPACTION_LAG_MS),
             ])
@@ -372,8 +377,20 @@ impl KafkaTransport {
                 );
                 Err(layout_changed(names, count, now))
             }
-            // Unreadable now: checked again next time.
-            _ => Ok(count),
+            Ok(Some(_)) => Ok(count),
+            // Unreadable now: not a check; the next one comes in a second.
+            _ => {
+                if let Some(l) = self
+                    .layouts
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get_mut(names.topic())
+                {
+                    let retry = LAYOUT_CHECK.saturating_sub(Duration::from_secs(1));
+                    l.checked = tokio::time::Instant::now().checked_sub(retry).unwrap_or(l.checked);
+                }
+                Ok(count)
+            }
         }
     }
 
@@ -551,12 +568,17 @@ impl Transport for KafkaTransport {
         let names = Names::new(category)?;
         self.ensure(&names).await?;
         self.check_layout(&names).await?;
-        Ok(Arc::new(KafkaPublisher { t: self.clone(), names }))
+        Ok(Arc::new(KafkaPublisher {
+            t: self.clone(),
+            names,
+            next: std::sync::atomic::AtomicU64::new(0),
+        }))
     }
 
     async fn open(&self, spec: &SourceSpec) -> Result<Box<dyn TransportSource>> {
         let names = Names::new(&spec.category)?;
-        let partitions = self.ensure(&names).await?;
+        self.ensure(&names).await?;
+        let partitions = self.check_layout(&names).await?;
         Ok(Box::new(
             source::Source::open(self.clone(), spec.clone(), names, partitions).await?,
         ))
@@ -570,6 +592,8 @@ impl Transport for KafkaTransport {
 struct KafkaPublisher {
     t: KafkaTransport,
     names: Names,
+    /// The next keyless record's partition (round robin).
+    next: std::sync::atomic::AtomicU64,
 }
 
 impl fmt::Debug for KafkaPublisher {
@@ -589,8 +613,13 @@ impl TransportPublisher for KafkaPublisher {
         // move keys before the check below notices.
         let count = self.t.check_layout(&self.names).await?;
         let key = message.key().map(|k| k.as_str().as_bytes());
-        // Keyless records carry no key: the partitioner spreads them.
-        let partition = key.map(|k| partition_for(k, count));
+        // Keyless records carry no key and spread, round robin, over the
+        // layout's partitions (never an added one, which nobody consumes).
+        let partition = match key {
+            Some(k) => partition_for(k, count),
+            None => (self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % count.max(1) as u64) as i32,
+        };
+        let partition = Some(partition);
         self.t
             .produce_to(
                 self.names.topic(),

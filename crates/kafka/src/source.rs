@@ -112,7 +112,15 @@ impl ConsumerContext for Ctx {
                 let deadline = std::time::Instant::now() + self.load_wait;
                 // Read the saved progress first: the assignment starts
                 // exactly where the state it comes with was written.
-                let parts = parts_of(tpl, &self.topic);
+                // A partition beyond the layout (added to the topic while
+                // in use) has no state partition and is never started: the
+                // subscription stops at its next `maintain` (C23).
+                let layout = self.shared.upgrade().map_or(i32::MAX, |s| s.partitions);
+                let (parts, outside): (Vec<i32>, Vec<i32>) =
+                    parts_of(tpl, &self.topic).into_iter().partition(|p| *p < layout);
+                if let (Some(p), Some(shared)) = (outside.iter().max(), self.shared.upgrade()) {
+                    shared.outside_layout.fetch_max(p + 1, Ordering::SeqCst);
+                }
                 tracing::debug!(instance = %self.instance, ?parts, "kafka: the group assigns; reading saved progress");
                 // Never start without it: a partition taken from its committed
                 // offset alone would run finished messages again. Retried up
@@ -350,6 +358,9 @@ pub(crate) struct Shared {
     checker: Mutex<Option<state::Reader>>,
     /// One pointer check at a time.
     checking: tokio::sync::Mutex<()>,
+    /// The highest partition beyond the layout the group assigned, plus
+    /// one (0: none); never loaded or started (C23).
+    outside_layout: std::sync::atomic::AtomicI32,
 }
 
 impl fmt::Debug for Shared {
@@ -941,6 +952,7 @@ impl Source {
             }),
             checker: Mutex::new(None),
             checking: tokio::sync::Mutex::new(()),
+            outside_layout: std::sync::atomic::AtomicI32::new(0),
         });
         check_partition_count(&t, &shared.names, &spec.group, partitions).await?;
         let (_, rx) = mpsc::unbounded_channel();
@@ -1501,8 +1513,16 @@ impl TransportSource for Source {
         self.join()?;
         // The topic still has its layout's count (C23): at most every
         // `LAYOUT_CHECK`, and at once when a partition beyond it came.
+        let outside = self.shared.outside_layout.load(Ordering::SeqCst);
         if let Some(p) = self.outside_layout {
             return Err(crate::layout_changed(&self.shared.names, self.shared.partitions, p + 1));
+        }
+        if outside > 0 {
+            return Err(crate::layout_changed(
+                &self.shared.names,
+                self.shared.partitions,
+                outside,
+            ));
         }
         self.shared.t.check_layout(&self.shared.names).await?;
         if tracing::enabled!(tracing::Level::TRACE)

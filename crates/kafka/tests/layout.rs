@@ -66,3 +66,42 @@ async fn a_topic_with_more_partitions_than_its_layout_is_refused_everywhere() {
         Ok(s) => panic!("scopes showed {s:?}"),
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topic_created_beforehand_gives_its_state_topic_its_own_count() {
+    use keyorder_kafka::rdkafka::consumer::{BaseConsumer, Consumer};
+    let cat = format!("layout-own-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let mut cfg = ClientConfig::new();
+    cfg.set("bootstrap.servers", common::brokers());
+    let admin: AdminClient<DefaultClientContext> = cfg.create().unwrap();
+    for r in admin
+        .create_topics(
+            &[NewTopic::new(&cat, 3, TopicReplication::Fixed(1))],
+            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+        )
+        .await
+        .unwrap()
+    {
+        r.unwrap();
+    }
+    // Configured with another count than the topic has.
+    let url = format!("kafka://{}?partitions=2", common::brokers());
+    let t = KafkaTransport::from_url(&url.parse().unwrap()).await.unwrap();
+    let client = Client::new(Arc::new(t));
+    let p = client
+        .publisher(&cat)
+        .await
+        .expect("the topic's own count is its layout");
+    p.publish(Message::new("m").with_key("k").unwrap()).await.unwrap();
+    let probe: BaseConsumer = cfg.create().unwrap();
+    let state = format!("{cat}.keyorder-state");
+    let n = tokio::task::spawn_blocking(move || {
+        probe
+            .fetch_metadata(Some(&state), Duration::from_secs(10))
+            .map(|md| md.topics().first().map_or(0, |t| t.partitions().len()))
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(n, 3, "the state topic has the topic's count, not the configured one");
+}

@@ -892,6 +892,13 @@ async fn publish_one(ctx: Arc<Ctx>, slot: u32, generation: i64, rec: Arc<Record>
             bump(&ctx.stats.fenced, "keyorder_outbox_fenced_total");
             Outcome::Fenced
         }
+        // The category refuses every publish (its scope layout changed while
+        // in use, C23): no fault of this record. It waits, without being
+        // parked or halted, until an operator fixes the category.
+        Err(e @ Error::Config(_)) => {
+            tracing::error!(key = %key_label, seq = rec.seq, error = %e, "outbox relay: the category refuses publishes; waiting");
+            Outcome::Retry(ctx.retry.max_backoff)
+        }
         Err(e) => {
             let attempts = attempts.max(1) as u32;
             let max = match ctx.poison {

@@ -34,6 +34,27 @@ pub(crate) async fn c23(ctx: &Ctx<'_>) -> Outcome {
     // every key every 20 ms.
     let publisher = client.publisher(&cat).await.map_err(err)?;
     let mut seq = 3u64;
+    // A few rounds before the change, through the same publisher, so that
+    // messages of every key are in flight across it.
+    for _ in 0..3 {
+        for key in &ks {
+            let payload = Payload {
+                key: key.clone(),
+                seq,
+                sleep_ms: 0,
+                poison: false,
+            };
+            let msg = Message::new(payload.encode()).with_key(key).map_err(err)?;
+            let id = msg.id().to_owned();
+            publisher.publish(msg).await.map_err(err)?;
+            published.push(Published {
+                id,
+                key: key.clone(),
+                seq,
+            });
+        }
+        seq += 1;
+    }
     let change = ctx
         .h
         .change_scope_count(&cat)
