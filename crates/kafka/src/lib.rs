@@ -439,19 +439,8 @@ impl KafkaTransport {
     pub(crate) async fn partition_count(&self, topic: &str) -> Result<i32> {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
         loop {
-            let producer = self.producer.clone();
-            let t = topic.to_owned();
-            let md = tokio::task::spawn_blocking(move || {
-                producer
-                    .client()
-                    .fetch_metadata(Some(&t), Duration::from_secs(10))
-                    .map(|md| md.topics().first().map(|t| (t.partitions().len(), t.error())))
-            })
-            .await
-            .map_err(kafka_err)?
-            .map_err(kafka_err)?;
-            match md {
-                Some((n, None)) if n > 0 => return Ok(n as i32),
+            match self.topic_count(topic).await? {
+                Some(n) => return Ok(n),
                 _ if tokio::time::Instant::now() > deadline => {
                     return Err(Error::Config(format!(
                         "kafka: topic `{topic}` does not exist: create it (e.g. with 8 partitions) or let keyorder \
