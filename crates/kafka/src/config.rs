@@ -35,7 +35,24 @@ impl Assignor {
 /// | `assignor` | `cooperative-sticky` | `cooperative-sticky` or `range` (eager) |
 /// | `fetch_wait_ms` | `10` | librdkafka `fetch.wait.max.ms`: the broker may hold every fetch this long |
 /// | `max_unfinished` | `512` | unfinished messages per partition before it is paused (bounds memory and commit metadata) |
+/// | `static_membership` | `false` | join as a static member (`group.instance.id` = the subscription's instance id): a restart does not move the other members' partitions (see below) |
 /// | `rdkafka.<name>` | | any librdkafka setting, passed through (e.g. `rdkafka.security.protocol=ssl`) |
+///
+/// **Static membership** (KIP-345). Each subscription joins with
+/// `group.instance.id` set to its [instance id](keyorder_core::SubscriptionBuilder::instance_id),
+/// which must then be a name that survives a restart (a pod's name) and is
+/// unique per group: ASCII letters, digits, `.`, `_` and `-`, at most 200
+/// bytes. A static member does not leave the group when it closes or
+/// crashes; its partitions stay with it, unread, until it comes back or its
+/// session times out (the lease TTL), and the other members' partitions
+/// never move meanwhile. A restarted member gets its partitions back without
+/// a rebalance, but the broker gives them to it without asking the previous
+/// incarnation, which may be stalled rather than dead: so a static member
+/// starts an assigned partition's work only `2 × ttl − margin` after the
+/// assignment, when the previous incarnation's leases have certainly ended.
+/// A member replaced by another with its instance id (librdkafka's fatal
+/// `FENCED_INSTANCE_ID`) loses every partition and its subscription fails,
+/// naming the fix. See BENCHMARKS.md for what this does to fail-over.
 ///
 /// ```
 /// use keyorder_kafka::{Assignor, KafkaConfig};
@@ -61,6 +78,8 @@ pub struct KafkaConfig {
     pub fetch_wait_ms: u32,
     /// Unfinished messages per partition before the partition is paused.
     pub max_unfinished: usize,
+    /// Join as a static member (`group.instance.id`).
+    pub static_membership: bool,
     /// librdkafka settings passed through.
     pub extra: BTreeMap<String, String>,
 }
@@ -75,6 +94,7 @@ impl Default for KafkaConfig {
             assignor: Assignor::CooperativeSticky,
             fetch_wait_ms: 10,
             max_unfinished: 512,
+            static_membership: false,
             extra: BTreeMap::new(),
         }
     }
@@ -130,14 +150,25 @@ impl KafkaConfig {
                         .filter(|n| (1..=4_096).contains(n))
                         .ok_or_else(|| bad(k, v, "1..=4096 (commit metadata lists every unfinished offset)"))?;
                 }
+                "static_membership" => {
+                    cfg.static_membership = v.parse().map_err(|_| bad(k, v, "true or false"))?;
+                }
                 other => match other.strip_prefix("rdkafka.") {
+                    Some("group.instance.id") => {
+                        return Err(Error::Url(
+                            "kafka:// option `rdkafka.group.instance.id`: use `static_membership=true` instead \
+                             (each subscription then joins with its own instance id; one id for every \
+                             subscription of a process would fence its own members)"
+                                .into(),
+                        ))
+                    }
                     Some(name) if !name.is_empty() => {
                         cfg.extra.insert(name.to_owned(), v.to_owned());
                     }
                     _ => {
                         return Err(Error::Url(format!(
                             "kafka:// has no option `{other}` (options: brokers, partitions, replication, create, \
-                             assignor, fetch_wait_ms, max_unfinished, rdkafka.<librdkafka setting>)"
+                             assignor, fetch_wait_ms, max_unfinished, static_membership, rdkafka.<librdkafka setting>)"
                         )))
                     }
                 },

@@ -361,6 +361,13 @@ pub(crate) struct Shared {
     /// The highest partition beyond the layout the group assigned, plus
     /// one (0: none); never loaded or started (C23).
     outside_layout: std::sync::atomic::AtomicI32,
+    /// The subscription's instance id (`group.instance.id` of a static member).
+    pub(crate) instance: String,
+    /// Joined as a static member.
+    pub(crate) static_member: bool,
+    /// Why librdkafka gave this member up for good (a fatal error, such as
+    /// another consumer joining with its `group.instance.id`).
+    fatal: Mutex<Option<String>>,
 }
 
 impl fmt::Debug for Shared {
@@ -667,7 +674,9 @@ impl Shared {
         match checked {
             Ok(Ok(stale)) => {
                 if !stale.is_empty() {
-                    self.lose_parts(&stale, true);
+                    // A static member does not rejoin: under its instance
+                    // id it would take them back from a newer incarnation.
+                    self.lose_parts(&stale, !self.static_member);
                 }
                 self.tombstone_superseded(&list, &stale).await;
             }
@@ -808,6 +817,86 @@ impl Shared {
         }
     }
 
+    /// librdkafka gave the member up for good: every partition is lost at
+    /// once, and the subscription fails at its next `maintain`.
+    pub(crate) fn fail(&self, why: String) {
+        let mut fatal = self.fatal.lock().unwrap_or_else(|e| e.into_inner());
+        if fatal.is_none() {
+            tracing::error!(topic = %self.names.topic(), error = %why, "kafka: the group member failed for good; its partitions are lost");
+            *fatal = Some(why);
+            drop(fatal);
+            self.lose_all("the group member failed");
+        }
+    }
+
+    /// A static member's confirmation: the broker hands a restarted
+    /// member's partitions to its new incarnation without asking the old
+    /// one, which may be stalled rather than dead, and not every broker
+    /// fences the old one (tansu 0.6 does not), so the state topic decides:
+    /// no newer claim of any owned partition may precede this check's
+    /// markers. A partition with one is lost here, and the member does not
+    /// rejoin for it: a newer incarnation with this instance id took over,
+    /// and a rejoin under the same id would take it back (the two would
+    /// take turns). On Apache Kafka the broker also fences the old
+    /// incarnation (`FENCED_INSTANCE_ID`), which fails its subscription.
+    async fn no_newer_claims(self: &Arc<Self>, parts: &[Arc<Part>]) -> bool {
+        let (Some(member), me) = (self.member(), self.clone()) else {
+            return false;
+        };
+        let own: Vec<(i32, u64)> = parts.iter().map(|p| (p.partition, p.lease.generation())).collect();
+        let group_id = self.names.group_id(&self.group);
+        let checked = tokio::task::spawn_blocking(move || {
+            let mut checker = me.checker.lock().unwrap_or_else(|e| e.into_inner());
+            if checker.is_none() {
+                let mut r = base_config(&me.t.cfg);
+                r.set("group.id", "keyorder-state-reader")
+                    .set("enable.auto.commit", "false");
+                *checker = Some(r.create()?);
+            }
+            let Some(reader) = checker.as_ref() else {
+                return Ok(Vec::new());
+            };
+            state::newer_claims(
+                &*member,
+                reader,
+                &me.t.state_producer,
+                &me.names,
+                &group_id,
+                &own,
+                Duration::from_secs(5),
+                state::Limit {
+                    until: None,
+                    stop: &me.closed,
+                },
+            )
+        })
+        .await;
+        match checked {
+            Ok(Ok(stale)) if stale.is_empty() => true,
+            Ok(Ok(stale)) => {
+                // Not rejoining (see `checkpoint`); the others are confirmed
+                // at the next heartbeat.
+                self.lose_parts(&stale, false);
+                false
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "kafka: static member's claim check failed; not confirmed");
+                false
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// How long a static member's assigned partition waits, after its
+    /// claim, before its work starts: the broker may have taken it from a
+    /// stalled incarnation with the same instance id, whose leases were last
+    /// confirmed by a claim check that began before this claim (see
+    /// [`Shared::no_newer_claims`]), so they end within `ttl - margin` of it;
+    /// one heartbeat more for slack.
+    pub(crate) fn static_start_wait(spec: &SourceSpec) -> Duration {
+        spec.lease.ttl.saturating_sub(spec.lease.margin) + spec.lease.heartbeat
+    }
+
     /// The heartbeat: confirms owned partitions with a round trip to the
     /// group coordinator, or marks them lost after a gap.
     async fn heartbeat(self: Arc<Self>, every: Duration) {
@@ -828,11 +917,19 @@ impl Shared {
             let parts = self.owned();
             let sent = Instant::now();
             let (topic, first) = (self.names.topic().to_owned(), parts.first().map_or(0, |p| p.partition));
-            let ok = tokio::task::spawn_blocking(move || membership_confirmed(&*member, &topic, first))
+            let mut ok = tokio::task::spawn_blocking(move || membership_confirmed(&*member, &topic, first))
                 .await
                 .unwrap_or(false);
+            if ok && self.static_member && !parts.is_empty() {
+                ok = self.no_newer_claims(&parts).await;
+            }
             if !ok {
                 tracing::debug!(topic = %self.names.topic(), "kafka: heartbeat round trip failed");
+                if let Some(member) = self.member() {
+                    if let Some((code, why)) = member.client().fatal_error() {
+                        self.fail(format!("{code:?}: {why}"));
+                    }
+                }
             }
             if ok && !self.check_gap() {
                 {
@@ -860,7 +957,49 @@ pub(crate) fn membership_confirmed<C: ConsumerContext>(member: &BaseConsumer<C>,
     let mut tpl = TopicPartitionList::new();
     tpl.add_partition(topic, partition);
     // Checked after the round trip: a loss while it ran is seen.
-    member.committed_offsets(tpl, Duration::from_secs(5)).is_ok() && !member.assignment_lost()
+    member.committed_offsets(tpl, Duration::from_secs(5)).is_ok()
+        && !member.assignment_lost()
+        && member.client().fatal_error().is_none()
+}
+
+/// Refuses a static member whose instance id cannot be a
+/// `group.instance.id`, or is already a member of the same group in this
+/// transport (the two would fence each other).
+fn check_static_member(t: &KafkaTransport, shared: &Arc<Shared>) -> Result<()> {
+    let id = &shared.instance;
+    let legal = !id.is_empty()
+        && id.len() <= 200
+        && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if !legal {
+        return Err(keyorder_core::Error::Config(
+            "kafka: static_membership=true needs an instance id of 1 to 200 ASCII letters, digits, `.`, `_` or `-` \
+             (set one that survives a restart, such as the pod's name, with .instance_id(...))"
+                .into(),
+        ));
+    }
+    let uuid_like = id.len() == 36 && id.bytes().filter(|b| *b == b'-').count() == 4;
+    if uuid_like {
+        tracing::warn!(
+            topic = %shared.names.topic(),
+            "kafka: static membership with a generated instance id: a restart joins as a new member and the old one \
+             keeps its partitions until its session times out; set .instance_id(...) to a name that survives a restart"
+        );
+    }
+    let group_id = shared.names.group_id(&shared.group);
+    let taken = t.registry.live().iter().any(|o| {
+        !Arc::ptr_eq(o, shared)
+            && o.static_member
+            && !o.closed.load(Ordering::SeqCst)
+            && o.instance == *id
+            && o.names.group_id(&o.group) == group_id
+    });
+    if taken {
+        return Err(keyorder_core::Error::Config(format!(
+            "kafka: group `{group_id}` already has a static member with this instance id in this process: \
+             give each subscription of a category and group its own .instance_id(...)"
+        )));
+    }
+    Ok(())
 }
 
 /// One partition's state in a write round.
@@ -881,6 +1020,9 @@ struct Pending {
 struct Local {
     held: VecDeque<Inbound>,
     paused: bool,
+    /// A static member's partition starts no work before this (see
+    /// [`Shared::static_start_wait`]).
+    start_at: Option<Instant>,
 }
 
 pub(crate) struct Source {
@@ -953,7 +1095,13 @@ impl Source {
             checker: Mutex::new(None),
             checking: tokio::sync::Mutex::new(()),
             outside_layout: std::sync::atomic::AtomicI32::new(0),
+            instance: spec.instance.clone(),
+            static_member: t.cfg.static_membership,
+            fatal: Mutex::new(None),
         });
+        if shared.static_member {
+            check_static_member(&t, &shared)?;
+        }
         check_partition_count(&t, &shared.names, &spec.group, partitions).await?;
         let (_, rx) = mpsc::unbounded_channel();
         let mut source = Source {
@@ -1028,6 +1176,9 @@ impl Source {
             .set("partition.assignment.strategy", cfg.assignor.name());
         for (k, v) in &cfg.extra {
             c.set(k, v);
+        }
+        if self.shared.static_member {
+            c.set("group.instance.id", &self.shared.instance);
         }
         c.set("max.poll.interval.ms", max_poll_ms.to_string());
         let (tx, rx) = mpsc::unbounded_channel();
@@ -1213,6 +1364,7 @@ impl Source {
                         Local {
                             held: VecDeque::new(),
                             paused: false,
+                            start_at: self.shared.static_member.then(|| Instant::now() + Shared::static_start_wait(&self.spec)),
                         },
                     );
                 }
@@ -1368,7 +1520,10 @@ impl Source {
         let mut order: Vec<i32> = self
             .local
             .iter()
-            .filter(|(_, l)| l.held.front().is_some_and(|f| !paused.contains(f.lease.scope())))
+            .filter(|(_, l)| {
+                l.held.front().is_some_and(|f| !paused.contains(f.lease.scope()))
+                    && l.start_at.is_none_or(|t| t <= Instant::now())
+            })
             .map(|(p, _)| *p)
             .collect();
         if order.is_empty() || out.len() >= max {
@@ -1428,6 +1583,16 @@ fn poll_loop(member: Arc<Member>, tx: mpsc::UnboundedSender<Ev>, stop: Arc<Atomi
                 if e.rdkafka_error_code() == Some(RDKafkaErrorCode::PollExceeded) {
                     if let Some(shared) = member.context().shared.upgrade() {
                         shared.lose_all("max.poll.interval.ms exceeded");
+                    }
+                }
+                // Given up for good (another consumer joined with this
+                // static member's instance id): nothing may run on.
+                // (An old member being replaced is not this source's any more.)
+                if let Some((code, why)) = member.client().fatal_error() {
+                    if let Some(shared) = member.context().shared.upgrade() {
+                        if shared.member().is_some_and(|m| Arc::ptr_eq(&m, &member)) {
+                            shared.fail(format!("{code:?}: {why}"));
+                        }
                     }
                 }
                 let _ = tx.send(Ev::Error(e.to_string()));
@@ -1525,6 +1690,20 @@ impl TransportSource for Source {
             ));
         }
         self.shared.t.check_layout(&self.shared.names).await?;
+        if let Some(why) = self.shared.fatal.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            let fix = if self.shared.static_member {
+                "another consumer joined the group with this instance id (static membership): a newer incarnation \
+                 of this instance took over, or two processes share an instance id; give each its own .instance_id(...)"
+            } else {
+                "see the error; the subscription must be opened again"
+            };
+            // Not retried (a `Broker` error would be): rejoining would
+            // take the partitions back from the newer incarnation.
+            return Err(keyorder_core::Error::Config(format!(
+                "kafka: the group member of `{}` failed for good ({why}): {fix}",
+                self.shared.names.topic()
+            )));
+        }
         if tracing::enabled!(tracing::Level::TRACE)
             && self.last_report.is_none_or(|t| t.elapsed() > Duration::from_secs(5))
         {

@@ -303,6 +303,11 @@ fn read_range(
     Ok(())
 }
 
+/// The value of the marker a claim of `partition` by `group_id` appends.
+fn claim_marker(group_id: &str, partition: i32) -> String {
+    format!("{group_id}/{partition}")
+}
+
 /// Reads the saved progress of `parts` for `group_id`, claiming them: a
 /// marker record is appended to each state partition (with `producer`),
 /// then every record from the group's pointer up to that marker is read
@@ -328,7 +333,7 @@ pub(crate) fn load<C: ConsumerContext>(
         producer,
         &state_topic,
         parts,
-        |p| format!("{group_id}/{p}"),
+        |p| claim_marker(group_id, p),
         timeout,
         limit,
     )?;
@@ -445,8 +450,38 @@ pub(crate) fn advance<C: ConsumerContext>(
     mode: CommitMode,
     limit: Limit<'_>,
 ) -> KafkaResult<Vec<i32>> {
+    let own: Vec<(i32, u64)> = list.iter().map(|(p, g, _)| (*p, *g)).collect();
+    let stale = newer_claims(member, reader, producer, names, group_id, &own, timeout, limit)?;
+    let mut tpl = TopicPartitionList::new();
+    for (p, _, at) in list {
+        if !stale.contains(p) {
+            tpl.add_partition_offset(&names.state(), *p, Offset::Offset(*at))?;
+        }
+    }
+    if tpl.count() > 0 {
+        member.commit(&tpl, mode)?;
+    }
+    Ok(stale)
+}
+
+/// The partitions of `own` (`(partition, the owner's generation)`) that a
+/// newer owner claimed or wrote: a marker is appended to each state
+/// partition and everything from the current pointer up to it is read. A
+/// claim made before the marker is seen; one made after it took its
+/// generation after the marker, that is after this call began.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn newer_claims<C: ConsumerContext>(
+    member: &BaseConsumer<C>,
+    reader: &Reader,
+    producer: &FutureProducer,
+    names: &Names,
+    group_id: &str,
+    own: &[(i32, u64)],
+    timeout: Duration,
+    limit: Limit<'_>,
+) -> KafkaResult<Vec<i32>> {
     let state_topic = names.state();
-    let parts: Vec<i32> = list.iter().map(|(p, _, _)| *p).collect();
+    let parts: Vec<i32> = own.iter().map(|(p, _)| *p).collect();
     let from = starts(member, reader, &state_topic, &parts, timeout, limit)?;
     let ends = append_markers(
         producer,
@@ -456,7 +491,7 @@ pub(crate) fn advance<C: ConsumerContext>(
         timeout,
         limit,
     )?;
-    let own: HashMap<i32, u64> = list.iter().map(|(p, g, _)| (*p, *g)).collect();
+    let own: HashMap<i32, u64> = own.iter().copied().collect();
     let mut stale: Vec<i32> = Vec::new();
     read_range(
         reader,
@@ -466,8 +501,12 @@ pub(crate) fn advance<C: ConsumerContext>(
         timeout,
         limit,
         |p, offset, key, value| {
+            let Some(g) = own.get(&p) else { return };
+            if stale.contains(&p) {
+                return;
+            }
             if let Some(r) = record_of(group_id, offset, key, value) {
-                if own.get(&p).is_some_and(|g| r.generation > *g) && !stale.contains(&p) {
+                if r.generation > *g {
                     tracing::debug!(
                         partition = p,
                         offset,
@@ -476,18 +515,19 @@ pub(crate) fn advance<C: ConsumerContext>(
                     );
                     stale.push(p);
                 }
+            } else if key == Some(MARKER_KEY)
+                && value == Some(claim_marker(group_id, p).as_bytes())
+                && offset >= 0
+                && offset as u64 + 1 > *g
+            {
+                // A claim's generation is its marker's offset plus one:
+                // a claim marker past this owner's is a newer owner's,
+                // which may not have written anything yet.
+                tracing::debug!(partition = p, offset, "kafka: a newer owner claimed this partition");
+                stale.push(p);
             }
         },
     )?;
-    let mut tpl = TopicPartitionList::new();
-    for (p, _, at) in list {
-        if !stale.contains(p) {
-            tpl.add_partition_offset(&state_topic, *p, Offset::Offset(*at))?;
-        }
-    }
-    if tpl.count() > 0 {
-        member.commit(&tpl, mode)?;
-    }
     Ok(stale)
 }
 
