@@ -41,6 +41,10 @@ pub(crate) struct FailoverArgs {
     /// Self-fence margin in ms.
     #[arg(long, default_value_t = 3_000)]
     margin_ms: u64,
+    /// The killed process comes back under its own instance id (a
+    /// supervisor's restart) instead of another instance taking over.
+    #[arg(long)]
+    restart: bool,
 }
 
 pub(crate) async fn run(a: FailoverArgs) -> anyhow::Result<()> {
@@ -95,7 +99,9 @@ pub(crate) async fn run(a: FailoverArgs) -> anyhow::Result<()> {
         .subscribe(&category, "g")
         .ordered_by(KeySource::routing_key())
         .lease(lease);
-    let i2 = Instance::start(builder, "i2", log.clone(), Arc::new(Switches::default())).await?;
+    // A restart keeps the instance id ("w1"); the log calls it "i2" either way.
+    let instance_id = if a.restart { "w1" } else { "i2" };
+    let i2 = Instance::start_as(builder, instance_id, "i2", log.clone(), Arc::new(Switches::default())).await?;
     let want: HashSet<String> = published.iter().map(|p| p.id.clone()).collect();
     let all = log.clone();
     run::wait_for_async(
@@ -129,8 +135,10 @@ pub(crate) async fn run(a: FailoverArgs) -> anyhow::Result<()> {
     );
     let failover_ms = first.saturating_sub(killed_at) as f64 / 1000.0;
     println!(
-        "failover {failover_ms:.0} ms after kill -9 (lease ttl {} ms, heartbeat {} ms); {verdict}",
-        a.ttl_ms, a.heartbeat_ms
+        "failover {failover_ms:.0} ms after kill -9, {} (lease ttl {} ms, heartbeat {} ms); {verdict}",
+        if a.restart { "restarted under its instance id" } else { "another instance takes over" },
+        a.ttl_ms,
+        a.heartbeat_ms
     );
     if !verdict.is_ok() {
         anyhow::bail!("the checker found defects: {verdict}");

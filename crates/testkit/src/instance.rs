@@ -160,9 +160,26 @@ impl Instance {
         Self::start_with(builder, id, logging_handler(log, id.to_owned(), switches)).await
     }
 
+    /// As [`Instance::start`], under the subscription instance id
+    /// `instance_id` and logged as `id` (a restarted process keeps its
+    /// instance id; the log tells the incarnations apart).
+    pub async fn start_as(
+        builder: SubscriptionBuilder,
+        instance_id: &str,
+        id: &str,
+        log: Arc<dyn EventLog>,
+        switches: Arc<Switches>,
+    ) -> Result<Instance> {
+        Self::run_built(builder.instance_id(instance_id), id, logging_handler(log, id.to_owned(), switches)).await
+    }
+
     /// Builds the subscription with `builder` and runs it with `handler`.
     pub async fn start_with<H: Handler>(builder: SubscriptionBuilder, id: &str, handler: H) -> Result<Instance> {
-        let subscription = builder.instance_id(id).build().await?;
+        Self::run_built(builder.instance_id(id), id, handler).await
+    }
+
+    async fn run_built<H: Handler>(builder: SubscriptionBuilder, id: &str, handler: H) -> Result<Instance> {
+        let subscription = builder.build().await?;
         let stats = subscription.stats();
         let (stop, stopped) = oneshot::channel::<()>();
         let join = tokio::spawn(subscription.run(handler, async move {
