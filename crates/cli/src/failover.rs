@@ -136,7 +136,11 @@ pub(crate) async fn run(a: FailoverArgs) -> anyhow::Result<()> {
     let failover_ms = first.saturating_sub(killed_at) as f64 / 1000.0;
     println!(
         "failover {failover_ms:.0} ms after kill -9, {} (lease ttl {} ms, heartbeat {} ms); {verdict}",
-        if a.restart { "restarted under its instance id" } else { "another instance takes over" },
+        if a.restart {
+            "restarted under its instance id"
+        } else {
+            "another instance takes over"
+        },
         a.ttl_ms,
         a.heartbeat_ms
     );

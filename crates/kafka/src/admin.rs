@@ -98,7 +98,7 @@ impl KafkaAdmin {
         let (n2, g2) = (names.clone(), names.group_id(group));
         let saved = tokio::task::spawn_blocking(move || {
             let parts: Vec<i32> = (0..n).collect();
-            state::load(
+            state::read_saved(
                 &c,
                 &reader,
                 &producer,

@@ -57,7 +57,7 @@ pub(crate) enum Ev {
     /// rebalance callback's entry): the leases are confirmed as of then,
     /// not as of when the event is applied, however long the read took.
     Assigned {
-        parts: Vec<(i32, i64, u64, String, Vec<u64>)>,
+        parts: Vec<(i32, i64, u64, String, Vec<u64>, String)>,
         at: Instant,
     },
     /// Partitions revoked; `reply` is dropped or sent once they may go.
@@ -192,7 +192,7 @@ impl ConsumerContext for Ctx {
                             Offset::Beginning
                         };
                         let _ = assign.add_partition_offset(&self.topic, s.partition, from);
-                        info.push((s.partition, s.committed, s.generation, s.meta, s.older));
+                        info.push((s.partition, s.committed, s.generation, s.meta, s.older, s.claim));
                     }
                     tracing::debug!(instance = %self.instance, ?parts, "kafka: saved progress read");
                     let _ = self.tx.send(Ev::Assigned { parts: info, at });
@@ -265,6 +265,8 @@ pub(crate) struct Part {
     /// Generations of earlier owners' records the claim found, whose keys
     /// are deleted after this owner's first checked pointer move.
     superseded: Mutex<Vec<u64>>,
+    /// The marker this owner's claim appended (see [`state::newer_claims`]).
+    claim: String,
 }
 
 /// A halted head as the owner keeps it.
@@ -643,6 +645,10 @@ impl Shared {
         let me = self.clone();
         let (group_id, names) = (self.names.group_id(&self.group), self.names.clone());
         let asked = list.clone();
+        let claims: HashMap<i32, String> = list
+            .iter()
+            .filter_map(|(p, _, _)| self.part(*p).map(|part| (*p, part.claim.clone())))
+            .collect();
         let checked = tokio::task::spawn_blocking(move || {
             let mut checker = me.checker.lock().unwrap_or_else(|e| e.into_inner());
             if checker.is_none() {
@@ -661,6 +667,7 @@ impl Shared {
                 &names,
                 &group_id,
                 &asked,
+                &claims,
                 Duration::from_secs(10),
                 CommitMode::Async,
                 // A close does not wait out the check's read.
@@ -844,6 +851,7 @@ impl Shared {
             return false;
         };
         let own: Vec<(i32, u64)> = parts.iter().map(|p| (p.partition, p.lease.generation())).collect();
+        let claims: HashMap<i32, String> = parts.iter().map(|p| (p.partition, p.claim.clone())).collect();
         let group_id = self.names.group_id(&self.group);
         let checked = tokio::task::spawn_blocking(move || {
             let mut checker = me.checker.lock().unwrap_or_else(|e| e.into_inner());
@@ -863,6 +871,7 @@ impl Shared {
                 &me.names,
                 &group_id,
                 &own,
+                &claims,
                 Duration::from_secs(5),
                 state::Limit {
                     until: None,
@@ -969,7 +978,9 @@ fn check_static_member(t: &KafkaTransport, shared: &Arc<Shared>) -> Result<()> {
     let id = &shared.instance;
     let legal = !id.is_empty()
         && id.len() <= 200
-        && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
     if !legal {
         return Err(keyorder_core::Error::Config(
             "kafka: static_membership=true needs an instance id of 1 to 200 ASCII letters, digits, `.`, `_` or `-` \
@@ -1324,7 +1335,7 @@ impl Source {
                     let mut last = self.shared.last_confirm.lock().unwrap_or_else(|e| e.into_inner());
                     *last = (*last).max(sent);
                 }
-                for (partition, committed, saved_generation, meta, older) in list {
+                for (partition, committed, saved_generation, meta, older, claim) in list {
                     if partition >= self.shared.partitions {
                         // Added to the topic while in use: keys moved into
                         // it. Never started (C23).
@@ -1346,6 +1357,7 @@ impl Source {
                         releasing: AtomicBool::new(false),
                         heads: Mutex::default(),
                         superseded: Mutex::new(older),
+                        claim,
                     });
                     tracing::debug!(instance = %self.spec.instance, scope = %scope, generation, from = committed, "kafka: assigned");
                     metrics::counter!("keyorder_kafka_partitions_assigned_total").increment(1);
@@ -1364,7 +1376,10 @@ impl Source {
                         Local {
                             held: VecDeque::new(),
                             paused: false,
-                            start_at: self.shared.static_member.then(|| Instant::now() + Shared::static_start_wait(&self.spec)),
+                            start_at: self
+                                .shared
+                                .static_member
+                                .then(|| Instant::now() + Shared::static_start_wait(&self.spec)),
                         },
                     );
                 }
@@ -1628,7 +1643,7 @@ async fn check_partition_count(t: &KafkaTransport, names: &Names, group: &str, p
     let (n2, g2) = (names.clone(), names.group_id(group));
     let saved = tokio::task::spawn_blocking(move || {
         let parts: Vec<i32> = (0..partitions).collect();
-        state::load(
+        state::read_saved(
             &probe,
             &reader,
             &producer,

@@ -106,6 +106,9 @@ pub(crate) struct Saved {
     /// record's, or one per owner that appended a marker since (0: none).
     pub(crate) generation: u64,
     pub(crate) meta: String,
+    /// The marker this claim appended (what tells its own claim from a
+    /// newer owner's in later checks).
+    pub(crate) claim: String,
     /// The generations of this group's records (keyed by
     /// [`record_key`]) the read found: the claim's owner deletes their keys
     /// once a record of its own is durable ([`tombstone`]).
@@ -303,9 +306,20 @@ fn read_range(
     Ok(())
 }
 
-/// The value of the marker a claim of `partition` by `group_id` appends.
+/// The value of the marker a claim of `partition` by `group_id` appends:
+/// `<group_id>/<partition>#<a token of this claim>` (earlier versions
+/// appended `<group_id>/<partition>` alone).
 fn claim_marker(group_id: &str, partition: i32) -> String {
-    format!("{group_id}/{partition}")
+    format!("{group_id}/{partition}#{}", uuid::Uuid::new_v4().simple())
+}
+
+/// Whether `value` is a claim marker of `partition` by `group_id` (of this
+/// version or an earlier one).
+fn is_claim_marker(value: &[u8], group_id: &str, partition: i32) -> bool {
+    let prefix = format!("{group_id}/{partition}");
+    value
+        .strip_prefix(prefix.as_bytes())
+        .is_some_and(|rest| rest.is_empty() || rest.first() == Some(&b'#'))
 }
 
 /// Reads the saved progress of `parts` for `group_id`, claiming them: a
@@ -327,13 +341,56 @@ pub(crate) fn load<C: ConsumerContext>(
     timeout: Duration,
     limit: Limit<'_>,
 ) -> KafkaResult<Vec<Saved>> {
+    load_as(member, reader, producer, names, group_id, parts, timeout, limit, true)
+}
+
+/// As [`load`], for a reader that owns nothing (an operator's view, a
+/// subscription's check at open): its markers are not claims, so the
+/// owners' claim checks do not take them for a newer owner's.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn read_saved<C: ConsumerContext>(
+    member: &BaseConsumer<C>,
+    reader: &Reader,
+    producer: &FutureProducer,
+    names: &Names,
+    group_id: &str,
+    parts: &[i32],
+    timeout: Duration,
+    limit: Limit<'_>,
+) -> KafkaResult<Vec<Saved>> {
+    load_as(member, reader, producer, names, group_id, parts, timeout, limit, false)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn load_as<C: ConsumerContext>(
+    member: &BaseConsumer<C>,
+    reader: &Reader,
+    producer: &FutureProducer,
+    names: &Names,
+    group_id: &str,
+    parts: &[i32],
+    timeout: Duration,
+    limit: Limit<'_>,
+    claiming: bool,
+) -> KafkaResult<Vec<Saved>> {
     let state_topic = names.state();
     let from = starts(member, reader, &state_topic, parts, timeout, limit)?;
+    let claims: HashMap<i32, String> = parts
+        .iter()
+        .map(|p| {
+            let marker = if claiming {
+                claim_marker(group_id, *p)
+            } else {
+                format!("{group_id}/{p}/read")
+            };
+            (*p, marker)
+        })
+        .collect();
     let ends = append_markers(
         producer,
         &state_topic,
         parts,
-        |p| claim_marker(group_id, p),
+        |p| claims.get(&p).cloned().unwrap_or_default(),
         timeout,
         limit,
     )?;
@@ -373,6 +430,7 @@ pub(crate) fn load<C: ConsumerContext>(
         .map(|p| {
             let end = ends.get(p).copied().unwrap_or(0).max(0) as u64;
             let older = older.remove(p).unwrap_or_default();
+            let claim = claims.get(p).cloned().unwrap_or_default();
             match best.remove(p) {
                 Some(r) => Saved {
                     partition: *p,
@@ -380,6 +438,7 @@ pub(crate) fn load<C: ConsumerContext>(
                     known: true,
                     generation: r.generation.max(end),
                     meta: r.meta,
+                    claim,
                     older,
                 },
                 None => Saved {
@@ -388,6 +447,7 @@ pub(crate) fn load<C: ConsumerContext>(
                     known: false,
                     generation: end,
                     meta: String::new(),
+                    claim,
                     older,
                 },
             }
@@ -446,12 +506,13 @@ pub(crate) fn advance<C: ConsumerContext>(
     names: &Names,
     group_id: &str,
     list: &[(i32, u64, i64)],
+    claims: &HashMap<i32, String>,
     timeout: Duration,
     mode: CommitMode,
     limit: Limit<'_>,
 ) -> KafkaResult<Vec<i32>> {
     let own: Vec<(i32, u64)> = list.iter().map(|(p, g, _)| (*p, *g)).collect();
-    let stale = newer_claims(member, reader, producer, names, group_id, &own, timeout, limit)?;
+    let stale = newer_claims(member, reader, producer, names, group_id, &own, claims, timeout, limit)?;
     let mut tpl = TopicPartitionList::new();
     for (p, _, at) in list {
         if !stale.contains(p) {
@@ -467,8 +528,11 @@ pub(crate) fn advance<C: ConsumerContext>(
 /// The partitions of `own` (`(partition, the owner's generation)`) that a
 /// newer owner claimed or wrote: a marker is appended to each state
 /// partition and everything from the current pointer up to it is read. A
-/// claim made before the marker is seen; one made after it took its
-/// generation after the marker, that is after this call began.
+/// record of a higher generation is a newer owner's; so is another claim
+/// marker read after the owner's own (`claims`: the marker its claim
+/// appended), or read at all when its own lies before the pointer (then
+/// everything read came after it). A claim made before the check's marker
+/// is seen; one made after it took its generation after this call began.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn newer_claims<C: ConsumerContext>(
     member: &BaseConsumer<C>,
@@ -477,6 +541,7 @@ pub(crate) fn newer_claims<C: ConsumerContext>(
     names: &Names,
     group_id: &str,
     own: &[(i32, u64)],
+    claims: &HashMap<i32, String>,
     timeout: Duration,
     limit: Limit<'_>,
 ) -> KafkaResult<Vec<i32>> {
@@ -493,6 +558,9 @@ pub(crate) fn newer_claims<C: ConsumerContext>(
     )?;
     let own: HashMap<i32, u64> = own.iter().copied().collect();
     let mut stale: Vec<i32> = Vec::new();
+    // Per partition: its own claim marker was read; another's after it.
+    let mut own_seen: HashMap<i32, bool> = HashMap::new();
+    let mut foreign_after: HashMap<i32, bool> = HashMap::new();
     read_range(
         reader,
         &state_topic,
@@ -515,19 +583,31 @@ pub(crate) fn newer_claims<C: ConsumerContext>(
                     );
                     stale.push(p);
                 }
-            } else if key == Some(MARKER_KEY)
-                && value == Some(claim_marker(group_id, p).as_bytes())
-                && offset >= 0
-                && offset as u64 + 1 > *g
-            {
-                // A claim's generation is its marker's offset plus one:
-                // a claim marker past this owner's is a newer owner's,
-                // which may not have written anything yet.
-                tracing::debug!(partition = p, offset, "kafka: a newer owner claimed this partition");
-                stale.push(p);
+            } else if let (Some(MARKER_KEY), Some(value), Some(mine)) = (key, value, claims.get(&p)) {
+                if !is_claim_marker(value, group_id, p) {
+                    return;
+                }
+                if value == mine.as_bytes() {
+                    own_seen.insert(p, true);
+                    foreign_after.insert(p, false);
+                } else {
+                    // A newer owner's claim, which may not have written
+                    // anything yet, if it lies after this owner's.
+                    foreign_after.insert(p, true);
+                }
             }
         },
     )?;
+    for (p, after) in foreign_after {
+        if after && !stale.contains(&p) {
+            tracing::debug!(
+                partition = p,
+                own_claim_read = own_seen.get(&p).copied().unwrap_or(false),
+                "kafka: a newer owner claimed this partition"
+            );
+            stale.push(p);
+        }
+    }
     Ok(stale)
 }
 
@@ -627,6 +707,7 @@ mod broker_tests {
                 &self.names,
                 &self.group_id,
                 &[(0, generation, at)],
+                &HashMap::new(),
                 Duration::from_secs(10),
                 CommitMode::Sync,
                 Limit::none(),

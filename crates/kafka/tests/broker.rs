@@ -108,7 +108,12 @@ fn markers(state_topic: &str, p: i32, group_id: &str) -> usize {
     let deadline = std::time::Instant::now() + Duration::from_secs(2);
     while std::time::Instant::now() < deadline {
         if let Some(Ok(m)) = c.poll(Duration::from_millis(100)) {
-            if m.key() == Some(b"keyorder-marker".as_slice()) && m.payload() == Some(want.as_bytes()) {
+            // `<group>/<partition>#<claim token>`.
+            let claim = m
+                .payload()
+                .and_then(|v| v.strip_prefix(want.as_bytes()))
+                .is_some_and(|rest| rest.first() == Some(&b'#'));
+            if m.key() == Some(b"keyorder-marker".as_slice()) && claim {
                 n += 1;
             }
         }

@@ -170,7 +170,12 @@ impl Instance {
         log: Arc<dyn EventLog>,
         switches: Arc<Switches>,
     ) -> Result<Instance> {
-        Self::run_built(builder.instance_id(instance_id), id, logging_handler(log, id.to_owned(), switches)).await
+        Self::run_built(
+            builder.instance_id(instance_id),
+            id,
+            logging_handler(log, id.to_owned(), switches),
+        )
+        .await
     }
 
     /// Builds the subscription with `builder` and runs it with `handler`.
