@@ -341,13 +341,15 @@ async fn a_static_member_needs_its_own_legal_instance_id() {
         .await
         .unwrap();
     drop(first);
-    let err = KafkaTransport::from_url(
+    let err = match KafkaTransport::from_url(
         &format!("kafka://{}?rdkafka.group.instance.id=x", common::brokers())
             .parse()
             .unwrap(),
     )
     .await
-    .err()
-    .expect("group.instance.id passed through is refused");
+    {
+        Ok(_) => panic!("group.instance.id passed through is refused"),
+        Err(e) => e,
+    };
     assert!(err.to_string().contains("static_membership=true"), "{err}");
 }
