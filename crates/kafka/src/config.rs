@@ -47,9 +47,13 @@ impl Assignor {
 /// session times out (the lease TTL), and the other members' partitions
 /// never move meanwhile. A restarted member gets its partitions back without
 /// a rebalance, but the broker gives them to it without asking the previous
-/// incarnation, which may be stalled rather than dead: so a static member
-/// starts an assigned partition's work only `2 × ttl − margin` after the
-/// assignment, when the previous incarnation's leases have certainly ended.
+/// incarnation, which may be stalled rather than dead, and not every broker
+/// fences it: so a static member confirms its leases through a claim check
+/// against the state topic at every heartbeat, and starts an assigned
+/// partition's work only `ttl − margin + heartbeat` after its claim, when
+/// every lease the previous incarnation confirmed before that claim has
+/// ended. This wait applies to every assignment of a static member (with
+/// the eager `range` assignor, every rebalance re-assigns every partition).
 /// A member replaced by another with its instance id (librdkafka's fatal
 /// `FENCED_INSTANCE_ID`) loses every partition and its subscription fails,
 /// naming the fix. See BENCHMARKS.md for what this does to fail-over.

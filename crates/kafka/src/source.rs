@@ -649,6 +649,7 @@ impl Shared {
             .iter()
             .filter_map(|(p, _, _)| self.part(*p).map(|part| (*p, part.claim.clone())))
             .collect();
+        let checked_claims = claims.clone();
         let checked = tokio::task::spawn_blocking(move || {
             let mut checker = me.checker.lock().unwrap_or_else(|e| e.into_inner());
             if checker.is_none() {
@@ -683,7 +684,7 @@ impl Shared {
                 if !stale.is_empty() {
                     // A static member does not rejoin: under its instance
                     // id it would take them back from a newer incarnation.
-                    self.lose_parts(&stale, !self.static_member);
+                    self.lose_claims(&stale, Some(&checked_claims), !self.static_member);
                 }
                 self.tombstone_superseded(&list, &stale).await;
             }
@@ -740,9 +741,26 @@ impl Shared {
     /// state for them (a stall, a cut from the coordinator), or their revoke
     /// did not drain in time. Their leases are lost before they go.
     pub(crate) fn lose_parts(&self, stale: &[i32], rejoin: bool) {
+        self.lose_claims(stale, None, rejoin);
+    }
+
+    /// As [`Shared::lose_parts`], for what a claim check found stale: only
+    /// the claims it checked (`claims`) are lost. A partition claimed here
+    /// again since (the group handed it back during the check) holds a
+    /// newer claim, which the check read as another owner's: it stays.
+    fn lose_claims(&self, stale: &[i32], claims: Option<&HashMap<i32, String>>, rejoin: bool) {
         let lost: Vec<Arc<Part>> = {
             let mut parts = self.parts.lock().unwrap_or_else(|e| e.into_inner());
-            stale.iter().filter_map(|p| parts.remove(p)).collect()
+            let checked: Vec<i32> = stale
+                .iter()
+                .copied()
+                .filter(|p| match (claims.map(|c| c.get(p)), parts.get(p)) {
+                    (None, _) => true,
+                    (Some(c), Some(part)) => c == Some(&part.claim),
+                    (Some(_), None) => false,
+                })
+                .collect();
+            checked.iter().filter_map(|p| parts.remove(p)).collect()
         };
         if lost.is_empty() {
             return;
@@ -852,6 +870,7 @@ impl Shared {
         };
         let own: Vec<(i32, u64)> = parts.iter().map(|p| (p.partition, p.lease.generation())).collect();
         let claims: HashMap<i32, String> = parts.iter().map(|p| (p.partition, p.claim.clone())).collect();
+        let checked_claims = claims.clone();
         let group_id = self.names.group_id(&self.group);
         let checked = tokio::task::spawn_blocking(move || {
             let mut checker = me.checker.lock().unwrap_or_else(|e| e.into_inner());
@@ -885,7 +904,7 @@ impl Shared {
             Ok(Ok(stale)) => {
                 // Not rejoining (see `checkpoint`); the others are confirmed
                 // at the next heartbeat.
-                self.lose_parts(&stale, false);
+                self.lose_claims(&stale, Some(&checked_claims), false);
                 false
             }
             Ok(Err(e)) => {

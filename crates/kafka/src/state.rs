@@ -308,18 +308,18 @@ fn read_range(
 
 /// The value of the marker a claim of `partition` by `group_id` appends:
 /// `<group_id>/<partition>#<a token of this claim>` (earlier versions
-/// appended `<group_id>/<partition>` alone).
+/// appended `<group_id>/<partition>` alone, also for reads that own nothing).
 fn claim_marker(group_id: &str, partition: i32) -> String {
     format!("{group_id}/{partition}#{}", uuid::Uuid::new_v4().simple())
 }
 
-/// Whether `value` is a claim marker of `partition` by `group_id` (of this
-/// version or an earlier one).
+/// Whether `value` is a claim marker of `partition` by `group_id`. The
+/// bare form earlier versions appended is not: they appended it for reads
+/// that own nothing too (an operator's view, the check at open), so it
+/// cannot tell a claim (run every process of a deployment on one version).
 fn is_claim_marker(value: &[u8], group_id: &str, partition: i32) -> bool {
-    let prefix = format!("{group_id}/{partition}");
-    value
-        .strip_prefix(prefix.as_bytes())
-        .is_some_and(|rest| rest.is_empty() || rest.first() == Some(&b'#'))
+    let prefix = format!("{group_id}/{partition}#");
+    value.starts_with(prefix.as_bytes())
 }
 
 /// Reads the saved progress of `parts` for `group_id`, claiming them: a
