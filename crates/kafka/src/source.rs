@@ -57,7 +57,7 @@ pub(crate) enum Ev {
     /// rebalance callback's entry): the leases are confirmed as of then,
     /// not as of when the event is applied, however long the read took.
     Assigned {
-        parts: Vec<(i32, i64, u64, String, Vec<u64>, String)>,
+        parts: Vec<(i32, i64, u64, String, Vec<u64>, (String, i64))>,
         at: Instant,
     },
     /// Partitions revoked; `reply` is dropped or sent once they may go.
@@ -132,6 +132,13 @@ impl ConsumerContext for Ctx {
                     stop: &self.stopping,
                 };
                 let mut saved = None;
+                // A static member's claims name its instance id (see
+                // `Shared::taken_over`).
+                let instance = self
+                    .shared
+                    .upgrade()
+                    .filter(|s| s.static_member)
+                    .map(|s| s.instance.clone());
                 while saved.is_none() && !self.stopping.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
                     match state::load(
                         c,
@@ -142,6 +149,7 @@ impl ConsumerContext for Ctx {
                         &parts,
                         Duration::from_secs(10),
                         limit,
+                        instance.as_deref(),
                     ) {
                         Ok(list) => saved = Some(list),
                         Err(e) => {
@@ -192,7 +200,14 @@ impl ConsumerContext for Ctx {
                             Offset::Beginning
                         };
                         let _ = assign.add_partition_offset(&self.topic, s.partition, from);
-                        info.push((s.partition, s.committed, s.generation, s.meta, s.older, s.claim));
+                        info.push((
+                            s.partition,
+                            s.committed,
+                            s.generation,
+                            s.meta,
+                            s.older,
+                            (s.claim, s.claim_from),
+                        ));
                     }
                     tracing::debug!(instance = %self.instance, ?parts, "kafka: saved progress read");
                     let _ = self.tx.send(Ev::Assigned { parts: info, at });
@@ -267,6 +282,17 @@ pub(crate) struct Part {
     superseded: Mutex<Vec<u64>>,
     /// The marker this owner's claim appended (see [`state::newer_claims`]).
     claim: String,
+    /// Where the claim's read started (see [`state::Saved::claim_from`]).
+    claim_from: i64,
+}
+
+/// A partition a static member's gap lost, with its claim.
+#[derive(Clone, Debug)]
+struct GapLost {
+    partition: i32,
+    generation: u64,
+    claim: String,
+    from: i64,
 }
 
 /// A halted head as the owner keeps it.
@@ -350,6 +376,9 @@ pub(crate) struct Shared {
     last_confirm: Mutex<Instant>,
     /// The self-fence found a gap: replace the member.
     pub(crate) replace: AtomicBool,
+    /// A static member's claims the last gap lost, checked before it
+    /// rejoins (see [`Shared::taken_over`]).
+    gap_lost: Mutex<Vec<GapLost>>,
     /// Session timeout less one heartbeat: past it, ownership is presumed lost.
     gap: Duration,
     /// Operator actions for the owner (in-process admin).
@@ -432,12 +461,86 @@ impl Shared {
                 "kafka: ownership unconfirmed past the session timeout; partitions lost, rejoining"
             );
         }
+        if self.static_member {
+            self.gap_lost
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend(lost.iter().map(|p| GapLost {
+                    partition: p.partition,
+                    generation: p.lease.generation(),
+                    claim: p.claim.clone(),
+                    from: p.claim_from,
+                }));
+        }
         for p in lost {
             p.lease.lose();
         }
         self.replace.store(true, Ordering::SeqCst);
         self.completed.send_modify(|_| {});
         true
+    }
+
+    /// Whether a newer incarnation of this static member (the same
+    /// instance id) claimed a partition the last gap lost, read from the
+    /// state topic before the member rejoins. A static member silent past
+    /// the session timeout (a `SIGSTOP`) cannot tell from the gap alone
+    /// whether its own rejoin was slow, the broker gave its partitions to
+    /// other members, or a newer incarnation took its instance id over:
+    /// only the last forbids a rejoin (under the same id it would take the
+    /// partitions back, and the two would take turns). Apache Kafka also
+    /// fences the old incarnation (`FENCED_INSTANCE_ID`); tansu 0.6 does
+    /// not. `Err` when the state topic could not be read: the member does
+    /// not rejoin until it can.
+    pub(crate) async fn taken_over(self: &Arc<Self>) -> std::result::Result<Vec<i32>, String> {
+        let lost: Vec<GapLost> = self.gap_lost.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if lost.is_empty() {
+            return Ok(Vec::new());
+        }
+        let Some(member) = self.member() else {
+            return Err("no group member to read the group's pointers with".into());
+        };
+        let me = self.clone();
+        let group_id = self.names.group_id(&self.group);
+        let checked = tokio::task::spawn_blocking(move || {
+            let mut checker = me.checker.lock().unwrap_or_else(|e| e.into_inner());
+            if checker.is_none() {
+                let mut r = base_config(&me.t.cfg);
+                r.set("group.id", "keyorder-state-reader")
+                    .set("enable.auto.commit", "false");
+                *checker = Some(r.create()?);
+            }
+            let Some(reader) = checker.as_ref() else {
+                return Ok(state::Newer::default());
+            };
+            let own: Vec<(i32, u64)> = lost.iter().map(|l| (l.partition, l.generation)).collect();
+            let claims: HashMap<i32, String> = lost.iter().map(|l| (l.partition, l.claim.clone())).collect();
+            let from: HashMap<i32, i64> = lost.iter().map(|l| (l.partition, l.from)).collect();
+            state::newer_claims_by(
+                &*member,
+                reader,
+                &me.t.state_producer,
+                &me.names,
+                &group_id,
+                &own,
+                &claims,
+                Some(&from),
+                Duration::from_secs(5),
+                state::Limit {
+                    until: None,
+                    stop: &me.closed,
+                },
+                Some(&me.instance),
+            )
+        })
+        .await;
+        match checked {
+            Ok(Ok(newer)) => {
+                self.gap_lost.lock().unwrap_or_else(|e| e.into_inner()).clear();
+                Ok(newer.by_instance)
+            }
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(e) => Err(e.to_string()),
+        }
     }
 
     /// Asks for a commit carrying everything recorded so far and waits for
@@ -881,9 +984,9 @@ impl Shared {
                 *checker = Some(r.create()?);
             }
             let Some(reader) = checker.as_ref() else {
-                return Ok(Vec::new());
+                return Ok(state::Newer::default());
             };
-            state::newer_claims(
+            state::newer_claims_by(
                 &*member,
                 reader,
                 &me.t.state_producer,
@@ -891,17 +994,26 @@ impl Shared {
                 &group_id,
                 &own,
                 &claims,
+                None,
                 Duration::from_secs(5),
                 state::Limit {
                     until: None,
                     stop: &me.closed,
                 },
+                Some(&me.instance),
             )
         })
         .await;
         match checked {
-            Ok(Ok(stale)) if stale.is_empty() => true,
-            Ok(Ok(stale)) => {
+            Ok(Ok(newer)) if newer.stale.is_empty() => true,
+            Ok(Ok(newer)) if !newer.by_instance.is_empty() => {
+                self.fail(format!(
+                    "a newer incarnation with this instance id claimed partitions {:?}",
+                    newer.by_instance
+                ));
+                false
+            }
+            Ok(Ok(state::Newer { stale, .. })) => {
                 // Not rejoining (see `checkpoint`); the others are confirmed
                 // at the next heartbeat.
                 self.lose_claims(&stale, Some(&checked_claims), false);
@@ -1114,6 +1226,7 @@ impl Source {
             wake: Notify::new(),
             last_confirm: Mutex::new(Instant::now()),
             replace: AtomicBool::new(false),
+            gap_lost: Mutex::default(),
             gap: ttl.saturating_sub(spec.lease.heartbeat),
             events: Mutex::default(),
             closed: AtomicBool::new(false),
@@ -1354,7 +1467,7 @@ impl Source {
                     let mut last = self.shared.last_confirm.lock().unwrap_or_else(|e| e.into_inner());
                     *last = (*last).max(sent);
                 }
-                for (partition, committed, saved_generation, meta, older, claim) in list {
+                for (partition, committed, saved_generation, meta, older, (claim, claim_from)) in list {
                     if partition >= self.shared.partitions {
                         // Added to the topic while in use: keys moved into
                         // it. Never started (C23).
@@ -1377,6 +1490,7 @@ impl Source {
                         heads: Mutex::default(),
                         superseded: Mutex::new(older),
                         claim,
+                        claim_from,
                     });
                     tracing::debug!(instance = %self.spec.instance, scope = %scope, generation, from = committed, "kafka: assigned");
                     metrics::counter!("keyorder_kafka_partitions_assigned_total").increment(1);
@@ -1724,6 +1838,19 @@ impl TransportSource for Source {
             ));
         }
         self.shared.t.check_layout(&self.shared.names).await?;
+        if self.shared.replace.load(Ordering::SeqCst) && self.shared.static_member {
+            match self.shared.taken_over().await {
+                Ok(taken) if taken.is_empty() => {}
+                Ok(taken) => self.shared.fail(format!(
+                    "a newer incarnation with this instance id claimed partitions {taken:?} while this one was silent past the session timeout"
+                )),
+                Err(e) => {
+                    // Not rejoining unchecked: retried at the next call.
+                    tracing::warn!(topic = %self.shared.names.topic(), error = %e, "kafka: static member: could not read the state topic for a newer incarnation's claims; not rejoining yet");
+                    return Ok(std::mem::take(&mut self.events));
+                }
+            }
+        }
         if let Some(why) = self.shared.fatal.lock().unwrap_or_else(|e| e.into_inner()).clone() {
             let fix = if self.shared.static_member {
                 "another consumer joined the group with this instance id (static membership): a newer incarnation \

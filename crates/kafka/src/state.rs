@@ -109,6 +109,9 @@ pub(crate) struct Saved {
     /// The marker this claim appended (what tells its own claim from a
     /// newer owner's in later checks).
     pub(crate) claim: String,
+    /// Where this claim's read started (at or before its marker): a later
+    /// read from here sees every claim made after it.
+    pub(crate) claim_from: i64,
     /// The generations of this group's records (keyed by
     /// [`record_key`]) the read found: the claim's owner deletes their keys
     /// once a record of its own is durable ([`tombstone`]).
@@ -307,10 +310,26 @@ fn read_range(
 }
 
 /// The value of the marker a claim of `partition` by `group_id` appends:
-/// `<group_id>/<partition>#<a token of this claim>` (earlier versions
-/// appended `<group_id>/<partition>` alone, also for reads that own nothing).
-fn claim_marker(group_id: &str, partition: i32) -> String {
-    format!("{group_id}/{partition}#{}", uuid::Uuid::new_v4().simple())
+/// `<group_id>/<partition>#<a token of this claim>`, followed by
+/// `@<instance id>` for a static member's claim, so that a stalled
+/// incarnation can tell a newer one with its instance id took over (see
+/// [`newer_claims_by`]). Earlier versions appended `<group_id>/<partition>`
+/// alone, also for reads that own nothing.
+fn claim_marker(group_id: &str, partition: i32, instance: Option<&str>) -> String {
+    let token = uuid::Uuid::new_v4().simple();
+    match instance {
+        Some(id) => format!("{group_id}/{partition}#{token}@{id}"),
+        None => format!("{group_id}/{partition}#{token}"),
+    }
+}
+
+/// The static member's instance id a claim marker of `partition` by
+/// `group_id` carries, if any.
+fn claim_instance<'v>(value: &'v [u8], group_id: &str, partition: i32) -> Option<&'v [u8]> {
+    let prefix = format!("{group_id}/{partition}#");
+    let token = value.strip_prefix(prefix.as_bytes())?;
+    let at = token.iter().position(|b| *b == b'@')?;
+    Some(&token[at + 1..])
 }
 
 /// Whether `value` is a claim marker of `partition` by `group_id`. The
@@ -340,8 +359,19 @@ pub(crate) fn load<C: ConsumerContext>(
     parts: &[i32],
     timeout: Duration,
     limit: Limit<'_>,
+    instance: Option<&str>,
 ) -> KafkaResult<Vec<Saved>> {
-    load_as(member, reader, producer, names, group_id, parts, timeout, limit, true)
+    load_as(
+        member,
+        reader,
+        producer,
+        names,
+        group_id,
+        parts,
+        timeout,
+        limit,
+        Some(instance),
+    )
 }
 
 /// As [`load`], for a reader that owns nothing (an operator's view, a
@@ -358,7 +388,7 @@ pub(crate) fn read_saved<C: ConsumerContext>(
     timeout: Duration,
     limit: Limit<'_>,
 ) -> KafkaResult<Vec<Saved>> {
-    load_as(member, reader, producer, names, group_id, parts, timeout, limit, false)
+    load_as(member, reader, producer, names, group_id, parts, timeout, limit, None)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -371,15 +401,16 @@ fn load_as<C: ConsumerContext>(
     parts: &[i32],
     timeout: Duration,
     limit: Limit<'_>,
-    claiming: bool,
+    // `Some(static member's instance id, if any)`: a claim.
+    claiming: Option<Option<&str>>,
 ) -> KafkaResult<Vec<Saved>> {
     let state_topic = names.state();
     let from = starts(member, reader, &state_topic, parts, timeout, limit)?;
     let claims: HashMap<i32, String> = parts
         .iter()
         .map(|p| {
-            let marker = if claiming {
-                claim_marker(group_id, *p)
+            let marker = if let Some(instance) = claiming {
+                claim_marker(group_id, *p, instance)
             } else {
                 format!("{group_id}/{p}/read")
             };
@@ -431,6 +462,7 @@ fn load_as<C: ConsumerContext>(
             let end = ends.get(p).copied().unwrap_or(0).max(0) as u64;
             let older = older.remove(p).unwrap_or_default();
             let claim = claims.get(p).cloned().unwrap_or_default();
+            let claim_from = from.get(p).copied().unwrap_or(0);
             match best.remove(p) {
                 Some(r) => Saved {
                     partition: *p,
@@ -439,6 +471,7 @@ fn load_as<C: ConsumerContext>(
                     generation: r.generation.max(end),
                     meta: r.meta,
                     claim,
+                    claim_from,
                     older,
                 },
                 None => Saved {
@@ -448,6 +481,7 @@ fn load_as<C: ConsumerContext>(
                     generation: end,
                     meta: String::new(),
                     claim,
+                    claim_from,
                     older,
                 },
             }
@@ -545,9 +579,56 @@ pub(crate) fn newer_claims<C: ConsumerContext>(
     timeout: Duration,
     limit: Limit<'_>,
 ) -> KafkaResult<Vec<i32>> {
+    newer_claims_by(
+        member, reader, producer, names, group_id, own, claims, None, timeout, limit, None,
+    )
+    .map(|n| n.stale)
+}
+
+/// What [`newer_claims_by`] found.
+#[derive(Debug, Default)]
+pub(crate) struct Newer {
+    /// The partitions a newer owner claimed or wrote.
+    pub(crate) stale: Vec<i32>,
+    /// Those of them whose newer claim a static member with the asked
+    /// instance id made: a newer incarnation of the same instance.
+    pub(crate) by_instance: Vec<i32>,
+}
+
+/// As [`newer_claims`], also telling which newer claims a static member
+/// with `instance` made (a newer incarnation of a stalled one). With
+/// `from` (where each claim's read started, [`Saved::claim_from`]) the read
+/// starts there rather than at the pointer: a newer owner may have moved
+/// the pointer past its own claim.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn newer_claims_by<C: ConsumerContext>(
+    member: &BaseConsumer<C>,
+    reader: &Reader,
+    producer: &FutureProducer,
+    names: &Names,
+    group_id: &str,
+    own: &[(i32, u64)],
+    claims: &HashMap<i32, String>,
+    from: Option<&HashMap<i32, i64>>,
+    timeout: Duration,
+    limit: Limit<'_>,
+    instance: Option<&str>,
+) -> KafkaResult<Newer> {
     let state_topic = names.state();
     let parts: Vec<i32> = own.iter().map(|(p, _)| *p).collect();
-    let from = starts(member, reader, &state_topic, &parts, timeout, limit)?;
+    let from = match from {
+        Some(from) => {
+            // Never below the low watermark (a read from there would wait
+            // for records that are gone).
+            let mut out = HashMap::new();
+            for p in &parts {
+                let (low, _) = reader.fetch_watermarks(&state_topic, *p, limit.left(timeout)?)?;
+                out.insert(*p, from.get(p).copied().unwrap_or(low).max(low));
+            }
+            out
+        }
+        None => starts(member, reader, &state_topic, &parts, timeout, limit)?,
+    };
     let ends = append_markers(
         producer,
         &state_topic,
@@ -561,6 +642,8 @@ pub(crate) fn newer_claims<C: ConsumerContext>(
     // Per partition: its own claim marker was read; another's after it.
     let mut own_seen: HashMap<i32, bool> = HashMap::new();
     let mut foreign_after: HashMap<i32, bool> = HashMap::new();
+    // Per partition: the latest foreign claim after its own is this instance's.
+    let mut same_after: HashMap<i32, bool> = HashMap::new();
     read_range(
         reader,
         &state_topic,
@@ -590,10 +673,14 @@ pub(crate) fn newer_claims<C: ConsumerContext>(
                 if value == mine.as_bytes() {
                     own_seen.insert(p, true);
                     foreign_after.insert(p, false);
+                    same_after.insert(p, false);
                 } else {
                     // A newer owner's claim, which may not have written
                     // anything yet, if it lies after this owner's.
                     foreign_after.insert(p, true);
+                    if instance.is_some_and(|id| claim_instance(value, group_id, p) == Some(id.as_bytes())) {
+                        same_after.insert(p, true);
+                    }
                 }
             }
         },
@@ -608,7 +695,12 @@ pub(crate) fn newer_claims<C: ConsumerContext>(
             stale.push(p);
         }
     }
-    Ok(stale)
+    let by_instance = same_after
+        .into_iter()
+        .filter(|(_, after)| *after)
+        .map(|(p, _)| p)
+        .collect();
+    Ok(Newer { stale, by_instance })
 }
 
 #[cfg(test)]
@@ -684,6 +776,7 @@ mod broker_tests {
                 &[0],
                 Duration::from_secs(10),
                 Limit::none(),
+                None,
             )
             .unwrap()
             .remove(0);

@@ -404,12 +404,11 @@ async fn static_member_child() {
 /// incarnation (on Apache Kafka it fences the newer one; on tansu it claims
 /// over it). It fails naming the fix, and the newer incarnation keeps
 /// every partition.
-// Fails today (seen: the stalled incarnation rejoins and takes the
-// partitions back). Making a gap fatal for a static member fixes it but
-// also fails a member whose own restart leaves it unconfirmed past the gap
-// (the restart test above): the fix must tell the two apart. Open
-// follow-up of issue 35.
-#[ignore = "known defect: a stalled static member rejoins under a newer incarnation's id (issue 35 follow-up)"]
+// Failed before the fix (the stalled incarnation rejoined and took the
+// partitions back): a gap alone cannot tell a take-over from the member's
+// own slow rejoin (the restart test above), so a static member's claims
+// name its instance id and, before rejoining after a gap, it reads the
+// state topic for a newer claim under its id.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_static_member_does_not_take_its_id_back_from_a_newer_incarnation() {
     use tokio::io::AsyncBufReadExt;
