@@ -492,6 +492,7 @@ async fn a_stalled_static_member_does_not_take_its_id_back_from_a_newer_incarnat
         applied(&log, &sent, Duration::from_secs(90), "a round after the stall ended").await;
     }
     let why = ended.lock().unwrap().clone().unwrap();
+    eprintln!("the stalled incarnation ended: {why}");
     assert!(
         why.starts_with("error") && why.contains("instance id"),
         "the stalled incarnation's run ends with an error naming the fix: {why}"
