@@ -22,6 +22,27 @@ impl Assignor {
     }
 }
 
+/// Where a partition without saved progress (never consumed by this
+/// keyorder group) starts.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum StartAt {
+    /// Its first retained message (the default): nothing is skipped, a
+    /// topic adopted with history replays all of it.
+    #[default]
+    Earliest,
+    /// The end at the partition's first assignment: messages published
+    /// before it are never delivered to this group (skipped, not lost to
+    /// other groups); per-key order holds from there.
+    Latest,
+    /// Where another consumer group (one that consumed the topic before
+    /// keyorder) committed, read once when the subscription opens; a
+    /// partition it never committed starts at its earliest message. What
+    /// that group had delivered but not committed runs again (at least
+    /// once), in partition order, so per-key order holds; stop that group's
+    /// consumers first, or both groups process the topic.
+    Group(String),
+}
+
 /// Configuration of the Kafka transport.
 ///
 /// URL options (query string):
@@ -35,6 +56,8 @@ impl Assignor {
 /// | `assignor` | `cooperative-sticky` | `cooperative-sticky` or `range` (eager) |
 /// | `fetch_wait_ms` | `10` | librdkafka `fetch.wait.max.ms`: the broker may hold every fetch this long |
 /// | `max_unfinished` | `512` | unfinished messages per partition before it is paused (bounds memory and commit metadata) |
+/// | `start` | `earliest` | where a partition this group never consumed starts: `earliest`, `latest`, or `group:<group id>` (another group's committed offsets); see [`StartAt`] |
+/// | `reset_layout` | `false` | when the category's `.keyorder-state` and `.dlq` topics hold no records and their partition count is not the topic's (left by an earlier attempt), delete and recreate them with the topic's count; refused when either holds records |
 /// | `static_membership` | `false` | join as a static member (`group.instance.id` = the subscription's instance id): a restart does not move the other members' partitions (see below) |
 /// | `rdkafka.<name>` | | any librdkafka setting, passed through (e.g. `rdkafka.security.protocol=ssl`) |
 ///
@@ -59,11 +82,13 @@ impl Assignor {
 /// naming the fix. See BENCHMARKS.md for what this does to fail-over.
 ///
 /// ```
-/// use keyorder_kafka::{Assignor, KafkaConfig};
+/// use keyorder_kafka::{Assignor, KafkaConfig, StartAt};
 /// let url = url::Url::parse("kafka://127.0.0.1:9092?partitions=4&assignor=range").unwrap();
 /// let cfg = KafkaConfig::from_url(&url).unwrap();
 /// assert_eq!(cfg.partitions, 4);
 /// assert_eq!(cfg.assignor, Assignor::Range);
+/// let url = url::Url::parse("kafka://127.0.0.1:9092?start=group:legacy-billing").unwrap();
+/// assert_eq!(KafkaConfig::from_url(&url).unwrap().start, StartAt::Group("legacy-billing".into()));
 /// assert!(KafkaConfig::from_url(&url::Url::parse("kafka://127.0.0.1?partitions=0").unwrap()).is_err());
 /// ```
 #[derive(Debug, Clone)]
@@ -84,6 +109,11 @@ pub struct KafkaConfig {
     pub max_unfinished: usize,
     /// Join as a static member (`group.instance.id`).
     pub static_membership: bool,
+    /// Where a partition without saved progress starts.
+    pub start: StartAt,
+    /// Recreate empty state and dead-letter topics whose count is not the
+    /// topic's.
+    pub reset_layout: bool,
     /// librdkafka settings passed through.
     pub extra: BTreeMap<String, String>,
 }
@@ -99,6 +129,8 @@ impl Default for KafkaConfig {
             fetch_wait_ms: 10,
             max_unfinished: 512,
             static_membership: false,
+            start: StartAt::Earliest,
+            reset_layout: false,
             extra: BTreeMap::new(),
         }
     }
@@ -157,6 +189,21 @@ impl KafkaConfig {
                 "static_membership" => {
                     cfg.static_membership = v.parse().map_err(|_| bad(k, v, "true or false"))?;
                 }
+                "reset_layout" => {
+                    cfg.reset_layout = v.parse().map_err(|_| bad(k, v, "true or false"))?;
+                }
+                "start" => {
+                    cfg.start = match v {
+                        "earliest" => StartAt::Earliest,
+                        "latest" => StartAt::Latest,
+                        _ => match v.strip_prefix("group:") {
+                            Some(g) if !g.is_empty() && g.len() <= 249 && !g.chars().any(char::is_control) => {
+                                StartAt::Group(g.to_owned())
+                            }
+                            _ => return Err(bad(k, v, "earliest, latest or group:<group id>")),
+                        },
+                    }
+                }
                 other => match other.strip_prefix("rdkafka.") {
                     Some("group.instance.id") => {
                         return Err(Error::Url(
@@ -172,7 +219,8 @@ impl KafkaConfig {
                     _ => {
                         return Err(Error::Url(format!(
                             "kafka:// has no option `{other}` (options: brokers, partitions, replication, create, \
-                             assignor, fetch_wait_ms, max_unfinished, static_membership, rdkafka.<librdkafka setting>)"
+                             assignor, fetch_wait_ms, max_unfinished, static_membership, start, reset_layout, \
+                             rdkafka.<librdkafka setting>)"
                         )))
                     }
                 },

@@ -25,7 +25,7 @@ use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
-pub use crate::config::{Assignor, KafkaConfig};
+pub use crate::config::{Assignor, KafkaConfig, StartAt};
 pub use rdkafka;
 
 /// The header carrying a message's id.
@@ -317,7 +317,25 @@ impl KafkaTransport {
         // outside keyorder, the state topic still to come) is its own.
         let layout = self.topic_count(&names.state()).await?.unwrap_or(n);
         if layout != n {
-            return Err(layout_changed(names, layout, n));
+            // An empty state topic was most likely left by an earlier
+            // attempt (earlier versions created it with `partitions`, not
+            // the topic's count): recreated when the URL allows it.
+            if !self.topic_empty(&names.state()).await? {
+                return Err(layout_changed(names, layout, n));
+            }
+            if !self.cfg.reset_layout {
+                return Err(Error::Config(format!(
+                    "kafka: topic `{}` has {n} partitions, but its state topic `{}` has {layout} and holds no \
+                     records (left by an earlier attempt, or partitions were added before any subscription \
+                     ran). Fix: add `reset_layout=true` to the kafka:// URL once; keyorder then recreates the \
+                     empty state topic with {n} partitions. If partitions were added to `{0}` after messages \
+                     were published, its older messages of a key may lie in another partition than its newer \
+                     ones: drain the topic first",
+                    names.topic(),
+                    names.state()
+                )));
+            }
+            self.recreate_state_topic(names, n).await?;
         }
         self.layouts.lock().unwrap_or_else(|e| e.into_inner()).insert(
             names.topic().to_owned(),
@@ -412,6 +430,67 @@ impl KafkaTransport {
             Some((n, None)) if n > 0 => Some(n as i32),
             _ => None,
         })
+    }
+
+    /// Whether every partition of `topic` is empty (its low and high
+    /// watermarks are equal).
+    pub(crate) async fn topic_empty(&self, topic: &str) -> Result<bool> {
+        let Some(n) = self.topic_count(topic).await? else {
+            return Ok(true);
+        };
+        let producer = self.producer.clone();
+        let t = topic.to_owned();
+        tokio::task::spawn_blocking(move || {
+            for p in 0..n {
+                let (low, high) = producer.client().fetch_watermarks(&t, p, Duration::from_secs(10))?;
+                if high > low {
+                    return Ok::<bool, rdkafka::error::KafkaError>(false);
+                }
+            }
+            Ok(true)
+        })
+        .await
+        .map_err(kafka_err)?
+        .map_err(kafka_err)
+    }
+
+    /// Deletes the (empty) state topic of `names` and creates it again
+    /// with `count` partitions (`reset_layout=true`).
+    async fn recreate_state_topic(&self, names: &Names, count: i32) -> Result<()> {
+        let state = names.state();
+        let admin: AdminClient<DefaultClientContext> = base_config(&self.cfg).create().map_err(kafka_err)?;
+        let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+        for r in admin.delete_topics(&[&state], &opts).await.map_err(kafka_err)? {
+            if let Err((topic, code)) = r {
+                if code != RDKafkaErrorCode::UnknownTopicOrPartition {
+                    return Err(Error::Broker(format!(
+                        "kafka: deleting the empty state topic `{topic}`: {code}"
+                    )));
+                }
+            }
+        }
+        // The deletion may take a moment to show: create until the broker
+        // has the new count.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            self.create_topics(&[
+                NewTopic::new(&state, count, TopicReplication::Fixed(self.cfg.replication))
+                    .set("cleanup.policy", "compact")
+                    .set("min.compaction.lag.ms", STATE_MIN_COMPACTION_LAG_MS),
+            ])
+            .await?;
+            if self.topic_count(&state).await? == Some(count) {
+                break;
+            }
+            if tokio::time::Instant::now() > deadline {
+                return Err(Error::Broker(format!(
+                    "kafka: the state topic `{state}` was deleted but not recreated with {count} partitions in 30 s"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        tracing::warn!(topic = names.topic(), state = %state, count, "kafka: reset_layout: recreated the empty state topic with the topic's partition count");
+        Ok(())
     }
 
     /// Creates `topics`; one that already exists is fine.

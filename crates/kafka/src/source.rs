@@ -100,6 +100,45 @@ fn parts_of(tpl: &TopicPartitionList, topic: &str) -> Vec<i32> {
         .collect()
 }
 
+impl Ctx {
+    /// Where each of `fresh` (partitions without saved progress) starts,
+    /// as the `start` option says; absent: at the beginning.
+    fn first_offsets(
+        &self,
+        c: &BaseConsumer<Self>,
+        fresh: &[i32],
+        deadline: std::time::Instant,
+    ) -> std::result::Result<HashMap<i32, i64>, String> {
+        let mut out = HashMap::new();
+        let Some(shared) = self.shared.upgrade() else {
+            return Ok(out);
+        };
+        match &shared.t.cfg.start {
+            crate::StartAt::Earliest => {}
+            crate::StartAt::Group(_) => {
+                for p in fresh {
+                    if let Some(o) = shared.start_offsets.get(p) {
+                        out.insert(*p, *o);
+                    }
+                }
+            }
+            crate::StartAt::Latest => {
+                for p in fresh {
+                    let left = deadline.saturating_duration_since(std::time::Instant::now());
+                    if left.is_zero() {
+                        return Err("the assignment's wait ran out".into());
+                    }
+                    let (_, high) = c
+                        .fetch_watermarks(&self.topic, *p, left.min(Duration::from_secs(10)))
+                        .map_err(|e| e.to_string())?;
+                    out.insert(*p, high);
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
 impl ConsumerContext for Ctx {
     fn rebalance(&self, c: &BaseConsumer<Self>, err: RDKafkaRespErr, tpl: &mut TopicPartitionList) {
         let cooperative = matches!(c.rebalance_protocol(), RebalanceProtocol::Cooperative);
@@ -190,12 +229,34 @@ impl ConsumerContext for Ctx {
                         shared.replace.store(true, Ordering::SeqCst);
                     }
                 }
+                // Where partitions this group never consumed start (the
+                // `start` option); not readable in time: none start, the
+                // member rejoins (as for saved progress).
+                let mut firsts = HashMap::new();
+                if let Some(list) = &saved {
+                    let fresh: Vec<i32> = list.iter().filter(|s| !s.known).map(|s| s.partition).collect();
+                    match self.first_offsets(c, &fresh, deadline) {
+                        Ok(f) => firsts = f,
+                        Err(e) => {
+                            tracing::warn!(instance = %self.instance, error = %e, "kafka: start offsets not read in time; not starting the assigned partitions, rejoining");
+                            saved = None;
+                            if let Some(shared) = self.shared.upgrade() {
+                                shared.replace.store(true, Ordering::SeqCst);
+                            }
+                        }
+                    }
+                }
                 let mut assign = TopicPartitionList::new();
                 if let Some(saved) = saved {
                     let mut info = Vec::new();
-                    for s in saved {
+                    for mut s in saved {
                         let from = if s.known {
                             Offset::Offset(s.committed)
+                        } else if let Some(first) = firsts.get(&s.partition) {
+                            // The track starts there too, so that its first
+                            // commit does not point back to the beginning.
+                            s.committed = *first;
+                            Offset::Offset(*first)
                         } else {
                             Offset::Beginning
                         };
@@ -396,6 +457,8 @@ pub(crate) struct Shared {
     pub(crate) instance: String,
     /// Joined as a static member.
     pub(crate) static_member: bool,
+    /// `start=group:<id>`: that group's committed offsets, read at open.
+    start_offsets: HashMap<i32, i64>,
     /// Why librdkafka gave this member up for good (a fatal error, such as
     /// another consumer joining with its `group.instance.id`).
     fatal: Mutex<Option<String>>,
@@ -1212,6 +1275,7 @@ impl Drop for Source {
 impl Source {
     pub(crate) async fn open(t: KafkaTransport, spec: SourceSpec, names: Names, partitions: i32) -> Result<Self> {
         let ttl = spec.lease.ttl;
+        let names_for_start = names.clone();
         let (completed, _) = watch::channel(0);
         let shared = Arc::new(Shared {
             t: t.clone(),
@@ -1240,6 +1304,10 @@ impl Source {
             outside_layout: std::sync::atomic::AtomicI32::new(0),
             instance: spec.instance.clone(),
             static_member: t.cfg.static_membership,
+            start_offsets: match &t.cfg.start {
+                crate::StartAt::Group(g) => group_offsets(&t, &names_for_start, g, partitions).await?,
+                _ => HashMap::new(),
+            },
             fatal: Mutex::new(None),
         });
         if shared.static_member {
@@ -1763,6 +1831,48 @@ fn poll_loop(member: Arc<Member>, tx: mpsc::UnboundedSender<Ev>, stop: Arc<Atomi
 
 /// Refuses a topic whose partition count differs from the one the group's
 /// commits were made under: keys would have moved between partitions.
+/// The offsets `group` (a consumer group that consumed the topic before
+/// keyorder, `start=group:<id>`) committed on `names`' topic, by partition.
+/// Refused when it committed none there: a misspelt name would otherwise
+/// replay the whole topic.
+async fn group_offsets(t: &KafkaTransport, names: &Names, group: &str, partitions: i32) -> Result<HashMap<i32, i64>> {
+    let mut c = base_config(&t.cfg);
+    c.set("group.id", group).set("enable.auto.commit", "false");
+    let probe: BaseConsumer = c.create().map_err(kafka_err)?;
+    let topic = names.topic().to_owned();
+    let committed = tokio::task::spawn_blocking(move || {
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..partitions {
+            tpl.add_partition(&topic, p);
+        }
+        probe.committed_offsets(tpl, Duration::from_secs(10))
+    })
+    .await
+    .map_err(kafka_err)?
+    .map_err(|e| {
+        keyorder_core::Error::Broker(format!(
+            "kafka: reading the committed offsets of group `{group}` (start=group:{group}): {e}"
+        ))
+    })?;
+    let out: HashMap<i32, i64> = committed
+        .elements()
+        .iter()
+        .filter_map(|e| match e.offset() {
+            Offset::Offset(o) if o >= 0 => Some((e.partition(), o)),
+            _ => None,
+        })
+        .collect();
+    if out.is_empty() {
+        return Err(keyorder_core::Error::Config(format!(
+            "kafka: start=group:{group}: that group has no committed offsets on topic `{}`; check the group's \
+             name (`kafka-consumer-groups.sh --list`), or use start=earliest or start=latest",
+            names.topic()
+        )));
+    }
+    tracing::info!(topic = %names.topic(), partitions = out.len(), "kafka: partitions without saved progress start at another group's committed offsets");
+    Ok(out)
+}
+
 async fn check_partition_count(t: &KafkaTransport, names: &Names, group: &str, partitions: i32) -> Result<()> {
     let mut c = base_config(&t.cfg);
     c.set("group.id", names.group_id(group))

@@ -40,6 +40,20 @@ async fn a_topic_with_more_partitions_than_its_layout_is_refused_everywhere() {
     for r in res {
         r.unwrap();
     }
+    // In use: the state topic holds records (an empty one is taken for an
+    // earlier attempt's, see tests/adopt.rs).
+    let producer: keyorder_kafka::rdkafka::producer::FutureProducer = cfg.create().unwrap();
+    producer
+        .send(
+            keyorder_kafka::rdkafka::producer::FutureRecord::<str, str>::to(&state)
+                .partition(0)
+                .key("keyorder-marker")
+                .payload("in use"),
+            Duration::from_secs(10),
+        )
+        .await
+        .map_err(|(e, _)| e)
+        .unwrap();
     let url = format!("kafka://{}?partitions=2", common::brokers());
     let t = KafkaTransport::from_url(&url.parse().unwrap()).await.unwrap();
     let client = Client::new(Arc::new(t));

@@ -69,6 +69,28 @@ impl Recording {
         }
     }
 
+    /// The payloads recorded so far, in run order.
+    pub(crate) fn snapshot(&self) -> Vec<String> {
+        self.applied.lock().unwrap().clone()
+    }
+
+    /// Waits (polling, up to `limit`) until `n` payloads that `pick`
+    /// accepts were recorded; panics with `what` and the count otherwise.
+    pub(crate) async fn until_matching(&self, n: usize, pick: impl Fn(&str) -> bool, limit: Duration, what: &str) {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let got = self.applied.lock().unwrap().iter().filter(|p| pick(p)).count();
+            if got >= n {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{what}: {got} of {n} messages ran in {limit:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Ends the run (draining it) and returns the payloads in run order.
     pub(crate) async fn stop(self) -> Vec<String> {
         let _ = self.stop.send(());
