@@ -57,7 +57,7 @@ pub(crate) enum Ev {
     /// rebalance callback's entry): the leases are confirmed as of then,
     /// not as of when the event is applied, however long the read took.
     Assigned {
-        parts: Vec<(i32, i64, u64, String, Vec<u64>, (String, i64))>,
+        parts: Vec<(i32, i64, u64, String, Vec<u64>, String)>,
         at: Instant,
     },
     /// Partitions revoked; `reply` is dropped or sent once they may go.
@@ -171,14 +171,23 @@ impl ConsumerContext for Ctx {
                     stop: &self.stopping,
                 };
                 let mut saved = None;
-                // A static member's claims name its instance id (see
-                // `Shared::taken_over`).
-                let instance = self
-                    .shared
-                    .upgrade()
-                    .filter(|s| s.static_member)
-                    .map(|s| s.instance.clone());
-                while saved.is_none() && !self.stopping.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
+                // A static member that found a gap, or failed for good,
+                // starts nothing until it has checked for a newer
+                // incarnation (see `Shared::newer_incarnation`): librdkafka
+                // may rejoin on its own meanwhile.
+                let held = self.shared.upgrade().is_some_and(|s| {
+                    s.static_member
+                        && (s.replace.load(Ordering::SeqCst)
+                            || s.fatal.lock().unwrap_or_else(|e| e.into_inner()).is_some())
+                });
+                if held {
+                    tracing::debug!(instance = %self.instance, ?parts, "kafka: static member not checked yet; not starting the assigned partitions");
+                }
+                while !held
+                    && saved.is_none()
+                    && !self.stopping.load(Ordering::SeqCst)
+                    && std::time::Instant::now() < deadline
+                {
                     match state::load(
                         c,
                         &self.reader,
@@ -188,7 +197,6 @@ impl ConsumerContext for Ctx {
                         &parts,
                         Duration::from_secs(10),
                         limit,
-                        instance.as_deref(),
                     ) {
                         Ok(list) => saved = Some(list),
                         Err(e) => {
@@ -202,7 +210,7 @@ impl ConsumerContext for Ctx {
                         }
                     }
                 }
-                if saved.is_none() && !self.stopping.load(Ordering::SeqCst) {
+                if !held && saved.is_none() && !self.stopping.load(Ordering::SeqCst) {
                     // Not loadable in time: none of these start here. The
                     // member leaves and rejoins, so that the group hands
                     // them out again (to this member or another) rather
@@ -261,14 +269,7 @@ impl ConsumerContext for Ctx {
                             Offset::Beginning
                         };
                         let _ = assign.add_partition_offset(&self.topic, s.partition, from);
-                        info.push((
-                            s.partition,
-                            s.committed,
-                            s.generation,
-                            s.meta,
-                            s.older,
-                            (s.claim, s.claim_from),
-                        ));
+                        info.push((s.partition, s.committed, s.generation, s.meta, s.older, s.claim));
                     }
                     tracing::debug!(instance = %self.instance, ?parts, "kafka: saved progress read");
                     let _ = self.tx.send(Ev::Assigned { parts: info, at });
@@ -343,17 +344,16 @@ pub(crate) struct Part {
     superseded: Mutex<Vec<u64>>,
     /// The marker this owner's claim appended (see [`state::newer_claims`]).
     claim: String,
-    /// Where the claim's read started (see [`state::Saved::claim_from`]).
-    claim_from: i64,
 }
 
-/// A partition a static member's gap lost, with its claim.
+/// A static member's incarnation: its record's token, the state partition
+/// that holds it, and where the next check reads from.
 #[derive(Clone, Debug)]
-struct GapLost {
+struct Incarnation {
+    token: String,
     partition: i32,
-    generation: u64,
-    claim: String,
     from: i64,
+    first: bool,
 }
 
 /// A halted head as the owner keeps it.
@@ -437,9 +437,6 @@ pub(crate) struct Shared {
     last_confirm: Mutex<Instant>,
     /// The self-fence found a gap: replace the member.
     pub(crate) replace: AtomicBool,
-    /// A static member's claims the last gap lost, checked before it
-    /// rejoins (see [`Shared::taken_over`]).
-    gap_lost: Mutex<Vec<GapLost>>,
     /// Session timeout less one heartbeat: past it, ownership is presumed lost.
     gap: Duration,
     /// Operator actions for the owner (in-process admin).
@@ -457,6 +454,8 @@ pub(crate) struct Shared {
     pub(crate) instance: String,
     /// Joined as a static member.
     pub(crate) static_member: bool,
+    /// A static member's incarnation record (see [`Shared::newer_incarnation`]).
+    incarnation: Mutex<Option<Incarnation>>,
     /// `start=group:<id>`: that group's committed offsets, read at open.
     start_offsets: HashMap<i32, i64>,
     /// Why librdkafka gave this member up for good (a fatal error, such as
@@ -524,86 +523,12 @@ impl Shared {
                 "kafka: ownership unconfirmed past the session timeout; partitions lost, rejoining"
             );
         }
-        if self.static_member {
-            self.gap_lost
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .extend(lost.iter().map(|p| GapLost {
-                    partition: p.partition,
-                    generation: p.lease.generation(),
-                    claim: p.claim.clone(),
-                    from: p.claim_from,
-                }));
-        }
         for p in lost {
             p.lease.lose();
         }
         self.replace.store(true, Ordering::SeqCst);
         self.completed.send_modify(|_| {});
         true
-    }
-
-    /// Whether a newer incarnation of this static member (the same
-    /// instance id) claimed a partition the last gap lost, read from the
-    /// state topic before the member rejoins. A static member silent past
-    /// the session timeout (a `SIGSTOP`) cannot tell from the gap alone
-    /// whether its own rejoin was slow, the broker gave its partitions to
-    /// other members, or a newer incarnation took its instance id over:
-    /// only the last forbids a rejoin (under the same id it would take the
-    /// partitions back, and the two would take turns). Apache Kafka also
-    /// fences the old incarnation (`FENCED_INSTANCE_ID`); tansu 0.6 does
-    /// not. `Err` when the state topic could not be read: the member does
-    /// not rejoin until it can.
-    pub(crate) async fn taken_over(self: &Arc<Self>) -> std::result::Result<Vec<i32>, String> {
-        let lost: Vec<GapLost> = self.gap_lost.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        if lost.is_empty() {
-            return Ok(Vec::new());
-        }
-        let Some(member) = self.member() else {
-            return Err("no group member to read the group's pointers with".into());
-        };
-        let me = self.clone();
-        let group_id = self.names.group_id(&self.group);
-        let checked = tokio::task::spawn_blocking(move || {
-            let mut checker = me.checker.lock().unwrap_or_else(|e| e.into_inner());
-            if checker.is_none() {
-                let mut r = base_config(&me.t.cfg);
-                r.set("group.id", "keyorder-state-reader")
-                    .set("enable.auto.commit", "false");
-                *checker = Some(r.create()?);
-            }
-            let Some(reader) = checker.as_ref() else {
-                return Ok(state::Newer::default());
-            };
-            let own: Vec<(i32, u64)> = lost.iter().map(|l| (l.partition, l.generation)).collect();
-            let claims: HashMap<i32, String> = lost.iter().map(|l| (l.partition, l.claim.clone())).collect();
-            let from: HashMap<i32, i64> = lost.iter().map(|l| (l.partition, l.from)).collect();
-            state::newer_claims_by(
-                &*member,
-                reader,
-                &me.t.state_producer,
-                &me.names,
-                &group_id,
-                &own,
-                &claims,
-                Some(&from),
-                Duration::from_secs(5),
-                state::Limit {
-                    until: None,
-                    stop: &me.closed,
-                },
-                Some(&me.instance),
-            )
-        })
-        .await;
-        match checked {
-            Ok(Ok(newer)) => {
-                self.gap_lost.lock().unwrap_or_else(|e| e.into_inner()).clear();
-                Ok(newer.by_instance)
-            }
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(e) => Err(e.to_string()),
-        }
     }
 
     /// Asks for a commit carrying everything recorded so far and waits for
@@ -1047,9 +972,9 @@ impl Shared {
                 *checker = Some(r.create()?);
             }
             let Some(reader) = checker.as_ref() else {
-                return Ok(state::Newer::default());
+                return Ok(Vec::new());
             };
-            state::newer_claims_by(
+            state::newer_claims(
                 &*member,
                 reader,
                 &me.t.state_producer,
@@ -1057,26 +982,17 @@ impl Shared {
                 &group_id,
                 &own,
                 &claims,
-                None,
                 Duration::from_secs(5),
                 state::Limit {
                     until: None,
                     stop: &me.closed,
                 },
-                Some(&me.instance),
             )
         })
         .await;
         match checked {
-            Ok(Ok(newer)) if newer.stale.is_empty() => true,
-            Ok(Ok(newer)) if !newer.by_instance.is_empty() => {
-                self.fail(format!(
-                    "a newer incarnation with this instance id claimed partitions {:?}",
-                    newer.by_instance
-                ));
-                false
-            }
-            Ok(Ok(state::Newer { stale, .. })) => {
+            Ok(Ok(stale)) if stale.is_empty() => true,
+            Ok(Ok(stale)) => {
                 // Not rejoining (see `checkpoint`); the others are confirmed
                 // at the next heartbeat.
                 self.lose_claims(&stale, Some(&checked_claims), false);
@@ -1087,6 +1003,108 @@ impl Shared {
                 false
             }
             Err(_) => false,
+        }
+    }
+
+    /// Registers this static member's incarnation under its instance id,
+    /// once, before it first joins (see [`Shared::newer_incarnation`]).
+    async fn register_incarnation(self: &Arc<Self>) -> Result<()> {
+        if !self.static_member || self.incarnation.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+            return Ok(());
+        }
+        let me = self.clone();
+        let token = uuid::Uuid::new_v4().simple().to_string();
+        let partition = state::incarnation_partition(&self.instance, self.partitions);
+        let t = token.clone();
+        let from = tokio::task::spawn_blocking(move || {
+            state::register_incarnation(
+                &me.t.state_producer,
+                &me.names,
+                &me.names.group_id(&me.group),
+                &me.instance,
+                partition,
+                &t,
+                Duration::from_secs(10),
+            )
+        })
+        .await
+        .map_err(kafka_err)?
+        .map_err(|e| {
+            keyorder_core::Error::Broker(format!("kafka: registering the static member's incarnation: {e}"))
+        })?;
+        *self.incarnation.lock().unwrap_or_else(|e| e.into_inner()) = Some(Incarnation {
+            token,
+            partition,
+            from,
+            first: true,
+        });
+        Ok(())
+    }
+
+    /// Whether a newer incarnation of this static member (another process
+    /// with its instance id) registered since this one did. The broker
+    /// hands a static member's partitions to its newer incarnation without
+    /// asking the older one, which may be stalled rather than dead, and not
+    /// every broker fences it (tansu 0.6 does not): an older incarnation
+    /// that rejoined under the same id would take the partitions back, and
+    /// the two would take turns. So an incarnation that finds a newer one
+    /// fails for good, naming the fix, at its next heartbeat and before it
+    /// rejoins after a gap; it cannot tell a newer incarnation from a slow
+    /// rejoin of its own by the group alone. Each check reads only what
+    /// was written since the last one. `Err`: not read.
+    async fn newer_incarnation(self: &Arc<Self>) -> std::result::Result<bool, String> {
+        let Some(inc) = self.incarnation.lock().unwrap_or_else(|e| e.into_inner()).clone() else {
+            return Ok(false);
+        };
+        let me = self.clone();
+        let group_id = self.names.group_id(&self.group);
+        let checked = tokio::task::spawn_blocking(move || {
+            let mut checker = me.checker.lock().unwrap_or_else(|e| e.into_inner());
+            if checker.is_none() {
+                let mut r = base_config(&me.t.cfg);
+                r.set("group.id", "keyorder-state-reader")
+                    .set("enable.auto.commit", "false");
+                *checker = Some(r.create()?);
+            }
+            let Some(reader) = checker.as_ref() else {
+                return Ok((false, inc.from));
+            };
+            state::newer_incarnation(
+                reader,
+                &me.t.state_producer,
+                &me.names,
+                &group_id,
+                &me.instance,
+                inc.partition,
+                &inc.token,
+                inc.from,
+                inc.first,
+                Duration::from_secs(5),
+                state::Limit {
+                    until: None,
+                    stop: &me.closed,
+                },
+            )
+        })
+        .await;
+        match checked {
+            Ok(Ok((newer, end))) => {
+                if !newer {
+                    if let Some(i) = self.incarnation.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+                        i.from = i.from.max(end);
+                        i.first = false;
+                    }
+                } else {
+                    self.fail(
+                        "a newer incarnation of this static member (another process with its instance id) \
+                         registered and took its partitions over"
+                            .into(),
+                    );
+                }
+                Ok(newer)
+            }
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(e) => Err(e.to_string()),
         }
     }
 
@@ -1125,6 +1143,9 @@ impl Shared {
                 .unwrap_or(false);
             if ok && self.static_member && !parts.is_empty() {
                 ok = self.no_newer_claims(&parts).await;
+            }
+            if ok && self.static_member {
+                ok = matches!(self.newer_incarnation().await, Ok(false));
             }
             if !ok {
                 tracing::debug!(topic = %self.names.topic(), "kafka: heartbeat round trip failed");
@@ -1251,6 +1272,9 @@ pub(crate) struct Source {
     /// A partition beyond the layout's count was assigned (C23): never
     /// started; the subscription stops at its next `maintain`.
     outside_layout: Option<i32>,
+    /// When a static member last warned it could not check for a newer
+    /// incarnation (once per 30 s).
+    last_unchecked: Option<Instant>,
 }
 
 impl fmt::Debug for Source {
@@ -1290,7 +1314,6 @@ impl Source {
             wake: Notify::new(),
             last_confirm: Mutex::new(Instant::now()),
             replace: AtomicBool::new(false),
-            gap_lost: Mutex::default(),
             gap: ttl.saturating_sub(spec.lease.heartbeat),
             events: Mutex::default(),
             closed: AtomicBool::new(false),
@@ -1304,6 +1327,7 @@ impl Source {
             outside_layout: std::sync::atomic::AtomicI32::new(0),
             instance: spec.instance.clone(),
             static_member: t.cfg.static_membership,
+            incarnation: Mutex::new(None),
             start_offsets: match &t.cfg.start {
                 crate::StartAt::Group(g) => group_offsets(&t, &names_for_start, g, partitions).await?,
                 _ => HashMap::new(),
@@ -1330,6 +1354,7 @@ impl Source {
             turn: 0,
             joined: false,
             outside_layout: None,
+            last_unchecked: None,
         };
         source.tasks.push(tokio::spawn(shared.clone().committer()));
         source.tasks.push(tokio::spawn(shared.clone().checkpointer()));
@@ -1348,8 +1373,9 @@ impl Source {
     /// consumer joins on its first poll), not when it is built: a
     /// subscription built and not yet run takes no partitions away from the
     /// members that run.
-    fn join(&mut self) -> Result<()> {
+    async fn join(&mut self) -> Result<()> {
         if !self.joined {
+            self.shared.register_incarnation().await?;
             self.start_member()?;
             self.joined = true;
         }
@@ -1535,7 +1561,7 @@ impl Source {
                     let mut last = self.shared.last_confirm.lock().unwrap_or_else(|e| e.into_inner());
                     *last = (*last).max(sent);
                 }
-                for (partition, committed, saved_generation, meta, older, (claim, claim_from)) in list {
+                for (partition, committed, saved_generation, meta, older, claim) in list {
                     if partition >= self.shared.partitions {
                         // Added to the topic while in use: keys moved into
                         // it. Never started (C23).
@@ -1558,7 +1584,6 @@ impl Source {
                         heads: Mutex::default(),
                         superseded: Mutex::new(older),
                         claim,
-                        claim_from,
                     });
                     tracing::debug!(instance = %self.spec.instance, scope = %scope, generation, from = committed, "kafka: assigned");
                     metrics::counter!("keyorder_kafka_partitions_assigned_total").increment(1);
@@ -1918,7 +1943,7 @@ async fn check_partition_count(t: &KafkaTransport, names: &Names, group: &str, p
 #[async_trait]
 impl TransportSource for Source {
     async fn fetch(&mut self, max: usize, paused: &HashSet<Arc<str>>, wait: Duration) -> Result<Vec<Inbound>> {
-        self.join()?;
+        self.join().await?;
         let mut out = Vec::new();
         self.pump(4 * max.max(64));
         self.take(max, paused, &mut out);
@@ -1933,7 +1958,7 @@ impl TransportSource for Source {
     }
 
     async fn maintain(&mut self) -> Result<Vec<SourceEvent>> {
-        self.join()?;
+        self.join().await?;
         // The topic still has its layout's count (C23): at most every
         // `LAYOUT_CHECK`, and at once when a partition beyond it came.
         let outside = self.shared.outside_layout.load(Ordering::SeqCst);
@@ -1948,17 +1973,22 @@ impl TransportSource for Source {
             ));
         }
         self.shared.t.check_layout(&self.shared.names).await?;
-        if self.shared.replace.load(Ordering::SeqCst) && self.shared.static_member {
-            match self.shared.taken_over().await {
-                Ok(taken) if taken.is_empty() => {}
-                Ok(taken) => self.shared.fail(format!(
-                    "a newer incarnation with this instance id claimed partitions {taken:?} while this one was silent past the session timeout"
-                )),
-                Err(e) => {
-                    // Not rejoining unchecked: retried at the next call.
-                    tracing::warn!(topic = %self.shared.names.topic(), error = %e, "kafka: static member: could not read the state topic for a newer incarnation's claims; not rejoining yet");
-                    return Ok(std::mem::take(&mut self.events));
+        if self.shared.replace.load(Ordering::SeqCst)
+            && self.shared.static_member
+            && self.shared.fatal.lock().unwrap_or_else(|e| e.into_inner()).is_none()
+        {
+            // Before rejoining under the instance id: a newer incarnation
+            // may have taken it over while this one was silent.
+            if let Err(e) = self.shared.newer_incarnation().await {
+                // Not rejoining unchecked: retried at the next call.
+                if self
+                    .last_unchecked
+                    .is_none_or(|t| t.elapsed() > Duration::from_secs(30))
+                {
+                    self.last_unchecked = Some(Instant::now());
+                    tracing::warn!(topic = %self.shared.names.topic(), error = %e, "kafka: static member: could not read the state topic for a newer incarnation; not rejoining yet");
                 }
+                return Ok(std::mem::take(&mut self.events));
             }
         }
         if let Some(why) = self.shared.fatal.lock().unwrap_or_else(|e| e.into_inner()).clone() {

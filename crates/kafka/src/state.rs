@@ -109,9 +109,6 @@ pub(crate) struct Saved {
     /// The marker this claim appended (what tells its own claim from a
     /// newer owner's in later checks).
     pub(crate) claim: String,
-    /// Where this claim's read started (at or before its marker): a later
-    /// read from here sees every claim made after it.
-    pub(crate) claim_from: i64,
     /// The generations of this group's records (keyed by
     /// [`record_key`]) the read found: the claim's owner deletes their keys
     /// once a record of its own is durable ([`tombstone`]).
@@ -310,26 +307,10 @@ fn read_range(
 }
 
 /// The value of the marker a claim of `partition` by `group_id` appends:
-/// `<group_id>/<partition>#<a token of this claim>`, followed by
-/// `@<instance id>` for a static member's claim, so that a stalled
-/// incarnation can tell a newer one with its instance id took over (see
-/// [`newer_claims_by`]). Earlier versions appended `<group_id>/<partition>`
-/// alone, also for reads that own nothing.
-fn claim_marker(group_id: &str, partition: i32, instance: Option<&str>) -> String {
-    let token = uuid::Uuid::new_v4().simple();
-    match instance {
-        Some(id) => format!("{group_id}/{partition}#{token}@{id}"),
-        None => format!("{group_id}/{partition}#{token}"),
-    }
-}
-
-/// The static member's instance id a claim marker of `partition` by
-/// `group_id` carries, if any.
-fn claim_instance<'v>(value: &'v [u8], group_id: &str, partition: i32) -> Option<&'v [u8]> {
-    let prefix = format!("{group_id}/{partition}#");
-    let token = value.strip_prefix(prefix.as_bytes())?;
-    let at = token.iter().position(|b| *b == b'@')?;
-    Some(&token[at + 1..])
+/// `<group_id>/<partition>#<a token of this claim>` (earlier versions
+/// appended `<group_id>/<partition>` alone, also for reads that own nothing).
+fn claim_marker(group_id: &str, partition: i32) -> String {
+    format!("{group_id}/{partition}#{}", uuid::Uuid::new_v4().simple())
 }
 
 /// Whether `value` is a claim marker of `partition` by `group_id`. The
@@ -359,19 +340,8 @@ pub(crate) fn load<C: ConsumerContext>(
     parts: &[i32],
     timeout: Duration,
     limit: Limit<'_>,
-    instance: Option<&str>,
 ) -> KafkaResult<Vec<Saved>> {
-    load_as(
-        member,
-        reader,
-        producer,
-        names,
-        group_id,
-        parts,
-        timeout,
-        limit,
-        Some(instance),
-    )
+    load_as(member, reader, producer, names, group_id, parts, timeout, limit, true)
 }
 
 /// As [`load`], for a reader that owns nothing (an operator's view, a
@@ -388,7 +358,7 @@ pub(crate) fn read_saved<C: ConsumerContext>(
     timeout: Duration,
     limit: Limit<'_>,
 ) -> KafkaResult<Vec<Saved>> {
-    load_as(member, reader, producer, names, group_id, parts, timeout, limit, None)
+    load_as(member, reader, producer, names, group_id, parts, timeout, limit, false)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -401,16 +371,15 @@ fn load_as<C: ConsumerContext>(
     parts: &[i32],
     timeout: Duration,
     limit: Limit<'_>,
-    // `Some(static member's instance id, if any)`: a claim.
-    claiming: Option<Option<&str>>,
+    claiming: bool,
 ) -> KafkaResult<Vec<Saved>> {
     let state_topic = names.state();
     let from = starts(member, reader, &state_topic, parts, timeout, limit)?;
     let claims: HashMap<i32, String> = parts
         .iter()
         .map(|p| {
-            let marker = if let Some(instance) = claiming {
-                claim_marker(group_id, *p, instance)
+            let marker = if claiming {
+                claim_marker(group_id, *p)
             } else {
                 format!("{group_id}/{p}/read")
             };
@@ -462,7 +431,6 @@ fn load_as<C: ConsumerContext>(
             let end = ends.get(p).copied().unwrap_or(0).max(0) as u64;
             let older = older.remove(p).unwrap_or_default();
             let claim = claims.get(p).cloned().unwrap_or_default();
-            let claim_from = from.get(p).copied().unwrap_or(0);
             match best.remove(p) {
                 Some(r) => Saved {
                     partition: *p,
@@ -471,7 +439,6 @@ fn load_as<C: ConsumerContext>(
                     generation: r.generation.max(end),
                     meta: r.meta,
                     claim,
-                    claim_from,
                     older,
                 },
                 None => Saved {
@@ -481,7 +448,6 @@ fn load_as<C: ConsumerContext>(
                     generation: end,
                     meta: String::new(),
                     claim,
-                    claim_from,
                     older,
                 },
             }
@@ -579,56 +545,9 @@ pub(crate) fn newer_claims<C: ConsumerContext>(
     timeout: Duration,
     limit: Limit<'_>,
 ) -> KafkaResult<Vec<i32>> {
-    newer_claims_by(
-        member, reader, producer, names, group_id, own, claims, None, timeout, limit, None,
-    )
-    .map(|n| n.stale)
-}
-
-/// What [`newer_claims_by`] found.
-#[derive(Debug, Default)]
-pub(crate) struct Newer {
-    /// The partitions a newer owner claimed or wrote.
-    pub(crate) stale: Vec<i32>,
-    /// Those of them whose newer claim a static member with the asked
-    /// instance id made: a newer incarnation of the same instance.
-    pub(crate) by_instance: Vec<i32>,
-}
-
-/// As [`newer_claims`], also telling which newer claims a static member
-/// with `instance` made (a newer incarnation of a stalled one). With
-/// `from` (where each claim's read started, [`Saved::claim_from`]) the read
-/// starts there rather than at the pointer: a newer owner may have moved
-/// the pointer past its own claim.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn newer_claims_by<C: ConsumerContext>(
-    member: &BaseConsumer<C>,
-    reader: &Reader,
-    producer: &FutureProducer,
-    names: &Names,
-    group_id: &str,
-    own: &[(i32, u64)],
-    claims: &HashMap<i32, String>,
-    from: Option<&HashMap<i32, i64>>,
-    timeout: Duration,
-    limit: Limit<'_>,
-    instance: Option<&str>,
-) -> KafkaResult<Newer> {
     let state_topic = names.state();
     let parts: Vec<i32> = own.iter().map(|(p, _)| *p).collect();
-    let from = match from {
-        Some(from) => {
-            // Never below the low watermark (a read from there would wait
-            // for records that are gone).
-            let mut out = HashMap::new();
-            for p in &parts {
-                let (low, _) = reader.fetch_watermarks(&state_topic, *p, limit.left(timeout)?)?;
-                out.insert(*p, from.get(p).copied().unwrap_or(low).max(low));
-            }
-            out
-        }
-        None => starts(member, reader, &state_topic, &parts, timeout, limit)?,
-    };
+    let from = starts(member, reader, &state_topic, &parts, timeout, limit)?;
     let ends = append_markers(
         producer,
         &state_topic,
@@ -642,8 +561,6 @@ pub(crate) fn newer_claims_by<C: ConsumerContext>(
     // Per partition: its own claim marker was read; another's after it.
     let mut own_seen: HashMap<i32, bool> = HashMap::new();
     let mut foreign_after: HashMap<i32, bool> = HashMap::new();
-    // Per partition: the latest foreign claim after its own is this instance's.
-    let mut same_after: HashMap<i32, bool> = HashMap::new();
     read_range(
         reader,
         &state_topic,
@@ -673,14 +590,10 @@ pub(crate) fn newer_claims_by<C: ConsumerContext>(
                 if value == mine.as_bytes() {
                     own_seen.insert(p, true);
                     foreign_after.insert(p, false);
-                    same_after.insert(p, false);
                 } else {
                     // A newer owner's claim, which may not have written
                     // anything yet, if it lies after this owner's.
                     foreign_after.insert(p, true);
-                    if instance.is_some_and(|id| claim_instance(value, group_id, p) == Some(id.as_bytes())) {
-                        same_after.insert(p, true);
-                    }
                 }
             }
         },
@@ -695,12 +608,99 @@ pub(crate) fn newer_claims_by<C: ConsumerContext>(
             stale.push(p);
         }
     }
-    let by_instance = same_after
-        .into_iter()
-        .filter(|(_, after)| *after)
-        .map(|(p, _)| p)
-        .collect();
-    Ok(Newer { stale, by_instance })
+    Ok(stale)
+}
+
+/// The key of a static member's incarnation record: one per group and
+/// instance id, so compaction keeps the newest incarnation's.
+fn incarnation_key(group_id: &str, instance: &str) -> String {
+    format!("keyorder-incarnation/{group_id}/{instance}")
+}
+
+/// The state partition that holds the incarnation records of `instance`
+/// (of `partitions`).
+pub(crate) fn incarnation_partition(instance: &str, partitions: i32) -> i32 {
+    (keyorder_core::key::stable_hash(instance.as_bytes()) % partitions.max(1) as u64) as i32
+}
+
+/// Registers a static member's incarnation (`token`) under its instance
+/// id: a record in its state partition. Returns where it landed, where its
+/// checks ([`newer_incarnation`]) start.
+pub(crate) fn register_incarnation(
+    producer: &FutureProducer,
+    names: &Names,
+    group_id: &str,
+    instance: &str,
+    partition: i32,
+    token: &str,
+    timeout: Duration,
+) -> KafkaResult<i64> {
+    let key = incarnation_key(group_id, instance);
+    let topic = names.state();
+    let record = FutureRecord::<[u8], [u8]>::to(&topic)
+        .partition(partition)
+        .key(key.as_bytes())
+        .payload(token.as_bytes());
+    Ok(futures::executor::block_on(producer.send(record, timeout))
+        .map_err(|(e, _)| e)?
+        .offset)
+}
+
+/// Whether another incarnation registered `instance` after this one:
+/// `from` is where this one's record landed (`first`: no check ran yet) or
+/// where its last check ended;
+/// a marker is appended to the partition and everything from `from` up to
+/// it is read. Returns the answer and where the read ended (the next
+/// check's start: what lies before it was checked). Compaction keeps the
+/// newest record of each key, so a newer incarnation's record is never
+/// compacted away while an older one's stays.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn newer_incarnation(
+    reader: &Reader,
+    producer: &FutureProducer,
+    names: &Names,
+    group_id: &str,
+    instance: &str,
+    partition: i32,
+    token: &str,
+    from: i64,
+    first: bool,
+    timeout: Duration,
+    limit: Limit<'_>,
+) -> KafkaResult<(bool, i64)> {
+    let state_topic = names.state();
+    let (low, _) = reader.fetch_watermarks(&state_topic, partition, limit.left(timeout)?)?;
+    let ends = append_markers(
+        producer,
+        &state_topic,
+        &[partition],
+        |p| format!("{group_id}/{p}/check"),
+        timeout,
+        limit,
+    )?;
+    let starts = HashMap::from([(partition, from.max(low))]);
+    let key = incarnation_key(group_id, instance);
+    // The first check starts at this incarnation's own record (where its
+    // send said it landed): a record of the same key before it is an
+    // older incarnation's. Later checks start after it.
+    let (mut own_seen, mut before, mut newer) = (!first, false, false);
+    read_range(reader, &state_topic, &starts, &ends, timeout, limit, |_, _, k, v| {
+        if k != Some(key.as_bytes()) {
+            return;
+        }
+        if v == Some(token.as_bytes()) {
+            own_seen = true;
+        } else if own_seen {
+            newer = true;
+        } else {
+            before = true;
+        }
+    })?;
+    // Its own record gone: compaction kept a newer one of the key.
+    if !own_seen && before {
+        newer = true;
+    }
+    Ok((newer, ends.get(&partition).copied().unwrap_or(from)))
 }
 
 #[cfg(test)]
@@ -765,6 +765,41 @@ mod broker_tests {
             }
         }
 
+        /// Registers an incarnation of `instance` and returns its token and
+        /// where its checks start.
+        fn register(&self, instance: &str) -> (String, i64) {
+            let token = uuid::Uuid::new_v4().simple().to_string();
+            let at = register_incarnation(
+                &self.t.state_producer,
+                &self.names,
+                &self.group_id,
+                instance,
+                0,
+                &token,
+                Duration::from_secs(10),
+            )
+            .unwrap();
+            (token, at)
+        }
+
+        /// Checks `instance`'s incarnation `token` from `from`.
+        fn newer(&self, instance: &str, token: &str, from: i64, first: bool) -> (bool, i64) {
+            newer_incarnation(
+                &self.reader,
+                &self.t.state_producer,
+                &self.names,
+                &self.group_id,
+                instance,
+                0,
+                token,
+                from,
+                first,
+                Duration::from_secs(10),
+                Limit::none(),
+            )
+            .unwrap()
+        }
+
         /// An owner's claim: its saved state and its generation.
         fn claim(&self) -> (Saved, u64) {
             let s = load(
@@ -776,7 +811,6 @@ mod broker_tests {
                 &[0],
                 Duration::from_secs(10),
                 Limit::none(),
-                None,
             )
             .unwrap()
             .remove(0);
@@ -1037,5 +1071,24 @@ mod broker_tests {
             (g2, 20),
             "after compaction the second owner's state still ranks first"
         );
+    }
+
+    /// A static member's incarnation check: a newer registration of its
+    /// instance id is found (from its own record, and from where its last
+    /// check ended), an older one or another instance's is not.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_newer_incarnation_is_found_and_an_older_one_is_not() {
+        let b = Bench::new("incarnation").await;
+        let (old, old_from) = b.register("member-a");
+        let (_, _) = b.register("member-b");
+        let (alone, end) = b.newer("member-a", &old, old_from, true);
+        assert!(!alone, "another instance's registration is not a newer incarnation");
+        let (new, new_from) = b.register("member-a");
+        let (found, _) = b.newer("member-a", &old, end, false);
+        assert!(found, "the newer incarnation is found from where the last check ended");
+        let (found_first, _) = b.newer("member-a", &old, old_from, true);
+        assert!(found_first, "and from the older one's own record");
+        let (newest, _) = b.newer("member-a", &new, new_from, true);
+        assert!(!newest, "the older incarnation's record is not a newer one");
     }
 }
