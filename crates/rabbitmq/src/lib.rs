@@ -534,7 +534,7 @@ pub(crate) fn properties(message: &Message) -> Result<BasicProperties> {
 
 /// The routing key of a keyless message: a hash of its id (16 hex
 /// digits), so every id fits and keyless messages spread over a ring.
-fn keyless_routing_key(id: &str) -> String {
+pub(crate) fn keyless_routing_key(id: &str) -> String {
     // FNV-1a, 64 bits: stable across processes and versions.
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in id.as_bytes() {

@@ -836,7 +836,10 @@ impl Source {
         }
         if let Some(h) = props.headers() {
             for k in h.inner().keys() {
-                if k.as_str() == EPOCH_HEADER || k.as_str().starts_with("x-") {
+                // `x-` headers too (a key source may name one); the
+                // broker's own are not text (`x-death` is a table,
+                // `x-delivery-count` a number) and are left out below.
+                if k.as_str() == EPOCH_HEADER {
                     continue;
                 }
                 if let Some(v) = header_text(&props, k.as_str()) {
@@ -844,12 +847,28 @@ impl Source {
                 }
             }
         }
-        let key_text = header_text(&props, KEY_HEADER);
+        // The key: keyorder's header, else the routing key a foreign
+        // producer routed the message by (what the ring hashed, so it is
+        // ordered by it), unless it is the hash of the message id keyorder
+        // routes a keyless message by.
+        let key_text = header_text(&props, KEY_HEADER).or_else(|| {
+            let rk = d.routing_key.as_str();
+            let keyless = props
+                .message_id()
+                .as_ref()
+                .is_some_and(|id| rk == crate::keyless_routing_key(id.as_str()));
+            (!rk.is_empty() && !keyless).then(|| rk.to_owned())
+        });
         let key = key_text
             .as_deref()
             .and_then(|k| OrderingKey::with_rules(k, &self.spec.key_rules).ok());
         if let Some(k) = &key {
             msg = msg.with_ordering_key(k.clone());
+            if msg.header(KEY_HEADER).is_none() {
+                // Routed by the routing key alone: what
+                // `KeySource::routing_key()` selects.
+                msg = msg.with_header(KEY_HEADER, k.as_str());
+            }
         }
         // Attempts are counted on the attempts stream, not from the
         // delivery: a quorum queue's `x-delivery-count` also counts

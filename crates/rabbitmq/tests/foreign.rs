@@ -1,0 +1,220 @@
+//! Foreign producers (issue 36, finding 4): a plain AMQP publisher that
+//! knows nothing of keyorder's headers. A message carrying only a routing
+//! key is ordered by it; a header key source may name an `x-` header; a
+//! keyorder-published keyless message stays keyless.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use keyorder_core::{Client, Delivery, HandlerResult, KeySource, Message};
+use keyorder_rabbitmq::lapin::options::BasicPublishOptions;
+use keyorder_rabbitmq::lapin::types::{AMQPValue, FieldTable, ShortString};
+use keyorder_rabbitmq::lapin::{BasicProperties, Connection, ConnectionProperties};
+use keyorder_rabbitmq::RabbitTransport;
+use tokio::time::Instant;
+
+fn base() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+const HASH: &str = "topology=hash&queues=4&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000";
+const SAC: &str = "topology=sac&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000";
+
+async fn client(options: &str) -> Client {
+    let t = RabbitTransport::from_url(&format!("{}?{options}", base()).parse().unwrap())
+        .await
+        .expect("RabbitMQ must be reachable (run scripts/services)");
+    Client::new(Arc::new(t))
+}
+
+fn category(prefix: &str) -> String {
+    format!("{prefix}-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+}
+
+/// What a run saw: per delivery, the key the handler got and the payload.
+type Seen = Arc<Mutex<Vec<(Option<String>, String)>>>;
+
+struct Run {
+    seen: Seen,
+    stop: tokio::sync::oneshot::Sender<()>,
+    run: tokio::task::JoinHandle<keyorder_core::Result<keyorder_core::RunReport>>,
+}
+
+impl Run {
+    fn start(sub: keyorder_core::Subscription) -> Run {
+        let seen: Seen = Arc::default();
+        let log = seen.clone();
+        let handler = move |d: Delivery| {
+            let log = log.clone();
+            async move {
+                let key = d.key().map(|k| k.as_str().to_owned());
+                log.lock()
+                    .unwrap()
+                    .push((key, String::from_utf8_lossy(d.payload()).into_owned()));
+                HandlerResult::Ok(())
+            }
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let run = tokio::spawn(sub.run(handler, async move {
+            let _ = stopped.await;
+        }));
+        Run { seen, stop, run }
+    }
+
+    async fn until(&self, n: usize, secs: u64) {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        while self.seen.lock().unwrap().len() < n {
+            assert!(
+                Instant::now() < deadline,
+                "{} of {n} deliveries in {secs} s",
+                self.seen.lock().unwrap().len()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn stop(self) -> (Vec<(Option<String>, String)>, keyorder_core::RunReport) {
+        let _ = self.stop.send(());
+        let report = self.run.await.unwrap().unwrap();
+        let seen = self.seen.lock().unwrap().clone();
+        (seen, report)
+    }
+}
+
+/// Publishes as a plain AMQP client would: to the category's entry
+/// exchange, routing key `routing`, payload `key/seq`, with `headers`.
+async fn foreign_publish(category: &str, messages: &[(String, String, FieldTable)]) {
+    let conn = Connection::connect(&base(), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    let entry = format!("{category}:entry");
+    for (routing, payload, headers) in messages {
+        ch.basic_publish(
+            entry.as_str().into(),
+            routing.as_str().into(),
+            BasicPublishOptions::default(),
+            payload.as_bytes(),
+            BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_headers(headers.clone()),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    }
+    let _ = conn.close(200, "done".into()).await;
+}
+
+fn rounds(keys: usize, rounds: usize, headers: impl Fn(&str) -> FieldTable) -> Vec<(String, String, FieldTable)> {
+    let mut out = Vec::new();
+    for r in 0..rounds {
+        for k in 0..keys {
+            let key = format!("customer-{k}");
+            out.push((key.clone(), format!("{key}/{r}"), headers(&key)));
+        }
+    }
+    out
+}
+
+/// Per key (from the payload), the sequence numbers in run order.
+fn per_key(seen: &[(Option<String>, String)]) -> HashMap<String, Vec<usize>> {
+    let mut out: HashMap<String, Vec<usize>> = HashMap::new();
+    for (_, p) in seen {
+        let (k, s) = p.rsplit_once('/').unwrap();
+        out.entry(k.to_owned()).or_default().push(s.parse().unwrap());
+    }
+    out
+}
+
+/// A plain AMQP producer sets only the routing key: each message is
+/// delivered with that key (ordered by it, not keyless), in per-key order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_routing_key_alone_orders_a_foreign_message() {
+    let cat = category("foreign-rk");
+    let c = client(HASH).await;
+    let sub = c
+        .subscribe(&cat, "g")
+        .ordered_by(KeySource::routing_key())
+        .build()
+        .await
+        .unwrap();
+    let stats = sub.stats();
+    let run = Run::start(sub);
+    let msgs = rounds(20, 10, |_| FieldTable::default());
+    foreign_publish(&cat, &msgs).await;
+    run.until(msgs.len(), 60).await;
+    let (seen, _) = run.stop().await;
+    for (key, payload) in &seen {
+        let want = payload.rsplit_once('/').unwrap().0;
+        assert_eq!(key.as_deref(), Some(want), "the delivery's key is its routing key");
+    }
+    for (k, s) in per_key(&seen) {
+        assert_eq!(s, (0..10).collect::<Vec<_>>(), "key {k} in order, once each");
+    }
+    let snap = stats.snapshot();
+    assert_eq!(snap.keyless, 0, "none was taken for keyless: {snap:?}");
+    assert_eq!(snap.key_mismatches, 0, "{snap:?}");
+}
+
+/// A header key source may name an `x-` header a foreign producer sets
+/// (routing key = the same value).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_key_source_may_name_an_x_header() {
+    let cat = category("foreign-x");
+    let c = client(SAC).await;
+    let sub = c
+        .subscribe(&cat, "g")
+        .ordered_by(KeySource::header("x-tenant"))
+        .build()
+        .await
+        .unwrap();
+    let stats = sub.stats();
+    let run = Run::start(sub);
+    let msgs = rounds(10, 5, |k| {
+        let mut h = FieldTable::default();
+        h.insert(
+            ShortString::from("x-tenant"),
+            AMQPValue::LongString(k.as_bytes().into()),
+        );
+        h
+    });
+    foreign_publish(&cat, &msgs).await;
+    run.until(msgs.len(), 60).await;
+    let (seen, _) = run.stop().await;
+    for (key, payload) in &seen {
+        assert_eq!(key.as_deref(), Some(payload.rsplit_once('/').unwrap().0));
+    }
+    for (k, s) in per_key(&seen) {
+        assert_eq!(s, (0..5).collect::<Vec<_>>(), "key {k} in order, once each");
+    }
+    let snap = stats.snapshot();
+    assert_eq!(snap.parked, 0, "nothing dead-lettered: {snap:?}");
+}
+
+/// A message keyorder published without a key stays keyless (its routing
+/// key is a hash of its id, not a key).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyorder_keyless_message_stays_keyless() {
+    let cat = category("foreign-keyless");
+    let c = client(HASH).await;
+    let sub = c
+        .subscribe(&cat, "g")
+        .ordered_by(KeySource::routing_key())
+        .build()
+        .await
+        .unwrap();
+    let stats = sub.stats();
+    let run = Run::start(sub);
+    let p = c.publisher(&cat).await.unwrap();
+    for i in 0..20 {
+        p.publish(Message::new(format!("none/{i}"))).await.unwrap();
+    }
+    run.until(20, 60).await;
+    let (seen, _) = run.stop().await;
+    assert!(seen.iter().all(|(k, _)| k.is_none()), "{seen:?}");
+    assert_eq!(stats.snapshot().keyless, 20);
+}
