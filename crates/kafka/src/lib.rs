@@ -719,6 +719,11 @@ mod tests {
         for (data, want) in cases {
             assert_eq!(murmur2(data), want, "{}", String::from_utf8_lossy(data));
         }
+        // Partitions as Java's default partitioner (and kafka-python's)
+        // gives them: `foobar` of 50 is 16; the empty key hashes too.
+        assert_eq!(partition_for(b"foobar", 50), 16);
+        assert_eq!(murmur2(b""), 275_646_681);
+        assert_eq!(partition_for(b"", 8), 1);
     }
 
     #[test]
