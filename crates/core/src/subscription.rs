@@ -546,13 +546,21 @@ impl Subscription {
         let native = self.resolved == Some(Resolved::TransportNative);
         let reject = match selected {
             Err(err) => Some((format!("selected key is invalid: {err}"), true)),
-            Ok(Some(key)) if native && routing.as_ref() != Some(&key) => {
-                Some(("selected key differs from the routing key".to_owned(), true))
-            }
+            Ok(Some(key)) if native && routing.as_ref() != Some(&key) => Some((
+                "selected key differs from the routing key: the broker placed this message by the key it was \
+                 routed by, so a key's messages keep their order only when each is routed by that key; publish \
+                 with the selected key as the routing key (Kafka: the record key; RabbitMQ: the routing key or \
+                 the keyorder-key header), or select the key the producer routes by"
+                    .to_owned(),
+                true,
+            )),
             Ok(Some(key)) => return Ok(Some(Job::new(inbound, Some(key)))),
-            Ok(None) if native && routing.is_some() => {
-                Some(("no key selected but the message was routed by a key".to_owned(), true))
-            }
+            Ok(None) if native && routing.is_some() => Some((
+                "no key selected but the message was routed by a key: the key source found nothing in this \
+                 message; select the key the producer routes by (KeySource::routing_key())"
+                    .to_owned(),
+                true,
+            )),
             Ok(None) => match self.keyless {
                 KeylessPolicy::Parallel => {
                     bump(&self.stats.keyless, "keyorder_keyless_total");

@@ -77,6 +77,10 @@ pub enum StartAt {
 /// every lease the previous incarnation confirmed before that claim has
 /// ended. This wait applies to every assignment of a static member (with
 /// the eager `range` assignor, every rebalance re-assigns every partition).
+/// Each incarnation registers itself in the state topic when it first
+/// joins; one that finds a newer registration under its instance id (at a
+/// heartbeat, or before rejoining after a stall past the session timeout)
+/// fails for good, naming the fix, instead of taking the partitions back.
 /// A member replaced by another with its instance id (librdkafka's fatal
 /// `FENCED_INSTANCE_ID`) loses every partition and its subscription fails,
 /// naming the fix. See BENCHMARKS.md for what this does to fail-over.
