@@ -113,6 +113,8 @@ struct Link {
 pub(crate) struct Source {
     /// `x-consumer-timeout` for each consumer, where the broker takes it.
     timeout_arg: Option<i64>,
+    /// Queues already warned about a routing key that is no valid key.
+    warned_invalid: std::sync::Mutex<HashSet<String>>,
     t: RabbitTransport,
     spec: SourceSpec,
     names: GroupNames,
@@ -192,6 +194,22 @@ pub(crate) fn header_text(props: &BasicProperties, name: &str) -> Option<String>
         AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
         _ => None,
     }
+}
+
+/// Whether `name` is a header the broker (dead-lettering, delivery counts,
+/// shovels, stream offsets) or keyorder's dead-lettering set on a delivery,
+/// not the producer.
+fn is_delivery_header(name: &str) -> bool {
+    const EXACT: [&str; 3] = ["x-death", "x-delivery-count", "x-received-from"];
+    const PREFIXES: [&str; 6] = [
+        "x-first-death-",
+        "x-last-death-",
+        "x-shovelled",
+        "x-keyorder-",
+        "x-opt-",
+        "x-stream-",
+    ];
+    EXACT.contains(&name) || PREFIXES.iter().any(|p| name.starts_with(p))
 }
 
 fn header_int(props: &BasicProperties, name: &str) -> Option<i64> {
@@ -281,6 +299,7 @@ impl Source {
         let (tx, rx) = mpsc::unbounded_channel();
         let mut source = Source {
             timeout_arg,
+            warned_invalid: std::sync::Mutex::default(),
             queues: names.queues(t.cfg.topology),
             t,
             spec,
@@ -824,7 +843,7 @@ impl Source {
         let o = self.owned.get(queue).filter(|o| o.consumer == consumer)?;
         let link = self.link.as_ref()?;
         let generation = lease.generation();
-        let props = d.properties.clone();
+        let mut props = d.properties.clone();
         // One buffer for the message and the copy kept for a dead letter.
         let payload = keyorder_core::Bytes::from(d.data);
         let mut msg = Message::new(payload.clone());
@@ -836,10 +855,11 @@ impl Source {
         }
         if let Some(h) = props.headers() {
             for k in h.inner().keys() {
-                // `x-` headers too (a key source may name one); the
-                // broker's own are not text (`x-death` is a table,
-                // `x-delivery-count` a number) and are left out below.
-                if k.as_str() == EPOCH_HEADER {
+                // `x-` headers too (a key source may name one), but not
+                // what the broker or keyorder itself set on a delivery or
+                // a dead letter: re-published with the message, they would
+                // tell a false history.
+                if k.as_str() == EPOCH_HEADER || is_delivery_header(k.as_str()) {
                     continue;
                 }
                 if let Some(v) = header_text(&props, k.as_str()) {
@@ -847,27 +867,56 @@ impl Source {
                 }
             }
         }
-        // The key: keyorder's header, else the routing key a foreign
-        // producer routed the message by (what the ring hashed, so it is
-        // ordered by it), unless it is the hash of the message id keyorder
-        // routes a keyless message by.
-        let key_text = header_text(&props, KEY_HEADER).or_else(|| {
-            let rk = d.routing_key.as_str();
-            let keyless = props
-                .message_id()
-                .as_ref()
-                .is_some_and(|id| rk == crate::keyless_routing_key(id.as_str()));
-            (!rk.is_empty() && !keyless).then(|| rk.to_owned())
-        });
-        let key = key_text
+        // The key is what the message was placed by: its routing key (what
+        // the ring hashed) unless that is keyorder's routing of a keyless
+        // message (a hash of its id, or, before, the id itself) or empty;
+        // else keyorder's `keyorder-key` header. A header that differs from
+        // the routing key is kept as it came: the key source selects it and
+        // the subscription parks the message as routed by another key.
+        let rk = d.routing_key.as_str();
+        let id = props.message_id().as_ref().map(|s| s.as_str().to_owned());
+        let keyless_rk = rk.is_empty()
+            || id
+                .as_deref()
+                .is_some_and(|id| rk == id || rk == crate::keyless_routing_key(id));
+        let header_key = header_text(&props, KEY_HEADER);
+        let routed_by = (!keyless_rk).then(|| rk.to_owned());
+        let stamp = header_key.is_none() && routed_by.is_some();
+        let key_text = routed_by.clone().or(header_key);
+        let key = match key_text
             .as_deref()
-            .and_then(|k| OrderingKey::with_rules(k, &self.spec.key_rules).ok());
+            .map(|k| OrderingKey::with_rules(k, &self.spec.key_rules))
+        {
+            Some(Ok(k)) => Some(k),
+            Some(Err(e)) => {
+                // Not a key keyorder can carry: run under the keyless
+                // policy, counted, and said once per queue.
+                metrics::counter!("keyorder_rabbitmq_invalid_routing_keys_total").increment(1);
+                let first = self
+                    .warned_invalid
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(queue.to_owned());
+                if first {
+                    tracing::warn!(queue, error = %e, "rabbitmq: a message's routing key is not a valid ordering key; such messages run under the keyless policy (unordered) and are counted in keyorder_rabbitmq_invalid_routing_keys_total: route by keys that meet the key rules (see Keys in the README)");
+                }
+                None
+            }
+            None => None,
+        };
         if let Some(k) = &key {
             msg = msg.with_ordering_key(k.clone());
-            if msg.header(KEY_HEADER).is_none() {
+            if stamp {
                 // Routed by the routing key alone: what
-                // `KeySource::routing_key()` selects.
+                // `KeySource::routing_key()` selects, and what a dead
+                // letter of it keeps.
                 msg = msg.with_header(KEY_HEADER, k.as_str());
+                let mut h = props.headers().clone().unwrap_or_default();
+                h.insert(
+                    KEY_HEADER.into(),
+                    AMQPValue::LongString(k.as_str().as_bytes().to_vec().into()),
+                );
+                props = props.with_headers(h);
             }
         }
         // Attempts are counted on the attempts stream, not from the

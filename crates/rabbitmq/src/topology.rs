@@ -6,7 +6,7 @@
 //!
 //! | Name | Kind | What |
 //! |---|---|---|
-//! | `{c}:entry` | fanout exchange | publishers publish here, routing key = the key (a keyless message: a hash of its id); every group's topology is bound to it |
+//! | `{c}:entry` | fanout exchange | publishers publish here, routing key = the key (a keyless message: a hash of its id); every group's topology is bound to it. A foreign producer's routing key is its message's key (a valid one; else the message runs under the keyless policy, counted); a `keyorder-key` header that differs from the routing key gets the message parked |
 //! | `{c}:groups` | classic queue (whatever `queue_type`: not replicated), never `x-expires`, one persistent message per group (`{"group": g, "topology": "hash:8"}`) | the group registry: `Admin::groups`, the topology each group was declared with (a different one is refused), what `remove_group` and `keyorder delete-queue` delete; a message that is no valid record is skipped |
 //! | `{c}:groups-lock` | classic queue, never `x-expires`, never holds a message | the registry's lock: whoever reads or changes the registry holds an exclusive consumer on it, for a few round trips (a group's queues are declared after it is released) |
 //!

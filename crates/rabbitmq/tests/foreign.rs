@@ -218,3 +218,95 @@ async fn a_keyorder_keyless_message_stays_keyless() {
     assert!(seen.iter().all(|(k, _)| k.is_none()), "{seen:?}");
     assert_eq!(stats.snapshot().keyless, 20);
 }
+
+/// A routing key that is no valid ordering key runs under the keyless
+/// policy (counted), and a `keyorder-key` header that differs from the
+/// routing key the message was placed by is parked, never run under it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_and_conflicting_routing_keys() {
+    let cat = category("foreign-bad");
+    let c = client(HASH).await;
+    let sub = c
+        .subscribe(&cat, "g")
+        .ordered_by(KeySource::routing_key())
+        .build()
+        .await
+        .unwrap();
+    let stats = sub.stats();
+    let run = Run::start(sub);
+    let mut msgs = Vec::new();
+    for i in 0..5 {
+        msgs.push(("tenant:1".to_owned(), format!("invalid/{i}"), FieldTable::default()));
+    }
+    for i in 0..5 {
+        let mut h = FieldTable::default();
+        h.insert(
+            ShortString::from("keyorder-key"),
+            AMQPValue::LongString("customer-1".as_bytes().into()),
+        );
+        msgs.push(("customer-2".to_owned(), format!("conflict/{i}"), h));
+    }
+    foreign_publish(&cat, &msgs).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let s = stats.snapshot();
+        if s.keyless >= 5 && s.key_mismatches >= 5 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{s:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (seen, _) = run.stop().await;
+    assert!(
+        seen.iter().all(|(k, p)| k.is_none() && p.starts_with("invalid/")),
+        "only the invalid ones ran, keyless: {seen:?}"
+    );
+    let dead = c.admin().dead_letters(&cat, "g").await.unwrap();
+    assert_eq!(dead.len(), 5, "{dead:?}");
+}
+
+/// A foreign message parked by the poison policy keeps its key in the
+/// dead-letter queue (it was routed by its routing key alone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_foreign_message_keeps_its_key() {
+    let cat = category("foreign-park");
+    let c = client(HASH).await;
+    let sub = c
+        .subscribe(&cat, "g")
+        .ordered_by(KeySource::routing_key())
+        .poison(keyorder_core::PoisonPolicy::Park { max_attempts: 1 })
+        .build()
+        .await
+        .unwrap();
+    let handler = |_d: Delivery| async move { HandlerResult::Err(keyorder_core::HandlerError::poison("boom")) };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(sub.run(handler, async move {
+        let _ = stopped.await;
+    }));
+    foreign_publish(
+        &cat,
+        &[(
+            "customer-7".to_owned(),
+            "customer-7/0".to_owned(),
+            FieldTable::default(),
+        )],
+    )
+    .await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let dead = loop {
+        let dead = c.admin().dead_letters(&cat, "g").await.unwrap();
+        if !dead.is_empty() {
+            break dead;
+        }
+        assert!(Instant::now() < deadline, "nothing was parked");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        dead[0].label,
+        keyorder_core::key::label("customer-7"),
+        "the dead letter keeps its key"
+    );
+}

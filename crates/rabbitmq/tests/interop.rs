@@ -43,6 +43,9 @@ async fn client() -> Client {
     Client::new(Arc::new(t))
 }
 
+/// Per delivery: the key the handler got and the body.
+type Seen = Arc<Mutex<Vec<(Option<String>, String)>>>;
+
 fn keys() -> Vec<String> {
     (0..20).map(|i| format!("customer-{i}")).collect()
 }
@@ -57,7 +60,7 @@ async fn pika_routing_keys_run_in_per_key_order() {
         .build()
         .await
         .unwrap();
-    let seen: Arc<Mutex<Vec<(Option<String>, String)>>> = Arc::default();
+    let seen: Seen = Arc::default();
     let log = seen.clone();
     let handler = move |d: Delivery| {
         let log = log.clone();
