@@ -57,7 +57,7 @@ pub enum StartAt {
 /// | `fetch_wait_ms` | `10` | librdkafka `fetch.wait.max.ms`: the broker may hold every fetch this long |
 /// | `max_unfinished` | `512` | unfinished messages per partition before it is paused (bounds memory and commit metadata) |
 /// | `start` | `earliest` | where a partition this group never consumed starts: `earliest`, `latest`, or `group:<group id>` (another group's committed offsets); see [`StartAt`] |
-/// | `reset_layout` | `false` | when the category's `.keyorder-state` and `.dlq` topics hold no records and their partition count is not the topic's (left by an earlier attempt), delete and recreate them with the topic's count; refused when either holds records |
+/// | `reset_layout` | `false` | when the category's `.keyorder-state` topic holds no records and its partition count is not the topic's (left by an earlier attempt), delete it and create it again with the topic's count; never when it holds records. Use it once: partitions added to a topic that holds messages of the same keys break their order (drain first) |
 /// | `static_membership` | `false` | join as a static member (`group.instance.id` = the subscription's instance id): a restart does not move the other members' partitions (see below) |
 /// | `rdkafka.<name>` | | any librdkafka setting, passed through (e.g. `rdkafka.security.protocol=ssl`) |
 ///

@@ -335,7 +335,14 @@ impl KafkaTransport {
                     names.state()
                 )));
             }
-            self.recreate_state_topic(names, n).await?;
+            if let Err(e) = self.recreate_state_topic(names, n).await {
+                // Created again by the next attempt, never left missing.
+                self.ensured
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(names.topic());
+                return Err(e);
+            }
         }
         self.layouts.lock().unwrap_or_else(|e| e.into_inner()).insert(
             names.topic().to_owned(),
@@ -435,8 +442,12 @@ impl KafkaTransport {
     /// Whether every partition of `topic` is empty (its low and high
     /// watermarks are equal).
     pub(crate) async fn topic_empty(&self, topic: &str) -> Result<bool> {
+        // Unreadable is not empty: a reset must never follow a transient
+        // metadata error.
         let Some(n) = self.topic_count(topic).await? else {
-            return Ok(true);
+            return Err(Error::Broker(format!(
+                "kafka: topic `{topic}` has no readable partitions now; retrying"
+            )));
         };
         let producer = self.producer.clone();
         let t = topic.to_owned();
@@ -458,6 +469,16 @@ impl KafkaTransport {
     /// with `count` partitions (`reset_layout=true`).
     async fn recreate_state_topic(&self, names: &Names, count: i32) -> Result<()> {
         let state = names.state();
+        // Checked again right before: another process may have reset it
+        // (it has the topic's count now: done) or started using it.
+        if self.topic_count(&state).await? == Some(count) {
+            return Ok(());
+        }
+        if !self.topic_empty(&state).await? {
+            return Err(Error::Broker(format!(
+                "kafka: the state topic `{state}` is in use now (another process reset it or wrote to it); retrying"
+            )));
+        }
         let admin: AdminClient<DefaultClientContext> = base_config(&self.cfg).create().map_err(kafka_err)?;
         let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
         for r in admin.delete_topics(&[&state], &opts).await.map_err(kafka_err)? {
@@ -488,6 +509,34 @@ impl KafkaTransport {
                 )));
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        // The state producer's cached metadata still has the old count
+        // (a produce to a new partition fails as unknown until it learns).
+        let producer = self.state_producer.clone();
+        let t = state.clone();
+        let learned = tokio::task::spawn_blocking(move || {
+            let until = std::time::Instant::now() + Duration::from_secs(30);
+            while std::time::Instant::now() < until {
+                let n = producer
+                    .client()
+                    .fetch_metadata(Some(&t), Duration::from_secs(5))
+                    .ok()
+                    .and_then(|md| md.topics().first().map(|t| t.partitions().len()));
+                if n == Some(count as usize) {
+                    return true;
+                }
+                // A blocking thread of its own, not a runtime worker.
+                #[allow(clippy::disallowed_methods)]
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            false
+        })
+        .await
+        .map_err(kafka_err)?;
+        if !learned {
+            return Err(Error::Broker(format!(
+                "kafka: the state topic `{state}` was recreated with {count} partitions, but the producer did not see them in 30 s; retrying"
+            )));
         }
         tracing::warn!(topic = names.topic(), state = %state, count, "kafka: reset_layout: recreated the empty state topic with the topic's partition count");
         Ok(())

@@ -35,7 +35,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use keyorder_core::{Inbound, Message, OrderingKey, Result, ScopeLease, SourceEvent, SourceSpec, TransportSource};
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext};
 use rdkafka::message::{Headers, OwnedMessage};
 use rdkafka::types::{RDKafkaErrorCode, RDKafkaRespErr};
 use rdkafka::{ClientContext, Message as _, Offset, TopicPartitionList};
@@ -88,6 +88,8 @@ pub(crate) struct Ctx {
     /// under `revoke_wait` (see `start_member`).
     load_wait: Duration,
     shared: std::sync::Weak<Shared>,
+    /// The assignor is `cooperative-sticky` (incremental assign and revoke).
+    cooperative: bool,
 }
 
 impl ClientContext for Ctx {}
@@ -118,7 +120,20 @@ impl Ctx {
             crate::StartAt::Group(_) => {
                 for p in fresh {
                     if let Some(o) = shared.start_offsets.get(p) {
-                        out.insert(*p, *o);
+                        // Within what the partition holds: an offset past
+                        // its end (another topic's of the same name) would
+                        // skip what comes next.
+                        let left = deadline.saturating_duration_since(std::time::Instant::now());
+                        if left.is_zero() {
+                            return Err("the assignment's wait ran out".into());
+                        }
+                        let (low, high) = c
+                            .fetch_watermarks(&self.topic, *p, left.min(Duration::from_secs(10)))
+                            .map_err(|e| e.to_string())?;
+                        if *o > high {
+                            tracing::warn!(partition = p, "kafka: start=group: the group's committed offset lies past the partition's end; starting at the end");
+                        }
+                        out.insert(*p, (*o).min(high).max(low));
                     }
                 }
             }
@@ -141,7 +156,12 @@ impl Ctx {
 
 impl ConsumerContext for Ctx {
     fn rebalance(&self, c: &BaseConsumer<Self>, err: RDKafkaRespErr, tpl: &mut TopicPartitionList) {
-        let cooperative = matches!(c.rebalance_protocol(), RebalanceProtocol::Cooperative);
+        // From the configuration, not `c.rebalance_protocol()`: that asks
+        // librdkafka's main thread, which never answers while the consumer
+        // is being destroyed (a last reference dropped off the poll thread
+        // serves a final revoke from inside the drop: seen hanging a
+        // process at exit).
+        let cooperative = self.cooperative;
         match err {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
                 // The group gave these partitions now; the read below may
@@ -180,8 +200,22 @@ impl ConsumerContext for Ctx {
                         && (s.replace.load(Ordering::SeqCst)
                             || s.fatal.lock().unwrap_or_else(|e| e.into_inner()).is_some())
                 });
+                // And every assignment of a static member checks first: a
+                // stalled incarnation's librdkafka may rejoin by itself.
+                let mut held = held;
+                if let Some(shared) = self.shared.upgrade().filter(|s| s.static_member && !held) {
+                    match shared.newer_incarnation_with(&self.reader, Duration::from_secs(5), Some(deadline)) {
+                        Ok(false) => {}
+                        Ok(true) => held = true,
+                        Err(e) => {
+                            tracing::warn!(instance = %self.instance, error = %e, "kafka: static member could not check for a newer incarnation; not starting the assigned partitions, rejoining");
+                            shared.replace.store(true, Ordering::SeqCst);
+                            held = true;
+                        }
+                    }
+                }
                 if held {
-                    tracing::debug!(instance = %self.instance, ?parts, "kafka: static member not checked yet; not starting the assigned partitions");
+                    tracing::debug!(instance = %self.instance, ?parts, "kafka: static member not checked; not starting the assigned partitions");
                 }
                 while !held
                     && saved.is_none()
@@ -346,6 +380,10 @@ pub(crate) struct Part {
     claim: String,
 }
 
+/// How long a static member may fail to check for a newer incarnation
+/// before it fails for good (see [`Shared::newer_incarnation_with`]).
+const UNCHECKED_LIMIT: Duration = Duration::from_secs(300);
+
 /// A static member's incarnation: its record's token, the state partition
 /// that holds it, and where the next check reads from.
 #[derive(Clone, Debug)]
@@ -456,6 +494,8 @@ pub(crate) struct Shared {
     pub(crate) static_member: bool,
     /// A static member's incarnation record (see [`Shared::newer_incarnation`]).
     incarnation: Mutex<Option<Incarnation>>,
+    /// Since when the incarnation check has failed (`None`: it last passed).
+    unchecked_since: Mutex<Option<Instant>>,
     /// `start=group:<id>`: that group's committed offsets, read at open.
     start_offsets: HashMap<i32, i64>,
     /// Why librdkafka gave this member up for good (a fatal error, such as
@@ -1053,58 +1093,86 @@ impl Shared {
     /// rejoin of its own by the group alone. Each check reads only what
     /// was written since the last one. `Err`: not read.
     async fn newer_incarnation(self: &Arc<Self>) -> std::result::Result<bool, String> {
-        let Some(inc) = self.incarnation.lock().unwrap_or_else(|e| e.into_inner()).clone() else {
-            return Ok(false);
-        };
         let me = self.clone();
-        let group_id = self.names.group_id(&self.group);
-        let checked = tokio::task::spawn_blocking(move || {
+        tokio::task::spawn_blocking(move || {
             let mut checker = me.checker.lock().unwrap_or_else(|e| e.into_inner());
             if checker.is_none() {
                 let mut r = base_config(&me.t.cfg);
                 r.set("group.id", "keyorder-state-reader")
                     .set("enable.auto.commit", "false");
-                *checker = Some(r.create()?);
+                *checker = Some(r.create().map_err(|e| e.to_string())?);
             }
-            let Some(reader) = checker.as_ref() else {
-                return Ok((false, inc.from));
-            };
-            state::newer_incarnation(
-                reader,
-                &me.t.state_producer,
-                &me.names,
-                &group_id,
-                &me.instance,
-                inc.partition,
-                &inc.token,
-                inc.from,
-                inc.first,
-                Duration::from_secs(5),
-                state::Limit {
-                    until: None,
-                    stop: &me.closed,
-                },
-            )
+            match checker.as_ref() {
+                Some(reader) => me.newer_incarnation_with(reader, Duration::from_secs(5), None),
+                None => Ok(false),
+            }
         })
-        .await;
+        .await
+        .map_err(|e| e.to_string())?
+    }
+
+    /// [`Shared::newer_incarnation`], blocking, with `reader` (the
+    /// rebalance callback checks with its own before it loads anything).
+    pub(crate) fn newer_incarnation_with(
+        &self,
+        reader: &state::Reader,
+        timeout: Duration,
+        until: Option<std::time::Instant>,
+    ) -> std::result::Result<bool, String> {
+        let Some(inc) = self.incarnation.lock().unwrap_or_else(|e| e.into_inner()).clone() else {
+            return Ok(false);
+        };
+        let checked = state::newer_incarnation(
+            reader,
+            &self.t.state_producer,
+            &self.names,
+            &self.names.group_id(&self.group),
+            &self.instance,
+            inc.partition,
+            &inc.token,
+            inc.from,
+            inc.first,
+            timeout,
+            state::Limit {
+                until,
+                stop: &self.closed,
+            },
+        );
         match checked {
-            Ok(Ok((newer, end))) => {
-                if !newer {
-                    if let Some(i) = self.incarnation.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+            Ok((false, end)) => {
+                if let Some(i) = self.incarnation.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+                    if i.token == inc.token {
                         i.from = i.from.max(end);
                         i.first = false;
                     }
-                } else {
-                    self.fail(
-                        "a newer incarnation of this static member (another process with its instance id) \
-                         registered and took its partitions over"
-                            .into(),
-                    );
                 }
-                Ok(newer)
+                *self.unchecked_since.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                Ok(false)
             }
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(e) => Err(e.to_string()),
+            Ok((true, _)) => {
+                self.fail(
+                    "a newer incarnation of this static member (another process with its instance id) \
+                     registered and took its partitions over"
+                        .into(),
+                );
+                Ok(true)
+            }
+            Err(e) => {
+                // Never stuck: a member that cannot check for long fails
+                // for good rather than hold its assignment unread.
+                let mut since = self.unchecked_since.lock().unwrap_or_else(|e| e.into_inner());
+                let first = *since.get_or_insert_with(Instant::now);
+                drop(since);
+                if first.elapsed() > UNCHECKED_LIMIT {
+                    self.fail(format!(
+                        "could not read the state topic for a newer incarnation for {} s ({e}); open the \
+                         subscription again once the state topic `{}` is readable",
+                        UNCHECKED_LIMIT.as_secs(),
+                        self.names.state()
+                    ));
+                }
+                Err(e.to_string())
+            }
         }
     }
 
@@ -1145,7 +1213,10 @@ impl Shared {
                 ok = self.no_newer_claims(&parts).await;
             }
             if ok && self.static_member {
-                ok = matches!(self.newer_incarnation().await, Ok(false));
+                // A newer incarnation fails this one; an unreadable check
+                // does not stop the leases' confirmation (the coordinator
+                // round trip confirms membership), it is retried.
+                ok = !matches!(self.newer_incarnation().await, Ok(true));
             }
             if !ok {
                 tracing::debug!(topic = %self.names.topic(), "kafka: heartbeat round trip failed");
@@ -1299,7 +1370,14 @@ impl Drop for Source {
 impl Source {
     pub(crate) async fn open(t: KafkaTransport, spec: SourceSpec, names: Names, partitions: i32) -> Result<Self> {
         let ttl = spec.lease.ttl;
-        let names_for_start = names.clone();
+        // Partitions this group never consumed start where `start` says;
+        // another group's offsets are read only while some partition needs
+        // them (that group's offsets may expire once it is gone).
+        let fresh = check_partition_count(&t, &names, &spec.group, partitions).await?;
+        let start_offsets = match &t.cfg.start {
+            crate::StartAt::Group(g) if !fresh.is_empty() => group_offsets(&t, &names, g, partitions).await?,
+            _ => HashMap::new(),
+        };
         let (completed, _) = watch::channel(0);
         let shared = Arc::new(Shared {
             t: t.clone(),
@@ -1328,16 +1406,13 @@ impl Source {
             instance: spec.instance.clone(),
             static_member: t.cfg.static_membership,
             incarnation: Mutex::new(None),
-            start_offsets: match &t.cfg.start {
-                crate::StartAt::Group(g) => group_offsets(&t, &names_for_start, g, partitions).await?,
-                _ => HashMap::new(),
-            },
+            unchecked_since: Mutex::new(None),
+            start_offsets,
             fatal: Mutex::new(None),
         });
         if shared.static_member {
             check_static_member(&t, &shared)?;
         }
-        check_partition_count(&t, &shared.names, &spec.group, partitions).await?;
         let (_, rx) = mpsc::unbounded_channel();
         let mut source = Source {
             shared: shared.clone(),
@@ -1409,11 +1484,13 @@ impl Source {
             .set("auto.offset.reset", "earliest")
             .set("session.timeout.ms", session_ms.to_string())
             .set("heartbeat.interval.ms", heartbeat_ms.to_string())
-            .set("fetch.wait.max.ms", cfg.fetch_wait_ms.to_string())
-            .set("partition.assignment.strategy", cfg.assignor.name());
+            .set("fetch.wait.max.ms", cfg.fetch_wait_ms.to_string());
         for (k, v) in &cfg.extra {
             c.set(k, v);
         }
+        // After the pass-through settings: the rebalance callback relies
+        // on the `assignor` option's protocol.
+        c.set("partition.assignment.strategy", cfg.assignor.name());
         if self.shared.static_member {
             c.set("group.instance.id", &self.shared.instance);
         }
@@ -1436,6 +1513,7 @@ impl Source {
             revoke_wait,
             load_wait,
             shared: Arc::downgrade(&self.shared),
+            cooperative: cfg.assignor == crate::Assignor::CooperativeSticky,
         };
         let member: Member = c.create_with_context(ctx).map_err(kafka_err)?;
         member.subscribe(&[self.shared.names.topic()]).map_err(kafka_err)?;
@@ -1568,6 +1646,11 @@ impl Source {
                         self.outside_layout = Some(partition);
                         continue;
                     }
+                    // Never saved (the group's first owner of it): its
+                    // start is saved at once, so that an owner after a quiet
+                    // hand-over starts where this one did, not where
+                    // `start=latest` finds the end then.
+                    let first_owner = meta.is_empty();
                     let restored = decode(committed, &meta);
                     // One more than the generation of the newest saved state:
                     // the fencing token, per partition.
@@ -1577,7 +1660,13 @@ impl Source {
                     let part = Arc::new(Part {
                         partition,
                         lease,
-                        track: Mutex::new(Track::new(committed, restored)),
+                        track: Mutex::new({
+                            let mut t = Track::new(committed, restored);
+                            if first_owner {
+                                t.version += 1;
+                            }
+                            t
+                        }),
                         sent_version: AtomicU64::new(0),
                         saved_version: AtomicU64::new(0),
                         releasing: AtomicBool::new(false),
@@ -1898,7 +1987,9 @@ async fn group_offsets(t: &KafkaTransport, names: &Names, group: &str, partition
     Ok(out)
 }
 
-async fn check_partition_count(t: &KafkaTransport, names: &Names, group: &str, partitions: i32) -> Result<()> {
+/// Returns the partitions without saved progress (never consumed by the
+/// group).
+async fn check_partition_count(t: &KafkaTransport, names: &Names, group: &str, partitions: i32) -> Result<Vec<i32>> {
     let mut c = base_config(&t.cfg);
     c.set("group.id", names.group_id(group))
         .set("enable.auto.commit", "false");
@@ -1925,6 +2016,7 @@ async fn check_partition_count(t: &KafkaTransport, names: &Names, group: &str, p
     .await
     .map_err(kafka_err)?
     .map_err(kafka_err)?;
+    let fresh = saved.iter().filter(|s| !s.known).map(|s| s.partition).collect();
     for s in saved {
         if let Some(n) = decode(s.committed, &s.meta).partitions {
             if n != partitions {
@@ -1937,7 +2029,7 @@ async fn check_partition_count(t: &KafkaTransport, names: &Names, group: &str, p
             }
         }
     }
-    Ok(())
+    Ok(fresh)
 }
 
 #[async_trait]

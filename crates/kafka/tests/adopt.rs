@@ -269,6 +269,18 @@ async fn start_from_another_groups_committed_offsets() {
             "key {k}: exactly what the legacy group did not process, in order"
         );
     }
+
+    // Once every partition has saved progress the option no longer
+    // matters: a restart after the legacy group's offsets expired (here: a
+    // group that never existed) still opens.
+    let later = client("?start=group:no-such-group-y").await;
+    later
+        .subscribe(&cat, "g")
+        .ordered_by(KeySource::routing_key())
+        .lease(common::lease())
+        .build()
+        .await
+        .expect("saved progress wins over the start option");
 }
 
 /// `start=latest`: messages published before a partition's first
