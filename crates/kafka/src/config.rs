@@ -35,8 +35,11 @@ pub enum StartAt {
     /// other groups); per-key order holds from there.
     Latest,
     /// Where another consumer group (one that consumed the topic before
-    /// keyorder) committed, read once when the subscription opens; a
-    /// partition it never committed starts at its earliest message. What
+    /// keyorder) committed, read when a subscription opens while some
+    /// partition has no saved progress (refused when that group has no
+    /// offsets then; once every partition has saved progress the option no
+    /// longer matters); a partition it never committed starts at its
+    /// earliest message. What
     /// that group had delivered but not committed runs again (at least
     /// once), in partition order, so per-key order holds; stop that group's
     /// consumers first, or both groups process the topic.
@@ -59,7 +62,7 @@ pub enum StartAt {
 /// | `start` | `earliest` | where a partition this group never consumed starts: `earliest`, `latest`, or `group:<group id>` (another group's committed offsets); see [`StartAt`] |
 /// | `reset_layout` | `false` | when the category's `.keyorder-state` topic holds no records and its partition count is not the topic's (left by an earlier attempt), delete it and create it again with the topic's count; never when it holds records. Use it once: partitions added to a topic that holds messages of the same keys break their order (drain first) |
 /// | `static_membership` | `false` | join as a static member (`group.instance.id` = the subscription's instance id): a restart does not move the other members' partitions (see below) |
-/// | `rdkafka.<name>` | | any librdkafka setting, passed through (e.g. `rdkafka.security.protocol=ssl`) |
+/// | `rdkafka.<name>` | | any librdkafka setting, passed through (e.g. `rdkafka.security.protocol=ssl`); `partition.assignment.strategy` is `assignor`'s, `max.poll.interval.ms` is raised to at least the session timeout plus a second, and `group.instance.id` is refused (use `static_membership`) |
 ///
 /// **Static membership** (KIP-345). Each subscription joins with
 /// `group.instance.id` set to its [instance id](keyorder_core::SubscriptionBuilder::instance_id),
@@ -79,8 +82,11 @@ pub enum StartAt {
 /// the eager `range` assignor, every rebalance re-assigns every partition).
 /// Each incarnation registers itself in the state topic when it first
 /// joins; one that finds a newer registration under its instance id (at a
-/// heartbeat, or before rejoining after a stall past the session timeout)
-/// fails for good, naming the fix, instead of taking the partitions back.
+/// heartbeat, in every assignment before anything starts, or before
+/// rejoining after a stall past the session timeout) fails for good,
+/// naming the fix, instead of taking the partitions back. One that cannot
+/// read the state topic starts nothing newly assigned, and fails for good
+/// after 5 minutes without a check.
 /// A member replaced by another with its instance id (librdkafka's fatal
 /// `FENCED_INSTANCE_ID`) loses every partition and its subscription fails,
 /// naming the fix. See BENCHMARKS.md for what this does to fail-over.

@@ -465,6 +465,41 @@ impl KafkaTransport {
         .map_err(kafka_err)
     }
 
+    /// Waits until the state producer's metadata shows `state` with
+    /// `count` partitions: after a recreate its cache still has the old
+    /// count, and a produce to a new partition fails as unknown.
+    async fn await_state_count(&self, state: &str, count: i32) -> Result<()> {
+        // The state producer's cached metadata still has the old count
+        // (a produce to a new partition fails as unknown until it learns).
+        let producer = self.state_producer.clone();
+        let t = state.to_owned();
+        let learned = tokio::task::spawn_blocking(move || {
+            let until = std::time::Instant::now() + Duration::from_secs(30);
+            while std::time::Instant::now() < until {
+                let n = producer
+                    .client()
+                    .fetch_metadata(Some(&t), Duration::from_secs(5))
+                    .ok()
+                    .and_then(|md| md.topics().first().map(|t| t.partitions().len()));
+                if n == Some(count as usize) {
+                    return true;
+                }
+                // A blocking thread of its own, not a runtime worker.
+                #[allow(clippy::disallowed_methods)]
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            false
+        })
+        .await
+        .map_err(kafka_err)?;
+        if !learned {
+            return Err(Error::Broker(format!(
+                "kafka: the state topic `{state}` was recreated with {count} partitions, but the producer did not see them in 30 s; retrying"
+            )));
+        }
+        Ok(())
+    }
+
     /// Deletes the (empty) state topic of `names` and creates it again
     /// with `count` partitions (`reset_layout=true`).
     async fn recreate_state_topic(&self, names: &Names, count: i32) -> Result<()> {
@@ -472,7 +507,7 @@ impl KafkaTransport {
         // Checked again right before: another process may have reset it
         // (it has the topic's count now: done) or started using it.
         if self.topic_count(&state).await? == Some(count) {
-            return Ok(());
+            return self.await_state_count(&state, count).await;
         }
         if !self.topic_empty(&state).await? {
             return Err(Error::Broker(format!(
@@ -510,34 +545,7 @@ impl KafkaTransport {
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        // The state producer's cached metadata still has the old count
-        // (a produce to a new partition fails as unknown until it learns).
-        let producer = self.state_producer.clone();
-        let t = state.clone();
-        let learned = tokio::task::spawn_blocking(move || {
-            let until = std::time::Instant::now() + Duration::from_secs(30);
-            while std::time::Instant::now() < until {
-                let n = producer
-                    .client()
-                    .fetch_metadata(Some(&t), Duration::from_secs(5))
-                    .ok()
-                    .and_then(|md| md.topics().first().map(|t| t.partitions().len()));
-                if n == Some(count as usize) {
-                    return true;
-                }
-                // A blocking thread of its own, not a runtime worker.
-                #[allow(clippy::disallowed_methods)]
-                std::thread::sleep(Duration::from_millis(200));
-            }
-            false
-        })
-        .await
-        .map_err(kafka_err)?;
-        if !learned {
-            return Err(Error::Broker(format!(
-                "kafka: the state topic `{state}` was recreated with {count} partitions, but the producer did not see them in 30 s; retrying"
-            )));
-        }
+        self.await_state_count(&state, count).await?;
         tracing::warn!(topic = names.topic(), state = %state, count, "kafka: reset_layout: recreated the empty state topic with the topic's partition count");
         Ok(())
     }

@@ -203,14 +203,35 @@ impl ConsumerContext for Ctx {
                 // And every assignment of a static member checks first: a
                 // stalled incarnation's librdkafka may rejoin by itself.
                 let mut held = held;
-                if let Some(shared) = self.shared.upgrade().filter(|s| s.static_member && !held) {
-                    match shared.newer_incarnation_with(&self.reader, Duration::from_secs(5), Some(deadline)) {
-                        Ok(false) => {}
-                        Ok(true) => held = true,
-                        Err(e) => {
-                            tracing::warn!(instance = %self.instance, error = %e, "kafka: static member could not check for a newer incarnation; not starting the assigned partitions, rejoining");
-                            shared.replace.store(true, Ordering::SeqCst);
-                            held = true;
+                let current = |s: &Shared| s.member().is_some_and(|m| std::ptr::eq(Arc::as_ptr(&m), c));
+                if let Some(shared) = self
+                    .shared
+                    .upgrade()
+                    .filter(|s| s.static_member && !held && !self.stopping.load(Ordering::SeqCst) && current(s))
+                {
+                    loop {
+                        match shared.newer_incarnation_with(&self.reader, Duration::from_secs(5), Some(deadline)) {
+                            Ok(false) => break,
+                            Ok(true) => {
+                                held = true;
+                                break;
+                            }
+                            Err(e)
+                                if self.stopping.load(Ordering::SeqCst)
+                                    || std::time::Instant::now() + Duration::from_secs(1) >= deadline =>
+                            {
+                                tracing::warn!(instance = %self.instance, error = %e, "kafka: static member could not check for a newer incarnation; not starting the assigned partitions");
+                                if current(&shared) {
+                                    shared.replace.store(true, Ordering::SeqCst);
+                                }
+                                held = true;
+                                break;
+                            }
+                            Err(_) => {
+                                // The poll thread, not a runtime worker.
+                                #[allow(clippy::disallowed_methods)]
+                                std::thread::sleep(Duration::from_millis(200));
+                            }
                         }
                     }
                 }
@@ -1933,13 +1954,24 @@ fn poll_loop(member: Arc<Member>, tx: mpsc::UnboundedSender<Ev>, stop: Arc<Atomi
     // Leaving: the rebalance callback sees `stop` and does not wait.
     stop.store(true, Ordering::SeqCst);
     member.unsubscribe();
-    // Serve the revoke the unsubscribe triggers, then close on drop.
+    // Serve the revoke the unsubscribe triggers.
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while std::time::Instant::now() < deadline {
         if member.assignment().map(|a| a.count() == 0).unwrap_or(true) {
             break;
         }
         let _ = member.poll(Duration::from_millis(50));
+    }
+    // Close here, on the poll thread, bounded: wherever the last reference
+    // goes later (a settle handle, an aborted task's closure), the
+    // consumer's drop finds it closed and serves nothing (served off the
+    // poll thread, a final revoke waited for librdkafka's main thread
+    // forever: seen hanging a process at exit).
+    if member.close_queue().is_ok() {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !member.closed() && std::time::Instant::now() < deadline {
+            let _ = member.poll(Duration::from_millis(50));
+        }
     }
 }
 
@@ -2084,7 +2116,10 @@ impl TransportSource for Source {
             }
         }
         if let Some(why) = self.shared.fatal.lock().unwrap_or_else(|e| e.into_inner()).clone() {
-            let fix = if self.shared.static_member {
+            let fix = if why.starts_with("could not read the state topic") {
+                "the state topic stayed unreadable, so this static member could not tell whether a newer \
+                 incarnation took its instance id over; open the subscription again once the broker serves it"
+            } else if self.shared.static_member {
                 "another consumer joined the group with this instance id (static membership): a newer incarnation \
                  of this instance took over, or two processes share an instance id; give each its own .instance_id(...)"
             } else {
