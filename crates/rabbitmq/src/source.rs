@@ -873,14 +873,18 @@ impl Source {
         // else keyorder's `keyorder-key` header. A header that differs from
         // the routing key is kept as it came: the key source selects it and
         // the subscription parks the message as routed by another key.
+        // A routing key that is the delivering queue's own name was a
+        // publish straight to the queue (the default exchange: an
+        // operator's move, a shovel), not a placement by the ring.
         let rk = d.routing_key.as_str();
         let id = props.message_id().as_ref().map(|s| s.as_str().to_owned());
-        let keyless_rk = rk.is_empty()
+        let not_routed = rk.is_empty()
+            || rk == queue
             || id
                 .as_deref()
                 .is_some_and(|id| rk == id || rk == crate::keyless_routing_key(id));
         let header_key = header_text(&props, KEY_HEADER);
-        let routed_by = (!keyless_rk).then(|| rk.to_owned());
+        let routed_by = (!not_routed).then(|| rk.to_owned());
         let stamp = header_key.is_none() && routed_by.is_some();
         let key_text = routed_by.clone().or(header_key);
         let key = match key_text
