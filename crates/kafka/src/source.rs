@@ -115,6 +115,15 @@ impl Ctx {
         let Some(shared) = self.shared.upgrade() else {
             return Ok(out);
         };
+        // A partition's (low, high) watermarks, within the callback's wait.
+        let watermarks = |p: i32| {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err("the assignment's wait ran out".to_owned());
+            }
+            c.fetch_watermarks(&self.topic, p, left.min(Duration::from_secs(10)))
+                .map_err(|e| e.to_string())
+        };
         match &shared.t.cfg.start {
             crate::StartAt::Earliest => {}
             crate::StartAt::Group(_) => {
@@ -123,13 +132,7 @@ impl Ctx {
                         // Within what the partition holds: an offset past
                         // its end (another topic's of the same name) would
                         // skip what comes next.
-                        let left = deadline.saturating_duration_since(std::time::Instant::now());
-                        if left.is_zero() {
-                            return Err("the assignment's wait ran out".into());
-                        }
-                        let (low, high) = c
-                            .fetch_watermarks(&self.topic, *p, left.min(Duration::from_secs(10)))
-                            .map_err(|e| e.to_string())?;
+                        let (low, high) = watermarks(*p)?;
                         if *o > high {
                             tracing::warn!(partition = p, "kafka: start=group: the group's committed offset lies past the partition's end; starting at the end");
                         }
@@ -139,14 +142,7 @@ impl Ctx {
             }
             crate::StartAt::Latest => {
                 for p in fresh {
-                    let left = deadline.saturating_duration_since(std::time::Instant::now());
-                    if left.is_zero() {
-                        return Err("the assignment's wait ran out".into());
-                    }
-                    let (_, high) = c
-                        .fetch_watermarks(&self.topic, *p, left.min(Duration::from_secs(10)))
-                        .map_err(|e| e.to_string())?;
-                    out.insert(*p, high);
+                    out.insert(*p, watermarks(*p)?.1);
                 }
             }
         }
@@ -803,32 +799,24 @@ impl Shared {
             .collect();
         let checked_claims = claims.clone();
         let checked = tokio::task::spawn_blocking(move || {
-            let mut checker = me.checker.lock().unwrap_or_else(|e| e.into_inner());
-            if checker.is_none() {
-                let mut r = base_config(&me.t.cfg);
-                r.set("group.id", "keyorder-state-reader")
-                    .set("enable.auto.commit", "false");
-                *checker = Some(r.create()?);
-            }
-            let Some(reader) = checker.as_ref() else {
-                return Ok(Vec::new());
-            };
-            state::advance(
-                &*member,
-                reader,
-                &me.t.state_producer,
-                &names,
-                &group_id,
-                &asked,
-                &claims,
-                Duration::from_secs(10),
-                CommitMode::Async,
-                // A close does not wait out the check's read.
-                state::Limit {
-                    until: None,
-                    stop: &me.closed,
-                },
-            )
+            me.with_checker(|reader| {
+                state::advance(
+                    &*member,
+                    reader,
+                    &me.t.state_producer,
+                    &names,
+                    &group_id,
+                    &asked,
+                    &claims,
+                    Duration::from_secs(10),
+                    CommitMode::Async,
+                    // A close does not wait out the check's read.
+                    state::Limit {
+                        until: None,
+                        stop: &me.closed,
+                    },
+                )
+            })
         })
         .await;
         match checked {
@@ -994,6 +982,22 @@ impl Shared {
         }
     }
 
+    /// Runs `f` with the state reader the checks share (created at first
+    /// use), one check at a time. Blocking.
+    fn with_checker<T>(
+        &self,
+        f: impl FnOnce(&state::Reader) -> rdkafka::error::KafkaResult<T>,
+    ) -> rdkafka::error::KafkaResult<T> {
+        let mut checker = self.checker.lock().unwrap_or_else(|e| e.into_inner());
+        let reader = match checker.take() {
+            Some(reader) => reader,
+            None => state::reader(&self.t.cfg)?,
+        };
+        let out = f(&reader);
+        *checker = Some(reader);
+        out
+    }
+
     /// librdkafka gave the member up for good: every partition is lost at
     /// once, and the subscription fails at its next `maintain`.
     pub(crate) fn fail(&self, why: String) {
@@ -1025,30 +1029,22 @@ impl Shared {
         let checked_claims = claims.clone();
         let group_id = self.names.group_id(&self.group);
         let checked = tokio::task::spawn_blocking(move || {
-            let mut checker = me.checker.lock().unwrap_or_else(|e| e.into_inner());
-            if checker.is_none() {
-                let mut r = base_config(&me.t.cfg);
-                r.set("group.id", "keyorder-state-reader")
-                    .set("enable.auto.commit", "false");
-                *checker = Some(r.create()?);
-            }
-            let Some(reader) = checker.as_ref() else {
-                return Ok(Vec::new());
-            };
-            state::newer_claims(
-                &*member,
-                reader,
-                &me.t.state_producer,
-                &me.names,
-                &group_id,
-                &own,
-                &claims,
-                Duration::from_secs(5),
-                state::Limit {
-                    until: None,
-                    stop: &me.closed,
-                },
-            )
+            me.with_checker(|reader| {
+                state::newer_claims(
+                    &*member,
+                    reader,
+                    &me.t.state_producer,
+                    &me.names,
+                    &group_id,
+                    &own,
+                    &claims,
+                    Duration::from_secs(5),
+                    state::Limit {
+                        until: None,
+                        stop: &me.closed,
+                    },
+                )
+            })
         })
         .await;
         match checked {
@@ -1116,17 +1112,8 @@ impl Shared {
     async fn newer_incarnation(self: &Arc<Self>) -> std::result::Result<bool, String> {
         let me = self.clone();
         tokio::task::spawn_blocking(move || {
-            let mut checker = me.checker.lock().unwrap_or_else(|e| e.into_inner());
-            if checker.is_none() {
-                let mut r = base_config(&me.t.cfg);
-                r.set("group.id", "keyorder-state-reader")
-                    .set("enable.auto.commit", "false");
-                *checker = Some(r.create().map_err(|e| e.to_string())?);
-            }
-            match checker.as_ref() {
-                Some(reader) => me.newer_incarnation_with(reader, Duration::from_secs(5), None),
-                None => Ok(false),
-            }
+            me.with_checker(|reader| Ok(me.newer_incarnation_with(reader, Duration::from_secs(5), None)))
+                .map_err(|e| e.to_string())?
         })
         .await
         .map_err(|e| e.to_string())?
@@ -2026,10 +2013,7 @@ async fn check_partition_count(t: &KafkaTransport, names: &Names, group: &str, p
     c.set("group.id", names.group_id(group))
         .set("enable.auto.commit", "false");
     let probe: BaseConsumer = c.create().map_err(kafka_err)?;
-    let mut r = base_config(&t.cfg);
-    r.set("group.id", "keyorder-state-reader")
-        .set("enable.auto.commit", "false");
-    let reader: state::Reader = r.create().map_err(kafka_err)?;
+    let reader = state::reader(&t.cfg).map_err(kafka_err)?;
     let producer = t.state_producer.clone();
     let (n2, g2) = (names.clone(), names.group_id(group));
     let saved = tokio::task::spawn_blocking(move || {

@@ -55,6 +55,15 @@ const MARKER_KEY: &[u8] = b"keyorder-marker";
 /// A consumer outside any group that reads state records.
 pub(crate) type Reader = BaseConsumer;
 
+/// A reader of the state topic: a consumer outside every group (assigned,
+/// never subscribed).
+pub(crate) fn reader(cfg: &crate::KafkaConfig) -> KafkaResult<Reader> {
+    let mut r = crate::base_config(cfg);
+    r.set("group.id", "keyorder-state-reader")
+        .set("enable.auto.commit", "false");
+    r.create()
+}
+
 /// When a state read gives up before it is done: past `until`, or once
 /// `stop` is set (the source closing: a close must not wait out a read).
 #[derive(Clone, Copy)]
@@ -752,10 +761,7 @@ mod broker_tests {
             let mut c = crate::base_config(&t.cfg);
             c.set("group.id", &group_id).set("enable.auto.commit", "false");
             let member: BaseConsumer = c.create().unwrap();
-            let mut r = crate::base_config(&t.cfg);
-            r.set("group.id", "keyorder-state-reader")
-                .set("enable.auto.commit", "false");
-            let reader: Reader = r.create().unwrap();
+            let reader = reader(&t.cfg).unwrap();
             Bench {
                 t,
                 names,

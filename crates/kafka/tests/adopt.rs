@@ -11,8 +11,7 @@ use std::time::Duration;
 
 use common::Recording;
 use keyorder_core::{Client, Error, KeySource};
-use keyorder_kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use keyorder_kafka::rdkafka::client::DefaultClientContext;
+use keyorder_kafka::rdkafka::admin::{NewTopic, TopicReplication};
 use keyorder_kafka::rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use keyorder_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
 use keyorder_kafka::rdkafka::{ClientConfig, Message as _, Offset, TopicPartitionList};
@@ -22,20 +21,6 @@ fn foreign() -> ClientConfig {
     let mut cfg = ClientConfig::new();
     cfg.set("bootstrap.servers", common::brokers());
     cfg
-}
-
-async fn create(topics: &[NewTopic<'_>]) {
-    let admin: AdminClient<DefaultClientContext> = foreign().create().unwrap();
-    for r in admin
-        .create_topics(
-            topics,
-            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
-        )
-        .await
-        .unwrap()
-    {
-        r.unwrap();
-    }
 }
 
 /// A foreign producer on Java's partitioner: `rounds` rounds, each one
@@ -75,6 +60,16 @@ fn by_key(log: &[String]) -> HashMap<String, Vec<u32>> {
     out
 }
 
+/// Builds group `g`'s subscription of `cat`, ordered by the record key.
+async fn build(client: &Client, cat: &str) -> keyorder_core::Result<keyorder_core::Subscription> {
+    client
+        .subscribe(cat, "g")
+        .ordered_by(KeySource::routing_key())
+        .lease(common::lease())
+        .build()
+        .await
+}
+
 async fn client(query: &str) -> Client {
     let url = format!("kafka://{}{query}", common::brokers());
     Client::new(Arc::new(KafkaTransport::from_url(&url.parse().unwrap()).await.unwrap()))
@@ -92,7 +87,7 @@ fn category(prefix: &str) -> String {
 async fn an_empty_state_topic_with_another_count_is_recreated_with_reset_layout() {
     let cat = category("adopt-reset");
     let (state, dlq) = (format!("{cat}.keyorder-state"), format!("{cat}.dlq"));
-    create(&[
+    common::create_topics(&[
         NewTopic::new(&cat, 12, TopicReplication::Fixed(1)),
         NewTopic::new(&state, 8, TopicReplication::Fixed(1)).set("cleanup.policy", "compact"),
         NewTopic::new(&dlq, 8, TopicReplication::Fixed(1)),
@@ -102,13 +97,7 @@ async fn an_empty_state_topic_with_another_count_is_recreated_with_reset_layout(
     produce(&cat, &keys, 0..10).await;
 
     let plain = client("").await;
-    let err = match plain
-        .subscribe(&cat, "g")
-        .ordered_by(KeySource::routing_key())
-        .lease(common::lease())
-        .build()
-        .await
-    {
+    let err = match build(&plain, &cat).await {
         Err(e) => e,
         Ok(_) => panic!("a subscription was built over a state topic with another count"),
     };
@@ -118,11 +107,7 @@ async fn an_empty_state_topic_with_another_count_is_recreated_with_reset_layout(
     );
 
     let reset = client("?reset_layout=true").await;
-    let sub = reset
-        .subscribe(&cat, "g")
-        .ordered_by(KeySource::routing_key())
-        .lease(common::lease())
-        .build()
+    let sub = build(&reset, &cat)
         .await
         .expect("reset_layout=true recreates the empty state topic");
     let rec = Recording::start(sub);
@@ -155,7 +140,7 @@ async fn an_empty_state_topic_with_another_count_is_recreated_with_reset_layout(
 async fn reset_layout_never_recreates_a_state_topic_in_use() {
     let cat = category("adopt-inuse");
     let state = format!("{cat}.keyorder-state");
-    create(&[
+    common::create_topics(&[
         NewTopic::new(&cat, 4, TopicReplication::Fixed(1)),
         NewTopic::new(&state, 2, TopicReplication::Fixed(1)).set("cleanup.policy", "compact"),
     ])
@@ -186,7 +171,7 @@ async fn reset_layout_never_recreates_a_state_topic_in_use() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn start_from_another_groups_committed_offsets() {
     let cat = category("adopt-group");
-    create(&[NewTopic::new(&cat, 4, TopicReplication::Fixed(1))]).await;
+    common::create_topics(&[NewTopic::new(&cat, 4, TopicReplication::Fixed(1))]).await;
     let keys = keys(20);
     produce(&cat, &keys, 0..10).await;
 
@@ -234,26 +219,14 @@ async fn start_from_another_groups_committed_offsets() {
 
     // A misspelt group is refused rather than replaying the topic.
     let typo = client("?start=group:no-such-group-x").await;
-    match typo
-        .subscribe(&cat, "g")
-        .ordered_by(KeySource::routing_key())
-        .lease(common::lease())
-        .build()
-        .await
-    {
+    match build(&typo, &cat).await {
         Err(Error::Config(m)) if m.contains("no committed offsets") => {}
         Err(e) => panic!("refused otherwise: {e}"),
         Ok(_) => panic!("a group without committed offsets was taken as a start"),
     }
 
     let from_group = client(&format!("?start=group:{legacy}")).await;
-    let sub = from_group
-        .subscribe(&cat, "g")
-        .ordered_by(KeySource::routing_key())
-        .lease(common::lease())
-        .build()
-        .await
-        .unwrap();
+    let sub = build(&from_group, &cat).await.unwrap();
     let rec = Recording::start(sub);
     rec.until(100, Duration::from_secs(90), "the rounds the legacy group left")
         .await;
@@ -274,11 +247,7 @@ async fn start_from_another_groups_committed_offsets() {
     // matters: a restart after the legacy group's offsets expired (here: a
     // group that never existed) still opens.
     let later = client("?start=group:no-such-group-y").await;
-    later
-        .subscribe(&cat, "g")
-        .ordered_by(KeySource::routing_key())
-        .lease(common::lease())
-        .build()
+    build(&later, &cat)
         .await
         .expect("saved progress wins over the start option");
 }
@@ -289,18 +258,12 @@ async fn start_from_another_groups_committed_offsets() {
 async fn start_at_latest_skips_what_came_before_the_first_assignment() {
     let cat = category("adopt-latest");
     let n = 4;
-    create(&[NewTopic::new(&cat, n, TopicReplication::Fixed(1))]).await;
+    common::create_topics(&[NewTopic::new(&cat, n, TopicReplication::Fixed(1))]).await;
     let keys = keys(20);
     produce(&cat, &keys, 0..5).await;
 
     let latest = client("?start=latest").await;
-    let sub = latest
-        .subscribe(&cat, "g")
-        .ordered_by(KeySource::routing_key())
-        .lease(common::lease())
-        .build()
-        .await
-        .unwrap();
+    let sub = build(&latest, &cat).await.unwrap();
     let rec = Recording::start(sub);
     // One canary key per partition, published until each ran: then every
     // partition is assigned and started at its end.

@@ -12,9 +12,7 @@ use std::time::Duration;
 
 use common::Recording;
 use keyorder_core::{Client, KeySource, Message};
-use keyorder_kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use keyorder_kafka::rdkafka::client::DefaultClientContext;
-use keyorder_kafka::rdkafka::ClientConfig;
+use keyorder_kafka::rdkafka::admin::{NewTopic, TopicReplication};
 use keyorder_kafka::KafkaTransport;
 
 fn script() -> String {
@@ -36,19 +34,7 @@ fn python(args: &[String]) -> String {
 }
 
 async fn create(topic: &str, partitions: i32) {
-    let mut cfg = ClientConfig::new();
-    cfg.set("bootstrap.servers", common::brokers());
-    let admin: AdminClient<DefaultClientContext> = cfg.create().unwrap();
-    for r in admin
-        .create_topics(
-            &[NewTopic::new(topic, partitions, TopicReplication::Fixed(1))],
-            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
-        )
-        .await
-        .unwrap()
-    {
-        r.unwrap();
-    }
+    common::create_topics(&[NewTopic::new(topic, partitions, TopicReplication::Fixed(1))]).await;
 }
 
 fn hex(bytes: &[u8]) -> String {

@@ -4,8 +4,11 @@
 //! keyorder-published keyless message stays keyless.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
+
+mod common;
+use common::Run;
 
 use keyorder_core::{Client, Delivery, HandlerResult, KeySource, Message};
 use keyorder_rabbitmq::lapin::options::BasicPublishOptions;
@@ -30,56 +33,6 @@ async fn client(options: &str) -> Client {
 
 fn category(prefix: &str) -> String {
     format!("{prefix}-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
-}
-
-/// What a run saw: per delivery, the key the handler got and the payload.
-type Seen = Arc<Mutex<Vec<(Option<String>, String)>>>;
-
-struct Run {
-    seen: Seen,
-    stop: tokio::sync::oneshot::Sender<()>,
-    run: tokio::task::JoinHandle<keyorder_core::Result<keyorder_core::RunReport>>,
-}
-
-impl Run {
-    fn start(sub: keyorder_core::Subscription) -> Run {
-        let seen: Seen = Arc::default();
-        let log = seen.clone();
-        let handler = move |d: Delivery| {
-            let log = log.clone();
-            async move {
-                let key = d.key().map(|k| k.as_str().to_owned());
-                log.lock()
-                    .unwrap()
-                    .push((key, String::from_utf8_lossy(d.payload()).into_owned()));
-                HandlerResult::Ok(())
-            }
-        };
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let run = tokio::spawn(sub.run(handler, async move {
-            let _ = stopped.await;
-        }));
-        Run { seen, stop, run }
-    }
-
-    async fn until(&self, n: usize, secs: u64) {
-        let deadline = Instant::now() + Duration::from_secs(secs);
-        while self.seen.lock().unwrap().len() < n {
-            assert!(
-                Instant::now() < deadline,
-                "{} of {n} deliveries in {secs} s",
-                self.seen.lock().unwrap().len()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    async fn stop(self) -> (Vec<(Option<String>, String)>, keyorder_core::RunReport) {
-        let _ = self.stop.send(());
-        let report = self.run.await.unwrap().unwrap();
-        let seen = self.seen.lock().unwrap().clone();
-        (seen, report)
-    }
 }
 
 /// Publishes as a plain AMQP client would: to the category's entry

@@ -5,15 +5,16 @@
 
 use std::collections::HashMap;
 use std::process::Command;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::Arc;
 
-use keyorder_core::{Client, Delivery, HandlerResult, KeySource, Message};
+mod common;
+use common::Run;
+
+use keyorder_core::{Client, KeySource, Message};
 use keyorder_rabbitmq::lapin::options::{QueueBindOptions, QueueDeclareOptions};
 use keyorder_rabbitmq::lapin::types::FieldTable;
 use keyorder_rabbitmq::lapin::{Connection, ConnectionProperties};
 use keyorder_rabbitmq::RabbitTransport;
-use tokio::time::Instant;
 
 fn base() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
@@ -43,9 +44,6 @@ async fn client() -> Client {
     Client::new(Arc::new(t))
 }
 
-/// Per delivery: the key the handler got and the body.
-type Seen = Arc<Mutex<Vec<(Option<String>, String)>>>;
-
 fn keys() -> Vec<String> {
     (0..20).map(|i| format!("customer-{i}")).collect()
 }
@@ -60,34 +58,13 @@ async fn pika_routing_keys_run_in_per_key_order() {
         .build()
         .await
         .unwrap();
-    let seen: Seen = Arc::default();
-    let log = seen.clone();
-    let handler = move |d: Delivery| {
-        let log = log.clone();
-        async move {
-            log.lock().unwrap().push((
-                d.key().map(|k| k.as_str().to_owned()),
-                String::from_utf8_lossy(d.payload()).into_owned(),
-            ));
-            HandlerResult::Ok(())
-        }
-    };
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(sub.run(handler, async move {
-        let _ = stopped.await;
-    }));
+    let run = Run::start(sub);
     let keys = keys();
     let mut args = vec!["produce".to_owned(), base(), format!("{cat}:entry"), "10".to_owned()];
     args.extend(keys.iter().cloned());
     tokio::task::spawn_blocking(move || python(&args)).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while seen.lock().unwrap().len() < 200 {
-        assert!(Instant::now() < deadline, "{} of 200 ran", seen.lock().unwrap().len());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let _ = stop.send(());
-    run.await.unwrap().unwrap();
-    let seen = seen.lock().unwrap().clone();
+    run.until(200, 60).await;
+    let (seen, _) = run.stop().await;
     let mut per_key: HashMap<String, Vec<u32>> = HashMap::new();
     for (key, body) in &seen {
         let (k, r) = body.rsplit_once('/').unwrap();

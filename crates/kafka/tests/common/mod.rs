@@ -20,6 +20,26 @@ pub(crate) fn lease() -> LeaseConfig {
     }
 }
 
+/// Creates `topics` as another client would (each must not exist yet).
+#[allow(dead_code)]
+pub(crate) async fn create_topics(topics: &[keyorder_kafka::rdkafka::admin::NewTopic<'_>]) {
+    use keyorder_kafka::rdkafka::admin::{AdminClient, AdminOptions};
+    use keyorder_kafka::rdkafka::client::DefaultClientContext;
+    let mut cfg = keyorder_kafka::rdkafka::ClientConfig::new();
+    cfg.set("bootstrap.servers", brokers());
+    let admin: AdminClient<DefaultClientContext> = cfg.create().unwrap();
+    for r in admin
+        .create_topics(
+            topics,
+            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+        )
+        .await
+        .unwrap()
+    {
+        r.unwrap();
+    }
+}
+
 /// A subscription running with a handler that records each payload as text.
 // Not every test file runs one.
 #[allow(dead_code)]

@@ -1,0 +1,58 @@
+//! What the RabbitMQ tests share: a subscription run that records, per
+//! delivery, the key its handler got and the payload.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use keyorder_core::{Delivery, HandlerResult};
+use tokio::time::Instant;
+
+/// What a run saw: per delivery, the key the handler got and the payload.
+pub(crate) type Seen = Arc<Mutex<Vec<(Option<String>, String)>>>;
+
+pub(crate) struct Run {
+    seen: Seen,
+    stop: tokio::sync::oneshot::Sender<()>,
+    run: tokio::task::JoinHandle<keyorder_core::Result<keyorder_core::RunReport>>,
+}
+
+impl Run {
+    pub(crate) fn start(sub: keyorder_core::Subscription) -> Run {
+        let seen: Seen = Arc::default();
+        let log = seen.clone();
+        let handler = move |d: Delivery| {
+            let log = log.clone();
+            async move {
+                let key = d.key().map(|k| k.as_str().to_owned());
+                log.lock()
+                    .unwrap()
+                    .push((key, String::from_utf8_lossy(d.payload()).into_owned()));
+                HandlerResult::Ok(())
+            }
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let run = tokio::spawn(sub.run(handler, async move {
+            let _ = stopped.await;
+        }));
+        Run { seen, stop, run }
+    }
+
+    pub(crate) async fn until(&self, n: usize, secs: u64) {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        while self.seen.lock().unwrap().len() < n {
+            assert!(
+                Instant::now() < deadline,
+                "{} of {n} deliveries in {secs} s",
+                self.seen.lock().unwrap().len()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub(crate) async fn stop(self) -> (Vec<(Option<String>, String)>, keyorder_core::RunReport) {
+        let _ = self.stop.send(());
+        let report = self.run.await.unwrap().unwrap();
+        let seen = self.seen.lock().unwrap().clone();
+        (seen, report)
+    }
+}
