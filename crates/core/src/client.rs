@@ -53,7 +53,7 @@ impl Client {
         Client::new(Arc::new(crate::memory::MemoryTransport::new()))
     }
 
-    /// Uses `rules` (reserved lanes) for every publish and subscription.
+    /// Uses `rules` (the deployment's lanes) for every publish and subscription.
     pub fn with_key_rules(mut self, rules: KeyRules) -> Self {
         self.rules = rules;
         self

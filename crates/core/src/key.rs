@@ -1,28 +1,37 @@
 //! Ordering keys: one validated rule set for every transport.
 //!
 //! An [`OrderingKey`] can only be built through validation, so a value of the
-//! type always obeys every rule of the contract:
+//! type always obeys every rule of the contract. A key is refused only when
+//! no adapter could carry it:
 //!
-//! * not empty and at most [`MAX_KEY_BYTES`] bytes (fits an AMQP routing key);
-//! * no `:`, `{`, `}` (Redis key layout and cluster hash tags) and no control
-//!   character;
-//! * not a reserved lane token (`dlq`, and each configured lane suffix);
-//! * not of the sentinel form `__name__` (reserved for internal names).
+//! * empty;
+//! * longer than [`MAX_KEY_BYTES`] bytes (fits an AMQP routing key).
+//!
+//! Everything else is carried, the keys real systems use included:
+//! `customer:42`, `{tag}`, control characters, NUL, a lane token such as
+//! `dlq`, the `__name__` form. An adapter whose broker names things by key
+//! (Redis) encodes the key so that it collides with no other key, lane or
+//! internal name; a store whose text cannot hold NUL (PostgreSQL) keeps the
+//! [`stored_text`] form. A foreign message whose key is not UTF-8 (a Kafka
+//! record's key bytes) gets a key from [`OrderingKey::from_bytes`].
 //!
 //! Errors never carry the full key: keys are user data. [`KeyError`] shows a
 //! truncated, escaped preview and the rule that was broken.
 //!
 //! ```
-//! use keyorder_core::{KeyRules, OrderingKey};
+//! use keyorder_core::{KeyRule, OrderingKey};
 //!
-//! let key = OrderingKey::new("client-42")?;
-//! assert_eq!(key.as_str(), "client-42");
+//! let key = OrderingKey::new("customer:42")?;
+//! assert_eq!(key.as_str(), "customer:42");
 //!
-//! let err = OrderingKey::new("a:b").unwrap_err();
-//! assert_eq!(err.rule(), keyorder_core::KeyRule::ForbiddenCharacter);
+//! let err = OrderingKey::new("").unwrap_err();
+//! assert_eq!(err.rule(), KeyRule::Empty);
+//! let err = OrderingKey::new("x".repeat(256)).unwrap_err();
+//! assert_eq!(err.rule(), KeyRule::TooLong);
 //!
-//! let rules = KeyRules::default().with_lane("backfill");
-//! assert!(OrderingKey::with_rules("backfill", &rules).is_err());
+//! // An 8-byte big-endian integer key, as a Java producer writes it.
+//! let raw = 42u64.to_be_bytes();
+//! assert_eq!(OrderingKey::from_bytes(&raw)?.as_str().as_bytes(), &raw[..]);
 //! # Ok::<(), keyorder_core::KeyError>(())
 //! ```
 
@@ -36,6 +45,10 @@ pub const MAX_KEY_BYTES: usize = 255;
 pub const DLQ_LANE: &str = "dlq";
 
 /// The rule a rejected key broke.
+///
+/// Wave 1 also refused `:`, `{`, `}`, control characters, lane tokens and
+/// the `__name__` form; those keys are now carried (adapters encode them
+/// where their broker needs it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum KeyRule {
@@ -43,14 +56,6 @@ pub enum KeyRule {
     Empty,
     /// The key is longer than [`MAX_KEY_BYTES`] bytes.
     TooLong,
-    /// The key contains `:`, `{` or `}`.
-    ForbiddenCharacter,
-    /// The key contains a control character.
-    ControlCharacter,
-    /// The key equals a reserved lane token (`dlq` or a configured lane).
-    ReservedLane,
-    /// The key has the sentinel form `__name__`.
-    Sentinel,
 }
 
 impl KeyRule {
@@ -59,10 +64,6 @@ impl KeyRule {
         match self {
             KeyRule::Empty => "empty",
             KeyRule::TooLong => "longer than 255 bytes",
-            KeyRule::ForbiddenCharacter => "contains ':', '{' or '}'",
-            KeyRule::ControlCharacter => "contains a control character",
-            KeyRule::ReservedLane => "reserved lane token",
-            KeyRule::Sentinel => "reserved sentinel form __name__",
         }
     }
 }
@@ -100,11 +101,13 @@ pub fn redact(value: &str) -> String {
     }
 }
 
-/// The configurable part of the rule set: reserved lane suffixes.
+/// The deployment's lanes (`dlq` and suffixes such as `backfill`).
 ///
-/// `dlq` is always reserved; adapters and subscriptions add lanes such as
-/// `backfill`. One `KeyRules` value should be shared by every producer and
-/// consumer of a deployment.
+/// Lanes no longer reserve keys: a key equal to a lane token is carried, and
+/// an adapter that names things by key (Redis) encodes it so that it never
+/// collides with a lane. The value is kept so that adapters and
+/// subscriptions share one list of lanes; one `KeyRules` value should be
+/// shared by every producer and consumer of a deployment.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyRules {
     lanes: Arc<[String]>,
@@ -119,7 +122,7 @@ impl Default for KeyRules {
 }
 
 impl KeyRules {
-    /// Reserves one more lane suffix (keys equal to it are rejected).
+    /// Adds one more lane suffix.
     pub fn with_lane(mut self, lane: impl Into<String>) -> Self {
         let mut lanes: Vec<String> = self.lanes.iter().cloned().collect();
         let lane = lane.into();
@@ -149,18 +152,6 @@ impl KeyRules {
         if value.len() > MAX_KEY_BYTES {
             return fail(KeyRule::TooLong);
         }
-        if value.contains([':', '{', '}']) {
-            return fail(KeyRule::ForbiddenCharacter);
-        }
-        if value.chars().any(char::is_control) {
-            return fail(KeyRule::ControlCharacter);
-        }
-        if self.lanes.iter().any(|lane| lane == value) {
-            return fail(KeyRule::ReservedLane);
-        }
-        if value.len() > 4 && value.starts_with("__") && value.ends_with("__") {
-            return fail(KeyRule::Sentinel);
-        }
         Ok(())
     }
 }
@@ -173,7 +164,7 @@ impl KeyRules {
 pub struct OrderingKey(Arc<str>);
 
 impl OrderingKey {
-    /// Validates `value` with the default rules (`dlq` reserved).
+    /// Validates `value`: not empty, at most [`MAX_KEY_BYTES`] bytes.
     pub fn new(value: impl AsRef<str>) -> Result<Self, KeyError> {
         Self::with_rules(value, &KeyRules::default())
     }
@@ -183,6 +174,44 @@ impl OrderingKey {
         let value = value.as_ref();
         rules.check(value)?;
         Ok(OrderingKey(Arc::from(value)))
+    }
+
+    /// The key of a foreign message's key bytes (a Kafka record's key).
+    ///
+    /// UTF-8 bytes are the key itself. Other bytes, which a key (a string)
+    /// cannot hold, get a stable text form: `U+FFFD` followed by the bytes in
+    /// lower-case hex; when that would pass [`MAX_KEY_BYTES`], the hex of
+    /// the first 100 bytes, `~`, and the [`stable_hash`] of all of them.
+    /// The same bytes always give the same key, so their messages keep
+    /// their order; two different byte strings share a key only if their
+    /// forms are equal (a UTF-8 key spelled like a form, or two long keys
+    /// with a common 100-byte prefix and equal hash), which only orders
+    /// them together. Fails only for empty or over-long UTF-8 bytes.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, KeyError> {
+        match std::str::from_utf8(bytes) {
+            Ok(text) => Self::new(text),
+            Err(_) => {
+                use std::fmt::Write as _;
+                let mut form = String::from(BINARY_KEY_MARK);
+                if form.len() + 2 * bytes.len() <= MAX_KEY_BYTES {
+                    for b in bytes {
+                        let _ = write!(form, "{b:02x}");
+                    }
+                } else {
+                    for b in &bytes[..100] {
+                        let _ = write!(form, "{b:02x}");
+                    }
+                    let _ = write!(form, "~{:016x}", stable_hash(bytes));
+                }
+                Self::new(form)
+            }
+        }
+    }
+
+    /// Whether this key is the text form of non-UTF-8 key bytes (see
+    /// [`OrderingKey::from_bytes`]).
+    pub fn is_binary_form(&self) -> bool {
+        self.0.starts_with(BINARY_KEY_MARK)
     }
 
     /// The key's value. Keys are user data: do not log it.
@@ -201,6 +230,63 @@ impl OrderingKey {
     pub fn label(&self) -> String {
         label(self.as_str())
     }
+}
+
+/// What starts the text form of non-UTF-8 key bytes (U+FFFD, the
+/// replacement character; see [`OrderingKey::from_bytes`]).
+pub const BINARY_KEY_MARK: &str = "\u{fffd}";
+
+/// The escape character of [`stored_text`] (U+0001).
+const STORED_ESCAPE: char = '\u{1}';
+
+/// A key's form for a store whose text cannot hold NUL (PostgreSQL's
+/// `text`): a key without NUL that does not start with U+0001 is itself
+/// (so every key stored before NUL was allowed keeps its form); any other
+/// is U+0001 followed by the key with U+0001 written as U+0001 `1` and NUL
+/// as U+0001 `0`. [`from_stored_text`] reverses it; distinct keys never
+/// share a form.
+pub fn stored_text(key: &str) -> std::borrow::Cow<'_, str> {
+    if !key.contains('\0') && !key.starts_with(STORED_ESCAPE) {
+        return std::borrow::Cow::Borrowed(key);
+    }
+    let mut out = String::with_capacity(key.len() + 2);
+    out.push(STORED_ESCAPE);
+    for c in key.chars() {
+        match c {
+            '\0' => {
+                out.push(STORED_ESCAPE);
+                out.push('0');
+            }
+            STORED_ESCAPE => {
+                out.push(STORED_ESCAPE);
+                out.push('1');
+            }
+            c => out.push(c),
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// The key whose [`stored_text`] form is `stored` (a value that is no
+/// such form, which no keyorder wrote, is returned as it is).
+pub fn from_stored_text(stored: &str) -> std::borrow::Cow<'_, str> {
+    let Some(rest) = stored.strip_prefix(STORED_ESCAPE) else {
+        return std::borrow::Cow::Borrowed(stored);
+    };
+    let mut out = String::with_capacity(rest.len());
+    let mut chars = rest.chars();
+    while let Some(c) = chars.next() {
+        if c == STORED_ESCAPE {
+            match chars.next() {
+                Some('0') => out.push('\0'),
+                Some('1') => out.push(STORED_ESCAPE),
+                _ => return std::borrow::Cow::Borrowed(stored),
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 /// The log-safe label of a key value: `k#` and its [`stable_hash`] in hex.
@@ -261,23 +347,61 @@ mod tests {
         assert_eq!(rule_of("", &rules), Some(KeyRule::Empty));
         assert_eq!(rule_of(&"x".repeat(256), &rules), Some(KeyRule::TooLong));
         assert_eq!(rule_of(&"x".repeat(255), &rules), None);
-        assert_eq!(rule_of("a:b", &rules), Some(KeyRule::ForbiddenCharacter));
-        assert_eq!(rule_of("a{b", &rules), Some(KeyRule::ForbiddenCharacter));
-        assert_eq!(rule_of("a}b", &rules), Some(KeyRule::ForbiddenCharacter));
-        assert_eq!(rule_of("a\nb", &rules), Some(KeyRule::ControlCharacter));
-        assert_eq!(rule_of("a\u{7f}", &rules), Some(KeyRule::ControlCharacter));
-        assert_eq!(rule_of("dlq", &rules), Some(KeyRule::ReservedLane));
-        assert_eq!(rule_of("backfill", &rules), Some(KeyRule::ReservedLane));
-        assert_eq!(rule_of("__partitions__", &rules), Some(KeyRule::Sentinel));
-        assert_eq!(rule_of("____", &rules), None, "too short to be a sentinel name");
-        assert_eq!(rule_of("__x", &rules), None);
-        assert_eq!(rule_of("client-42", &rules), None);
-        assert_eq!(rule_of("ключ", &rules), None);
+        // The keys real systems use, and what wave 1 refused, are carried.
+        for carried in [
+            "customer:42",
+            "a{b",
+            "a}b",
+            "a\nb",
+            "a\u{7f}",
+            "\0",
+            "dlq",
+            "backfill",
+            "__partitions__",
+            "client-42",
+            "ключ",
+        ] {
+            assert_eq!(rule_of(carried, &rules), None, "{carried:?}");
+        }
+    }
+
+    #[test]
+    fn binary_keys_get_a_stable_distinct_text_form() {
+        let int = 42u64.to_be_bytes();
+        assert_eq!(OrderingKey::from_bytes(&int).unwrap().as_str().as_bytes(), &int[..]);
+        let raw = [0xff_u8, 0x00, 0x41];
+        let k = OrderingKey::from_bytes(&raw).unwrap();
+        assert_eq!(k.as_str(), "\u{fffd}ff0041");
+        assert!(k.is_binary_form());
+        assert_eq!(k, OrderingKey::from_bytes(&raw).unwrap());
+        assert_ne!(k, OrderingKey::from_bytes(&[0xff, 0x00, 0x42]).unwrap());
+        let long: Vec<u8> = (0..=255u8).collect();
+        let mut other = long.clone();
+        other[200] = 0;
+        let (a, b) = (
+            OrderingKey::from_bytes(&long).unwrap(),
+            OrderingKey::from_bytes(&other).unwrap(),
+        );
+        assert!(a.as_str().len() <= MAX_KEY_BYTES && a.is_binary_form());
+        assert_ne!(a, b, "long keys differing past the prefix differ by their hash");
+        assert_eq!(OrderingKey::from_bytes(b"").unwrap_err().rule(), KeyRule::Empty);
+    }
+
+    #[test]
+    fn stored_text_holds_no_nul_and_keeps_old_keys() {
+        for key in ["plain", "customer:42", "\u{2}x"] {
+            assert_eq!(stored_text(key), key, "a key without NUL or a leading U+0001 is itself");
+        }
+        for key in ["\0", "a\0b", "\u{1}", "\u{1}0", "\u{1}\0\u{1}1"] {
+            let stored = stored_text(key);
+            assert!(!stored.contains('\0'), "{key:?}");
+            assert_eq!(from_stored_text(&stored), key);
+        }
     }
 
     #[test]
     fn errors_never_show_the_full_key() {
-        let secret = format!("secret-customer-{}:x", "9".repeat(40));
+        let secret = format!("secret-customer-{}:x", "9".repeat(300));
         let err = OrderingKey::new(&secret).unwrap_err();
         let shown = err.to_string();
         assert!(!shown.contains(&secret));
@@ -286,13 +410,8 @@ mod tests {
         assert!(!format!("{ok:?} {ok}").contains("customer-0000001"));
     }
 
-    fn obeys_every_rule(value: &str, rules: &KeyRules) -> bool {
-        !value.is_empty()
-            && value.len() <= MAX_KEY_BYTES
-            && !value.contains([':', '{', '}'])
-            && !value.chars().any(char::is_control)
-            && !rules.lanes().iter().any(|l| l == value)
-            && !(value.len() > 4 && value.starts_with("__") && value.ends_with("__"))
+    fn obeys_every_rule(value: &str) -> bool {
+        !value.is_empty() && value.len() <= MAX_KEY_BYTES
     }
 
     proptest! {
@@ -307,9 +426,12 @@ mod tests {
         fn no_input_panics_and_accepted_keys_obey_rules(value in any::<String>(), lane in "[a-z]{1,8}") {
             let rules = KeyRules::default().with_lane(lane);
             match OrderingKey::with_rules(&value, &rules) {
-                Ok(key) => prop_assert!(obeys_every_rule(key.as_str(), &rules)),
+                Ok(key) => {
+                    prop_assert!(obeys_every_rule(key.as_str()));
+                    prop_assert_eq!(key.as_str(), value.as_str());
+                }
                 Err(err) => {
-                    prop_assert!(!obeys_every_rule(&value, &rules));
+                    prop_assert!(!obeys_every_rule(&value));
                     if value.chars().count() > 8 {
                         prop_assert!(!err.to_string().contains(&value));
                     }
@@ -321,7 +443,31 @@ mod tests {
         fn near_valid_keys(value in "[a-z0-9_:{}\\-\u{0}-\u{1f}]{0,300}") {
             let rules = KeyRules::default();
             let accepted = OrderingKey::with_rules(&value, &rules).is_ok();
-            prop_assert_eq!(accepted, obeys_every_rule(&value, &rules));
+            prop_assert_eq!(accepted, obeys_every_rule(&value));
+        }
+
+        /// The stored text form never holds NUL and always reads back.
+        #[test]
+        fn stored_text_round_trips(value in any::<String>()) {
+            let stored = stored_text(&value);
+            prop_assert!(!stored.contains('\0'));
+            prop_assert_eq!(from_stored_text(&stored), value.as_str());
+        }
+
+        /// Any key bytes give a valid key; equal bytes the same, and bytes
+        /// that fit the hex form distinct keys.
+        #[test]
+        fn any_key_bytes_give_a_key(bytes in proptest::collection::vec(any::<u8>(), 1..300), other in proptest::collection::vec(any::<u8>(), 1..120)) {
+            match OrderingKey::from_bytes(&bytes) {
+                Ok(k) => prop_assert_eq!(&k, &OrderingKey::from_bytes(&bytes).unwrap()),
+                Err(_) => prop_assert!(bytes.len() > MAX_KEY_BYTES && std::str::from_utf8(&bytes).is_ok()),
+            }
+            if bytes != other && bytes.len() < 120 {
+                if let (Ok(a), Ok(b)) = (OrderingKey::from_bytes(&bytes), OrderingKey::from_bytes(&other)) {
+                    let utf8 = std::str::from_utf8(&bytes).is_ok() || std::str::from_utf8(&other).is_ok();
+                    prop_assert!(utf8 || a != b);
+                }
+            }
         }
     }
 }
