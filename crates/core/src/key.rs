@@ -178,19 +178,21 @@ impl OrderingKey {
 
     /// The key of a foreign message's key bytes (a Kafka record's key).
     ///
-    /// UTF-8 bytes are the key itself. Other bytes, which a key (a string)
-    /// cannot hold, get a stable text form: `U+FFFD` followed by the bytes in
-    /// lower-case hex; when that would pass [`MAX_KEY_BYTES`], the hex of
-    /// the first 100 bytes, `~`, and the [`stable_hash`] of all of them.
-    /// The same bytes always give the same key, so their messages keep
-    /// their order; two different byte strings share a key only if their
-    /// forms are equal (a UTF-8 key spelled like a form, or two long keys
-    /// with a common 100-byte prefix and equal hash), which only orders
-    /// them together. Fails only for empty or over-long UTF-8 bytes.
+    /// UTF-8 bytes of at most [`MAX_KEY_BYTES`] are the key itself. Other
+    /// bytes, which a key (a string) cannot hold, get a stable text form:
+    /// `U+FFFD` followed by the bytes in lower-case hex; when that would
+    /// pass [`MAX_KEY_BYTES`] (a binary key over 126 bytes, a UTF-8 key
+    /// over 255), the hex of the first 100 bytes, `~`, and the
+    /// [`stable_hash`] of all of them. The same bytes always give the same
+    /// key, so their messages keep their order; two different byte strings
+    /// share a key only if their forms are equal (a UTF-8 key spelled like
+    /// a form, or two long keys with a common 100-byte prefix and equal
+    /// hash), which only orders them together. Fails only for no bytes.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, KeyError> {
         match std::str::from_utf8(bytes) {
-            Ok(text) => Self::new(text),
-            Err(_) => {
+            Ok(text) if text.len() <= MAX_KEY_BYTES => Self::new(text),
+            _ if bytes.is_empty() => Self::new(""),
+            _ => {
                 use std::fmt::Write as _;
                 let mut form = String::from(BINARY_KEY_MARK);
                 if form.len() + 2 * bytes.len() <= MAX_KEY_BYTES {
@@ -208,10 +210,36 @@ impl OrderingKey {
         }
     }
 
-    /// Whether this key is the text form of non-UTF-8 key bytes (see
-    /// [`OrderingKey::from_bytes`]).
+    /// Whether this key has the text form [`OrderingKey::from_bytes`] gives
+    /// key bytes that are no key as they are.
     pub fn is_binary_form(&self) -> bool {
         self.0.starts_with(BINARY_KEY_MARK)
+    }
+
+    /// The key bytes a broker that keys records by bytes (Kafka) carries:
+    /// the original bytes of a short form of non-UTF-8 bytes (so a record
+    /// consumed under such a key and published again keeps its key bytes
+    /// and partition), else the key's UTF-8. Reverses
+    /// [`OrderingKey::from_bytes`] wherever that can be told:
+    /// `from_bytes(key.to_bytes()) == key` for every key.
+    pub fn to_bytes(&self) -> std::borrow::Cow<'_, [u8]> {
+        let text = self.as_str();
+        let raw = text.strip_prefix(BINARY_KEY_MARK).and_then(|hex| {
+            if hex.len() % 2 != 0 || !hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+                return None;
+            }
+            let bytes: Vec<u8> = (0..hex.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&hex[i..i + 2], 16))
+                .collect::<Result<_, _>>()
+                .ok()?;
+            // Only bytes that are no UTF-8: others were never a form.
+            (!bytes.is_empty() && std::str::from_utf8(&bytes).is_err()).then_some(bytes)
+        });
+        match raw {
+            Some(bytes) => std::borrow::Cow::Owned(bytes),
+            None => std::borrow::Cow::Borrowed(text.as_bytes()),
+        }
     }
 
     /// The key's value. Keys are user data: do not log it.
@@ -374,6 +402,9 @@ mod tests {
         assert_eq!(k.as_str(), "\u{fffd}ff0041");
         assert!(k.is_binary_form());
         assert_eq!(k, OrderingKey::from_bytes(&raw).unwrap());
+        assert_eq!(&*k.to_bytes(), &raw[..], "the form gives its bytes back");
+        let spelled = OrderingKey::new("\u{fffd}41").unwrap();
+        assert_eq!(&*spelled.to_bytes(), spelled.as_str().as_bytes(), "a form of UTF-8 bytes is text");
         assert_ne!(k, OrderingKey::from_bytes(&[0xff, 0x00, 0x42]).unwrap());
         let long: Vec<u8> = (0..=255u8).collect();
         let mut other = long.clone();
@@ -385,6 +416,9 @@ mod tests {
         assert!(a.as_str().len() <= MAX_KEY_BYTES && a.is_binary_form());
         assert_ne!(a, b, "long keys differing past the prefix differ by their hash");
         assert_eq!(OrderingKey::from_bytes(b"").unwrap_err().rule(), KeyRule::Empty);
+        let text = "x".repeat(300);
+        let k = OrderingKey::from_bytes(text.as_bytes()).unwrap();
+        assert!(k.is_binary_form() && k.as_str().len() <= MAX_KEY_BYTES, "an over-long UTF-8 key gets the form");
     }
 
     #[test]
@@ -454,13 +488,26 @@ mod tests {
             prop_assert_eq!(from_stored_text(&stored), value.as_str());
         }
 
+        /// Every key's bytes give the key back.
+        #[test]
+        fn key_bytes_round_trip(value in "(\u{fffd})?[0-9a-f\u{0}-\u{7f}]{1,20}") {
+            let k = OrderingKey::new(&value).unwrap();
+            prop_assert_eq!(OrderingKey::from_bytes(&k.to_bytes()).unwrap(), k);
+        }
+
         /// Any key bytes give a valid key; equal bytes the same, and bytes
-        /// that fit the hex form distinct keys.
+        /// that fit the hex form distinct keys; short bytes come back.
         #[test]
         fn any_key_bytes_give_a_key(bytes in proptest::collection::vec(any::<u8>(), 1..300), other in proptest::collection::vec(any::<u8>(), 1..120)) {
             match OrderingKey::from_bytes(&bytes) {
-                Ok(k) => prop_assert_eq!(&k, &OrderingKey::from_bytes(&bytes).unwrap()),
-                Err(_) => prop_assert!(bytes.len() > MAX_KEY_BYTES && std::str::from_utf8(&bytes).is_ok()),
+                Ok(k) => {
+                    prop_assert_eq!(&k, &OrderingKey::from_bytes(&bytes).unwrap());
+                    prop_assert_eq!(&OrderingKey::from_bytes(&k.to_bytes()).unwrap(), &k);
+                    if 3 + 2 * bytes.len() <= MAX_KEY_BYTES && !std::str::from_utf8(&bytes).is_ok_and(|t| t.starts_with(BINARY_KEY_MARK)) {
+                        prop_assert_eq!(&*k.to_bytes(), &bytes[..]);
+                    }
+                }
+                Err(e) => prop_assert!(false, "{e}"),
             }
             if bytes != other && bytes.len() < 120 {
                 if let (Ok(a), Ok(b)) = (OrderingKey::from_bytes(&bytes), OrderingKey::from_bytes(&other)) {

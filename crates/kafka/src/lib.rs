@@ -737,7 +737,9 @@ impl TransportPublisher for KafkaPublisher {
         // count from its next metadata refresh, and added partitions would
         // move keys before the check below notices.
         let count = self.t.check_layout(&self.names).await?;
-        let key = message.key().map(|k| k.as_str().as_bytes());
+        // A key read from non-UTF-8 key bytes goes out as those bytes.
+        let key_bytes = message.key().map(|k| k.to_bytes());
+        let key = key_bytes.as_deref();
         // Keyless records carry no key and spread, round robin, over the
         // layout's partitions (never an added one, which nobody consumes).
         let partition = match key {

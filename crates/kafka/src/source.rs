@@ -500,6 +500,9 @@ pub(crate) struct Shared {
     pointers: Mutex<Pointers>,
     /// Reads the state partitions for the pointer checks (outside the group).
     checker: Mutex<Option<state::Reader>>,
+    /// The heartbeat's round trip to the group coordinator, on its own
+    /// connection (see [`membership_confirmed`]); created at first use.
+    prober: Mutex<Option<Arc<BaseConsumer>>>,
     /// One pointer check at a time.
     checking: tokio::sync::Mutex<()>,
     /// The highest partition beyond the layout the group assigned, plus
@@ -511,6 +514,8 @@ pub(crate) struct Shared {
     pub(crate) static_member: bool,
     /// A static member's incarnation record (see [`Shared::newer_incarnation`]).
     incarnation: Mutex<Option<Incarnation>>,
+    /// Whether a record with an unusable (empty) key was reported.
+    pub(crate) unusable_key_reported: AtomicBool,
     /// Since when the incarnation check has failed (`None`: it last passed).
     unchecked_since: Mutex<Option<Instant>>,
     /// `start=group:<id>`: that group's committed offsets, read at open.
@@ -799,9 +804,11 @@ impl Shared {
             .collect();
         let checked_claims = claims.clone();
         let checked = tokio::task::spawn_blocking(move || {
+            let prober = me.prober()?;
             me.with_checker(|reader| {
                 state::advance(
                     &*member,
+                    &prober,
                     reader,
                     &me.t.state_producer,
                     &names,
@@ -998,6 +1005,22 @@ impl Shared {
         out
     }
 
+    /// The consumer the heartbeat's coordinator round trip goes through:
+    /// of this member's group id, never subscribed (so never a member), on
+    /// its own connection. Created at first use.
+    fn prober(&self) -> rdkafka::error::KafkaResult<Arc<BaseConsumer>> {
+        let mut prober = self.prober.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = prober.as_ref() {
+            return Ok(p.clone());
+        }
+        let mut c = crate::base_config(&self.t.cfg);
+        c.set("group.id", self.names.group_id(&self.group))
+            .set("enable.auto.commit", "false");
+        let p: Arc<BaseConsumer> = Arc::new(c.create()?);
+        *prober = Some(p.clone());
+        Ok(p)
+    }
+
     /// librdkafka gave the member up for good: every partition is lost at
     /// once, and the subscription fails at its next `maintain`.
     pub(crate) fn fail(&self, why: String) {
@@ -1021,8 +1044,15 @@ impl Shared {
     /// take turns). On Apache Kafka the broker also fences the old
     /// incarnation (`FENCED_INSTANCE_ID`), which fails its subscription.
     async fn no_newer_claims(self: &Arc<Self>, parts: &[Arc<Part>]) -> bool {
-        let (Some(member), me) = (self.member(), self.clone()) else {
-            return false;
+        // The group's pointers are read through the prober, not the
+        // member: on the member's connection the read would wait behind
+        // its pending join (see `membership_confirmed`).
+        let (member, me) = match self.prober() {
+            Ok(prober) => (prober, self.clone()),
+            Err(e) => {
+                tracing::debug!(error = %e, "kafka: static member's claim check: no prober; not confirmed");
+                return false;
+            }
         };
         let own: Vec<(i32, u64)> = parts.iter().map(|p| (p.partition, p.lease.generation())).collect();
         let claims: HashMap<i32, String> = parts.iter().map(|p| (p.partition, p.claim.clone())).collect();
@@ -1214,20 +1244,30 @@ impl Shared {
             let parts = self.owned();
             let sent = Instant::now();
             let (topic, first) = (self.names.topic().to_owned(), parts.first().map_or(0, |p| p.partition));
-            let mut ok = tokio::task::spawn_blocking(move || membership_confirmed(&*member, &topic, first))
-                .await
-                .unwrap_or(false);
+            let prober = self.prober();
+            let mut ok = match prober {
+                Ok(prober) => tokio::task::spawn_blocking(move || membership_confirmed(&*member, &prober, &topic, first))
+                    .await
+                    .unwrap_or(false),
+                Err(e) => {
+                    tracing::debug!(topic = %self.names.topic(), error = %e, "kafka: the heartbeat's prober could not be created");
+                    false
+                }
+            };
+            let mut step = "coordinator round trip";
             if ok && self.static_member && !parts.is_empty() {
                 ok = self.no_newer_claims(&parts).await;
+                step = "claim check";
             }
             if ok && self.static_member {
                 // A newer incarnation fails this one; an unreadable check
                 // does not stop the leases' confirmation (the coordinator
                 // round trip confirms membership), it is retried.
                 ok = !matches!(self.newer_incarnation().await, Ok(true));
+                step = "incarnation check";
             }
             if !ok {
-                tracing::debug!(topic = %self.names.topic(), "kafka: heartbeat round trip failed");
+                tracing::debug!(topic = %self.names.topic(), instance = %self.instance, step, took_ms = sent.elapsed().as_millis() as u64, "kafka: heartbeat round trip failed");
                 if let Some(member) = self.member() {
                     if let Some((code, why)) = member.client().fatal_error() {
                         self.fail(format!("{code:?}: {why}"));
@@ -1256,11 +1296,25 @@ impl Shared {
 /// or its session timed out), so the assignment must also not be lost
 /// (librdkafka marks it lost then; the lost revoke comes only at a later
 /// poll). The pointer check finds a newer owner's state (see `checkpoint`).
-pub(crate) fn membership_confirmed<C: ConsumerContext>(member: &BaseConsumer<C>, topic: &str, partition: i32) -> bool {
+///
+/// The fetch goes through `prober`, a consumer of the same group id that
+/// never joins, on its own connection: a broker serves one request of a
+/// connection at a time, so on the member's own connection it waited
+/// behind the member's pending join for as long as a rebalance took (a
+/// static member's restart waits out the old incarnation's session), and
+/// a member that kept its partitions through the rebalance took that for
+/// a lost membership, was replaced, and its replacement's join started
+/// the wait over for the others.
+pub(crate) fn membership_confirmed<C: ConsumerContext>(
+    member: &BaseConsumer<C>,
+    prober: &BaseConsumer,
+    topic: &str,
+    partition: i32,
+) -> bool {
     let mut tpl = TopicPartitionList::new();
     tpl.add_partition(topic, partition);
     // Checked after the round trip: a loss while it ran is seen.
-    member.committed_offsets(tpl, Duration::from_secs(5)).is_ok()
+    prober.committed_offsets(tpl, Duration::from_secs(5)).is_ok()
         && !member.assignment_lost()
         && member.client().fatal_error().is_none()
 }
@@ -1409,11 +1463,13 @@ impl Source {
                 state: HashMap::new(),
             }),
             checker: Mutex::new(None),
+            prober: Mutex::new(None),
             checking: tokio::sync::Mutex::new(()),
             outside_layout: std::sync::atomic::AtomicI32::new(0),
             instance: spec.instance.clone(),
             static_member: t.cfg.static_membership,
             incarnation: Mutex::new(None),
+            unusable_key_reported: AtomicBool::new(false),
             unchecked_since: Mutex::new(None),
             start_offsets,
             fatal: Mutex::new(None),
@@ -1783,11 +1839,30 @@ impl Source {
         let key_bytes = m.key().map(<[u8]>::to_vec);
         // The record key is the routing key; it reaches key selection as
         // the routing-key header.
-        if let Some(text) = key_bytes.as_deref().and_then(|k| std::str::from_utf8(k).ok()) {
-            msg = msg.with_header(keyorder_core::KEY_HEADER, text);
-            if let Ok(k) = OrderingKey::with_rules(text, &self.spec.key_rules) {
+        // Any key bytes order their messages (the partitioner placed them
+        // by those bytes): bytes that are no key as they are (not UTF-8,
+        // over 255 bytes) get their stable text form. Only an empty key is
+        // none: the keyless policy handles it, counted and reported once.
+        match key_bytes.as_deref().map(OrderingKey::from_bytes) {
+            Some(Ok(k)) => {
+                msg = msg.with_header(keyorder_core::KEY_HEADER, k.as_str());
                 msg = msg.with_ordering_key(k);
             }
+            Some(Err(e)) => {
+                metrics::counter!("keyorder_kafka_unusable_keys_total").increment(1);
+                if !self.shared.unusable_key_reported.swap(true, Ordering::SeqCst) {
+                    tracing::warn!(
+                        topic = %self.shared.names.topic(),
+                        partition,
+                        offset,
+                        error = %e,
+                        "kafka: a record's key is no ordering key ({}); it runs under the keyless policy. \
+                         Give its producer a non-empty key (reported once; counted in keyorder_kafka_unusable_keys_total)",
+                        e.rule().name()
+                    );
+                }
+            }
+            None => {}
         }
         if halted.is_some() {
             tracing::info!(scope = %part.lease.scope(), offset, "kafka: a key halted here under an earlier owner");
@@ -2227,10 +2302,13 @@ mod broker_tests {
             .set("max.poll.interval.ms", "6000");
         let member: Arc<BaseConsumer> = Arc::new(c.create().unwrap());
         member.subscribe(&[names.topic()]).unwrap();
+        let mut p = base_config(&t.cfg);
+        p.set("group.id", names.group_id("g")).set("enable.auto.commit", "false");
+        let prober: Arc<BaseConsumer> = Arc::new(p.create().unwrap());
         let topic = names.topic().to_owned();
         let confirmed = |member: &Arc<BaseConsumer>| {
-            let (member, topic) = (member.clone(), topic.clone());
-            tokio::task::spawn_blocking(move || membership_confirmed(&*member, &topic, 0))
+            let (member, prober, topic) = (member.clone(), prober.clone(), topic.clone());
+            tokio::task::spawn_blocking(move || membership_confirmed(&*member, &prober, &topic, 0))
         };
         let m = member.clone();
         tokio::task::spawn_blocking(move || {

@@ -507,9 +507,15 @@ pub(crate) async fn tombstone(
 /// ever moved to a record that ranked highest when it was moved, and a
 /// later owner's records all land after it: a stalled owner's late commit
 /// cannot hide a newer owner's state from the next reader.
+///
+/// The pointers are read through `pointers`, a consumer of the group's id
+/// that never joins (the member's own connection serves nothing else while
+/// its join is pending, for as long as a rebalance takes); the commit goes
+/// through `member`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn advance<C: ConsumerContext>(
     member: &BaseConsumer<C>,
+    pointers: &BaseConsumer,
     reader: &Reader,
     producer: &FutureProducer,
     names: &Names,
@@ -521,7 +527,7 @@ pub(crate) fn advance<C: ConsumerContext>(
     limit: Limit<'_>,
 ) -> KafkaResult<Vec<i32>> {
     let own: Vec<(i32, u64)> = list.iter().map(|(p, g, _)| (*p, *g)).collect();
-    let stale = newer_claims(member, reader, producer, names, group_id, &own, claims, timeout, limit)?;
+    let stale = newer_claims(pointers, reader, producer, names, group_id, &own, claims, timeout, limit)?;
     let mut tpl = TopicPartitionList::new();
     for (p, _, at) in list {
         if !stale.contains(p) {
@@ -834,6 +840,7 @@ mod broker_tests {
                 .await
                 .unwrap();
             advance(
+                &self.member,
                 &self.member,
                 &self.reader,
                 &self.t.state_producer,

@@ -48,6 +48,7 @@ struct Run {
     instance: String,
     key: String,
     payload: String,
+    token: u64,
     start: Instant,
     end: Instant,
 }
@@ -61,11 +62,23 @@ struct Member {
 }
 
 async fn start(client: &Client, category: &str, instance: &str, label: &str, log: &Log, hold: Duration) -> Member {
+    start_with(client, category, instance, label, log, hold, common::lease()).await
+}
+
+async fn start_with(
+    client: &Client,
+    category: &str,
+    instance: &str,
+    label: &str,
+    log: &Log,
+    hold: Duration,
+    lease: keyorder_core::LeaseConfig,
+) -> Member {
     let sub: Subscription = client
         .subscribe(category, "g")
         .ordered_by(KeySource::routing_key())
         .instance_id(instance)
-        .lease(common::lease())
+        .lease(lease)
         .build()
         .await
         .unwrap();
@@ -80,6 +93,7 @@ async fn start(client: &Client, category: &str, instance: &str, label: &str, log
                 instance: me,
                 key: d.key().map(|k| k.as_str().to_owned()).unwrap_or_default(),
                 payload: String::from_utf8_lossy(d.payload()).into_owned(),
+                token: d.fencing_token(),
                 start,
                 end: Instant::now(),
             });
@@ -134,6 +148,16 @@ fn owners(log: &Log, round: usize) -> BTreeMap<String, String> {
         .collect()
 }
 
+/// The fencing token each key's payload of `round` ran under.
+fn tokens(log: &Log, round: usize) -> BTreeMap<String, u64> {
+    log.lock()
+        .unwrap()
+        .iter()
+        .filter(|r| r.payload.ends_with(&format!("/{round}")))
+        .map(|r| (r.key.clone(), r.token))
+        .collect()
+}
+
 /// Each key's payloads were first applied in publish order, none lost; a
 /// payload may run again after a hand-over (at least once), never a
 /// later one before an earlier one's first run.
@@ -154,12 +178,28 @@ fn assert_in_order(log: &Log) {
     }
 }
 
+/// Member-a's session is much longer than member-b's: its restart's
+/// rebalance (the group waits for the old incarnation, which closed
+/// without leaving, as a static member does) outlasts member-b's session
+/// timeout. Member-b still holds its partitions meanwhile and must not
+/// take that for a lost membership: it was, when the round trip that
+/// confirms it waited behind its own pending join on the coordinator
+/// connection, and each member's replacement restarted the wait for the
+/// other (a replace cycle).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_static_member_gets_its_partitions_back_and_no_other_moves() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
     let client = client("").await;
     let category = format!("static-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
     let log: Log = Arc::default();
-    let a = start(&client, &category, "member-a", "member-a", &log, Duration::ZERO).await;
+    let long = keyorder_core::LeaseConfig {
+        ttl: Duration::from_secs(18),
+        ..common::lease()
+    };
+    let a = start_with(&client, &category, "member-a", "member-a", &log, Duration::ZERO, long).await;
     let b = start(&client, &category, "member-b", "member-b", &log, Duration::ZERO).await;
 
     // Rounds until the split is settled: both members own partitions, and
@@ -183,6 +223,7 @@ async fn a_restarted_static_member_gets_its_partitions_back_and_no_other_moves()
         last = now;
     };
     let b_released = b.stats.snapshot().scopes_released;
+    let settled_tokens = tokens(&log, round - 1);
 
     // A closes (drained). Its partitions' next messages wait for it: B,
     // still running, never takes them.
@@ -202,7 +243,7 @@ async fn a_restarted_static_member_gets_its_partitions_back_and_no_other_moves()
     applied(&log, &b_sent, Duration::from_secs(60), "member-b's own partitions").await;
 
     // A comes back under its instance id and gets exactly its own back.
-    let a2 = start(&client, &category, "member-a", "member-a", &log, Duration::ZERO).await;
+    let a2 = start_with(&client, &category, "member-a", "member-a", &log, Duration::ZERO, long).await;
     applied(&log, &sent, Duration::from_secs(90), "the round across the restart").await;
     assert_eq!(
         owners(&log, round),
@@ -215,6 +256,19 @@ async fn a_restarted_static_member_gets_its_partitions_back_and_no_other_moves()
         b_released,
         "member-b handed partitions over across member-a's restart"
     );
+    // Member-b kept its ownership throughout: a round after the restart
+    // runs under the same lease (token), not a new claim after a loss.
+    let next = publish_round(&client, &category, round + 1).await;
+    applied(&log, &next, Duration::from_secs(90), "the round after the restart").await;
+    assert_eq!(owners(&log, round + 1), split, "a partition moved after the restart");
+    let after = tokens(&log, round + 1);
+    for k in &b_keys {
+        assert_eq!(
+            after.get(k),
+            settled_tokens.get(k),
+            "member-b lost and re-claimed a partition across member-a's restart (its token moved)"
+        );
+    }
 
     a2.stop.send(()).unwrap();
     b.stop.send(()).unwrap();
@@ -443,6 +497,7 @@ async fn a_stalled_static_member_does_not_take_its_id_back_from_a_newer_incarnat
                         instance: "old".into(),
                         key: key.into(),
                         payload: payload.into(),
+                        token: 0,
                         start: now,
                         end: now,
                     });
