@@ -59,7 +59,8 @@ impl RedisAdmin {
             .iter()
             .filter_map(|i| {
                 let Value::Array(f) = i else { return None };
-                let key = text(f.first()?)?;
+                // Index members are key segments.
+                let key = Names::key_of(&text(f.first()?)?)?.into_owned();
                 let lease = f.get(1).and_then(text).unwrap_or_default();
                 let (owner, generation) = match lease.rsplit_once(':') {
                     Some((o, g)) => (Some(o.to_owned()), g.parse().unwrap_or(0)),
@@ -77,6 +78,8 @@ impl RedisAdmin {
             .collect())
     }
 
+    /// The halted heads of `group`, by key (the hash's fields are key
+    /// segments, decoded here).
     async fn halted_map(&self, n: &Names, group: &str) -> Result<HashMap<String, serde_json::Value>> {
         let all: HashMap<String, String> = redis::cmd("HGETALL")
             .arg(n.halted(group))
@@ -85,7 +88,10 @@ impl RedisAdmin {
             .map_err(broker)?;
         Ok(all
             .into_iter()
-            .map(|(k, v)| (k, serde_json::from_str(&v).unwrap_or_default()))
+            .filter_map(|(k, v)| {
+                let key = Names::key_of(&k)?.into_owned();
+                Some((key, serde_json::from_str(&v).unwrap_or_default()))
+            })
             .collect())
     }
 }
@@ -144,15 +150,27 @@ impl Admin for RedisAdmin {
     async fn dead_letters(&self, category: &str, group: &str) -> Result<Vec<DeadLetter>> {
         let n = Names::new(category)?;
         let mut conn = self.t.conn.clone();
-        let mut keys: Vec<String> = redis::cmd("SMEMBERS")
+        let members: Vec<String> = redis::cmd("SMEMBERS")
             .arg(n.dlq_index())
             .query_async(&mut conn)
             .await
             .map_err(broker)?;
+        // Members are key segments, or `__keyless__` (no key's segment) for
+        // the keyless stream's dead letters.
+        let mut keys: Vec<Option<String>> = members
+            .iter()
+            .filter_map(|m| match m.as_str() {
+                "__keyless__" => Some(None),
+                m => Names::key_of(m).map(|k| Some(k.into_owned())),
+            })
+            .collect();
         keys.sort();
         let mut out = Vec::new();
         for k in keys {
-            let stream = if k == "__keyless__" { n.keyless_dlq() } else { n.dlq(&k) };
+            let stream = match &k {
+                None => n.keyless_dlq(),
+                Some(k) => n.dlq(k),
+            };
             let v: Value = redis::cmd("XRANGE")
                 .arg(&stream)
                 .arg("-")
@@ -168,11 +186,7 @@ impl Admin for RedisAdmin {
                 }
                 out.push(DeadLetter {
                     id: field("id").unwrap_or_default(),
-                    label: if k == "__keyless__" {
-                        "keyless".into()
-                    } else {
-                        label(&k)
-                    },
+                    label: k.as_deref().map_or_else(|| "keyless".into(), label),
                     reason: field("x-reason").unwrap_or_default(),
                 });
             }
@@ -206,7 +220,7 @@ impl Admin for RedisAdmin {
                     .arg("")
                     .arg(group)
                     .arg(&head)
-                    .arg(found)
+                    .arg(&*Names::segment(found))
                     .arg("moved to the dead-letter stream by an operator")
                     .invoke_async(&mut conn)
                     .await
@@ -220,7 +234,7 @@ impl Admin for RedisAdmin {
             .key(n.resolved(group))
             .arg(group)
             .arg(&head)
-            .arg(found)
+            .arg(&*Names::segment(found))
             .arg(mark)
             .arg(own.wake())
             .invoke_async(&mut conn)

@@ -404,7 +404,8 @@ impl RedisPublisher {
             inv.key(n.fence(&f.scope));
         }
         match keyed {
-            Some(key) => inv.arg(key.as_str()).arg(n.wake()),
+            // The index member and the wake-up carry the key's segment.
+            Some(key) => inv.arg(&*Names::segment(key.as_str())).arg(n.wake()),
             None => inv.arg(n.wake()).arg(""),
         };
         if let Some(f) = fence {

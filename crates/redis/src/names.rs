@@ -19,12 +19,52 @@
 //! | `{c}` | stream | every message, with `layout=single` |
 //! | `{c}:__wake__` | pub/sub channel | wake-ups: the key of each publish |
 //!
-//! Keys cannot contain `:`, `{` or `}` nor be a reserved lane or a `__x__`
-//! sentinel, so no key's names collide with another's or with these.
+//! `{k}` above is the key's *segment* ([`Names::segment`]), never the raw
+//! key; the key field inside a stream entry stays the raw key. Index
+//! members, halted and resolved fields, dead-letter index members and
+//! wake-up payloads are segments too, and are decoded
+//! ([`Names::key_of`]) wherever a key is read back.
 //!
-//! Attempt counts are in `{c}:{key}:__attempts__:{group}` (entry id to
+//! A key is *plain* when it holds no `:`, `{`, `}` or control character
+//! and is not of the `__name__` form (more than 4 bytes, starting and
+//! ending with `__`): its segment is the key itself. Every other key is
+//! *encoded*: `:` followed by the key with `%`, `:`, `{`, `}` and every
+//! control character written as `%XX` (its UTF-8 bytes, upper-case hex).
+//! So a plain segment holds no `:` and is no `__name__` token; an encoded
+//! segment starts with `:` and holds no other `:`.
+//!
+//! Why no two names meet: read a name of the category after `{c}:` and
+//! split it at `:`. Its first part is a plain segment (the name is a key's),
+//! empty (the name is an encoded key's: the second part is the rest of the
+//! segment), or a `__name__` token (an internal name: `__partitions__`,
+//! `__keyless__`, `__fence__`...). These never overlap, so a key's names
+//! never meet an internal name (the key `__keyless__` is encoded as
+//! `:__keyless__`, so `{c}::__keyless__:dlq` is not the keyless stream's
+//! dead letters `{c}:__keyless__:dlq`). Within a key's names the segment
+//! ends at a known place (a plain one at the first `:`, an encoded one at
+//! the second), and what follows tells the names apart: nothing (the
+//! stream), `:{lane}`, `:dlq`, `:__lease__:{g}`, `:__attempts__:{g}`.
+//! Distinct keys have distinct segments (plain ones are the keys, encoded
+//! ones start with `:` and percent-escape `%` itself), so the key `a:dlq`
+//! has the stream `{c}::a%3Adlq`, not key `a`'s dead letters `{c}:a:dlq`.
+//! A key equal to a lane token (`dlq`, `backfill`) is plain: `{c}:dlq` has
+//! a single `:` after the category, and every lane or dead-letter name has
+//! two, so it needs no encoding and the rule does not depend on the lanes
+//! a deployment configures.
+//!
+//! Upgrade: every key wave 1 accepted (no `:`, `{`, `}`, control character,
+//! lane token or `__name__` form) is plain, so its streams, leases, index
+//! members and halted records keep their names. Only keys wave 1 refused
+//! are encoded. The argument holds within one category: a category name
+//! may hold `:`, so do not name a category after another category and `:`
+//! (see the README).
+//!
+//! Attempt counts are in `{c}:{k}:__attempts__:{group}` (entry id to
 //! attempts made, for entries delivered more than once; see `scripts`):
 //! durable, kept across owner changes.
+
+use std::borrow::Cow;
+use std::fmt::Write as _;
 
 use keyorder_core::{Error, Result};
 
@@ -55,13 +95,80 @@ impl Names {
     pub fn category(&self) -> &str {
         &self.c
     }
+    /// The name segment of `key`, what stands for the key in every name,
+    /// index member, halted and resolved field, dead-letter index member and
+    /// wake-up. A *plain* key (no `:`, `{`, `}` or control character, and
+    /// not of the `__name__` form: more than 4 bytes, starting and ending
+    /// with `__`) is its own segment, so every key that was valid before
+    /// keys could hold these keeps its names. Any other key's segment is `:`
+    /// and the key with `%`, `:`, `{`, `}` and control characters written
+    /// as `%XX` (UTF-8 bytes, upper-case hex). A plain segment holds no `:`
+    /// and is no `__name__` token (every internal name's is); an encoded
+    /// one starts with `:` and holds no other: so no key's names meet
+    /// another key's, a lane, dead letters, a lease or an internal name.
+    ///
+    /// ```
+    /// use keyorder_redis::Names;
+    /// assert_eq!(Names::segment("customer-42"), "customer-42");
+    /// assert_eq!(Names::segment("dlq"), "dlq");
+    /// assert_eq!(Names::segment("a:dlq"), ":a%3Adlq");
+    /// assert_eq!(Names::segment("__keyless__"), ":__keyless__");
+    /// assert_eq!(Names::key_of(":a%3Adlq").as_deref(), Some("a:dlq"));
+    /// ```
+    pub fn segment(key: &str) -> Cow<'_, str> {
+        if is_plain(key) {
+            return Cow::Borrowed(key);
+        }
+        let mut out = String::with_capacity(key.len() + 8);
+        out.push(':');
+        for c in key.chars() {
+            if needs_escape(c) {
+                let mut buf = [0u8; 4];
+                for b in c.encode_utf8(&mut buf).bytes() {
+                    let _ = write!(out, "%{b:02X}");
+                }
+            } else {
+                out.push(c);
+            }
+        }
+        Cow::Owned(out)
+    }
+
+    /// The key whose [`Names::segment`] is `segment`; `None` when no key
+    /// has that segment (an internal token such as `__keyless__`, or a form
+    /// keyorder never writes).
+    pub fn key_of(segment: &str) -> Option<Cow<'_, str>> {
+        let Some(body) = segment.strip_prefix(':') else {
+            return (!segment.is_empty() && is_plain(segment)).then_some(Cow::Borrowed(segment));
+        };
+        let bytes = body.as_bytes();
+        let mut out = Vec::with_capacity(bytes.len());
+        let mut i = 0;
+        while i < bytes.len() {
+            if bytes[i] == b'%' {
+                let hex = body.get(i + 1..i + 3)?;
+                if !hex.bytes().all(|b| b.is_ascii_digit() || (b'A'..=b'F').contains(&b)) {
+                    return None;
+                }
+                out.push(u8::from_str_radix(hex, 16).ok()?);
+                i += 3;
+            } else {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+        let key = String::from_utf8(out).ok()?;
+        // Only the canonical form: the one segment of that key.
+        (!key.is_empty() && Self::segment(&key) == segment).then_some(Cow::Owned(key))
+    }
+
     /// The partition stream of `key`.
     pub fn stream(&self, key: &str) -> String {
-        format!("{}:{key}", self.c)
+        format!("{}:{}", self.c, Self::segment(key))
     }
     /// A lane of `key`.
     pub fn lane(&self, key: &str, lane: &str) -> String {
-        format!("{}:{key}:{lane}", self.c)
+        format!("{}:{}:{lane}", self.c, Self::segment(key))
     }
     /// The dead-letter stream of `key`.
     pub fn dlq(&self, key: &str) -> String {
@@ -73,7 +180,7 @@ impl Names {
     }
     /// The lease of `key`'s partition for `group`.
     pub fn lease(&self, key: &str, group: &str) -> String {
-        format!("{}:{key}:__lease__:{group}", self.c)
+        format!("{}:{}:__lease__:{group}", self.c, Self::segment(key))
     }
     /// The publish fence of `scope` (the highest token a fenced publish
     /// for it carried; never expires).
@@ -119,5 +226,184 @@ impl Names {
     /// The wake-up channel.
     pub fn wake(&self) -> String {
         format!("{}:__wake__", self.c)
+    }
+}
+
+/// Whether `key` is its own segment: no `:`, `{`, `}` or control
+/// character, and not of the `__name__` form.
+fn is_plain(key: &str) -> bool {
+    let sentinel = key.len() > 4 && key.starts_with("__") && key.ends_with("__");
+    !sentinel && !key.contains([':', '{', '}']) && !key.chars().any(char::is_control)
+}
+
+/// Whether an encoded segment writes `c` as `%XX`.
+fn needs_escape(c: char) -> bool {
+    matches!(c, '%' | ':' | '{' | '}') || c.is_control()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn keys_wave_1_accepted_keep_their_names() {
+        let n = Names::new("orders").unwrap();
+        for key in [
+            "a",
+            "customer-42",
+            "%3A",
+            "%",
+            "ключ",
+            "___",
+            "____",
+            "_x__",
+            "\u{fffd}ff",
+        ] {
+            assert_eq!(Names::segment(key), key);
+            assert_eq!(Names::key_of(key).as_deref(), Some(key));
+        }
+        assert_eq!(n.stream("customer-42"), "orders:customer-42");
+        assert_eq!(n.dlq("customer-42"), "orders:customer-42:dlq");
+        assert_eq!(n.lane("customer-42", "backfill"), "orders:customer-42:backfill");
+        assert_eq!(n.lease("customer-42", "g"), "orders:customer-42:__lease__:g");
+    }
+
+    #[test]
+    fn keys_that_look_like_names_are_encoded() {
+        let n = Names::new("c").unwrap();
+        let cases = [
+            ("a:dlq", ":a%3Adlq"),
+            ("__partitions__", ":__partitions__"),
+            ("__keyless__", ":__keyless__"),
+            ("a:__lease__:g", ":a%3A__lease__%3Ag"),
+            (":", ":%3A"),
+            ("{x}", ":%7Bx%7D"),
+            ("%:", ":%25%3A"),
+            ("\0", ":%00"),
+            ("a\u{1}b", ":a%01b"),
+            ("\u{85}", ":%C2%85"),
+        ];
+        for (key, segment) in cases {
+            assert_eq!(Names::segment(key), segment, "{key:?}");
+            assert_eq!(Names::key_of(segment).as_deref(), Some(key), "{key:?}");
+        }
+        // Lane tokens need no encoding: their stream has one `:` after the
+        // category, every lane name two.
+        assert_eq!(n.stream("dlq"), "c:dlq");
+        assert_eq!(n.stream("backfill"), "c:backfill");
+        assert_ne!(n.dlq("a"), n.stream("a:dlq"));
+        assert_ne!(n.lease("a", "g"), n.stream("a:__lease__:g"));
+        assert_ne!(n.keyless(), n.stream("__keyless__"));
+        assert_ne!(n.keyless_dlq(), n.dlq("__keyless__"));
+        assert_ne!(n.index(), n.stream("__partitions__"));
+    }
+
+    #[test]
+    fn only_canonical_segments_decode() {
+        for bad in [
+            "",
+            ":",
+            "__keyless__",
+            "a:b",
+            ":a",
+            ":%3a",
+            ":%3",
+            ":%ZZ",
+            ":%FF",
+            ":%25",
+            "a{",
+        ] {
+            // `:a` is not canonical (the key `a` is plain); `:%25` neither (`%` is plain).
+            assert_eq!(Names::key_of(bad), None, "{bad:?}");
+        }
+    }
+
+    /// Every internal name of the category, for a group `g`.
+    fn internal(n: &Names) -> Vec<String> {
+        vec![
+            n.index(),
+            n.generation(),
+            n.groups(),
+            n.members("g"),
+            n.halted("g"),
+            n.resolved("g"),
+            n.dlq_index(),
+            n.keyless(),
+            n.keyless_dlq(),
+            format!("{}:__attempts__:g", n.keyless()),
+            n.single(),
+            n.wake(),
+            n.fence("g"),
+        ]
+    }
+
+    fn key_names(n: &Names, key: &str) -> Vec<String> {
+        vec![
+            n.stream(key),
+            n.dlq(key),
+            n.lane(key, "backfill"),
+            n.lease(key, "g"),
+            format!("{}:__attempts__:g", n.stream(key)),
+            format!("{}:__attempts__:g", n.dlq(key)),
+        ]
+    }
+
+    fn any_key() -> impl Strategy<Value = String> {
+        prop_oneof![
+            "[a-z:%{}_]{1,12}",
+            "(__)?[a-z:%]{0,6}(__)?",
+            any::<String>(),
+            prop::sample::select(vec![
+                "dlq".to_owned(),
+                "backfill".to_owned(),
+                "__keyless__".to_owned(),
+                "__partitions__".to_owned(),
+                "a:dlq".to_owned(),
+                "a".to_owned(),
+                "\0".to_owned(),
+            ]),
+        ]
+        .prop_filter("a key", |k| !k.is_empty() && k.len() <= 255)
+    }
+
+    proptest! {
+        #[test]
+        fn segments_round_trip_and_hold_at_most_one_leading_colon(key in any_key()) {
+            let seg = Names::segment(&key);
+            let back = Names::key_of(&seg);
+            prop_assert_eq!(back.as_deref(), Some(key.as_str()));
+            match seg.strip_prefix(':') {
+                Some(rest) => {
+                    prop_assert!(!rest.contains(':'));
+                    prop_assert!(!is_plain(&key));
+                }
+                None => {
+                    prop_assert!(!seg.contains(':'));
+                    prop_assert_eq!(seg.as_ref(), key.as_str());
+                }
+            }
+            let clean = !seg.contains(['{', '}']) && !seg.chars().any(char::is_control);
+            prop_assert!(clean, "braces or control characters in a segment");
+        }
+
+        #[test]
+        fn distinct_keys_have_distinct_segments_and_names(a in any_key(), b in any_key()) {
+            let n = Names::new("c").unwrap();
+            if a != b {
+                prop_assert_ne!(Names::segment(&a), Names::segment(&b));
+            }
+            let internal = internal(&n);
+            let (na, nb) = (key_names(&n, &a), key_names(&n, &b));
+            for x in &na {
+                prop_assert!(!internal.contains(x), "{:?} names an internal name", a);
+                if a != b {
+                    prop_assert!(!nb.contains(x), "{:?} and {:?} share a name", a, b);
+                }
+            }
+            // Within one key, its names are distinct too.
+            let set: std::collections::HashSet<&String> = na.iter().collect();
+            prop_assert_eq!(set.len(), na.len());
+        }
     }
 }

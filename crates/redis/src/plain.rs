@@ -2,7 +2,7 @@
 //! partitioned layout, and every message with `layout=single` (the
 //! benchmark baseline: XREADGROUP with BLOCK, XACK).
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU32};
 use std::sync::Arc;
@@ -303,7 +303,13 @@ impl PlainSource {
             .query_async(&mut conn)
             .await
             .map_err(broker)?;
-        for k in index {
+        // Members are key segments: decoded, and anything that is no key's
+        // segment is skipped.
+        for k in index
+            .iter()
+            .filter_map(|m| Names::key_of(m))
+            .map(std::borrow::Cow::into_owned)
+        {
             if self.streams.contains(&k) || OrderingKey::with_rules(&k, &self.spec.key_rules).is_err() {
                 continue;
             }
@@ -337,6 +343,8 @@ impl PlainSource {
                 .arg("COUNT")
                 .arg((max - out.len()).div_ceil(chunk.len()).max(1))
                 .arg("STREAMS");
+            // The reply names each stream: its key is found by that name.
+            let by_stream: HashMap<String, &String> = chunk.iter().map(|k| (self.names.stream(k), k)).collect();
             for k in chunk {
                 cmd.arg(self.names.stream(k));
             }
@@ -366,10 +374,9 @@ impl PlainSource {
                 let (Some(name), Some(v)) = (pair.first().and_then(crate::text), pair.get(1)) else {
                     continue;
                 };
-                let key_text = name
-                    .strip_prefix(&format!("{}:", self.spec.category))
-                    .unwrap_or_default()
-                    .to_owned();
+                let Some(key_text) = by_stream.get(&name).map(|k| (*k).clone()) else {
+                    continue;
+                };
                 let Ok(key) = OrderingKey::with_rules(&key_text, &self.spec.key_rules) else {
                     continue;
                 };

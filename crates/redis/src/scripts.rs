@@ -3,6 +3,11 @@
 //! trim, reap, operator actions) is one script, so it runs as one step on the
 //! Redis server, on the server's clock.
 //!
+//! A key reaches a script, and is stored by one (index member, halted and
+//! resolved field, dead-letter index member, wake-up), as its segment
+//! ([`Names::segment`](crate::Names::segment)), never raw: a script that
+//! builds a name concatenates `{category}:{segment}`, as `Names` does.
+//!
 //! A *holder* is `{owner}:{generation}`: the lease's value, and the name of
 //! the owner's consumer in the stream's group, so a consumer name always
 //! carries its generation.
@@ -26,7 +31,7 @@ fn script(body: &str) -> Script {
 /// Appends one entry to a partition stream and records the partition in the
 /// index in the same step, then wakes the consumers.
 ///
-/// KEYS: stream, index. ARGV: key, wake channel, field/value pairs...
+/// KEYS: stream, index. ARGV: key segment, wake channel, field/value pairs...
 pub(crate) static PUBLISH: LazyLock<Script> = LazyLock::new(|| {
     script(
         r"
@@ -68,7 +73,7 @@ end
 /// [`PUBLISH`] behind a publish fence: returns 0 (and stores nothing) when
 /// the fence has seen a higher token, else 1.
 ///
-/// KEYS: stream, index, fence. ARGV: key, wake channel, token, field/value pairs...
+/// KEYS: stream, index, fence. ARGV: key segment, wake channel, token, field/value pairs...
 pub(crate) static PUBLISH_FENCED: LazyLock<Script> = LazyLock::new(|| {
     script(&format!(
         r"{FENCE}
@@ -143,7 +148,7 @@ pub(crate) const GROUP_REMOVED: &str = "KEYORDER_GROUP_REMOVED";
 
 /// KEYS: generation counter, then the n category registries, then per
 /// partition: lease, its n streams, their n indexes. ARGV: owner, ttl ms,
-/// group, n, then per partition: key, n. Returns per partition
+/// group, n, then per partition: key segment, n. Returns per partition
 /// `{generation, joined...}`; generation 0 when held by another or no
 /// longer indexed anywhere. Fails with [`GROUP_REMOVED`] when the group is
 /// no longer registered (no lease of a removed group is ever taken).
@@ -189,7 +194,7 @@ return out
 /// correlated partition's first event in another category, or a partition
 /// recreated after a reap), fenced by the holder.
 ///
-/// KEYS: lease, stream, index. ARGV: holder, group, key. Returns 1 when
+/// KEYS: lease, stream, index. ARGV: holder, group, key segment. Returns 1 when
 /// joined, 0 when fenced, -1 when the stream is not indexed (yet).
 pub(crate) static JOIN_STREAM: LazyLock<Script> = LazyLock::new(|| {
     script(&format!(
@@ -439,7 +444,7 @@ return out
 
 /// Records a halted head, fenced (the entry stays pending).
 ///
-/// KEYS: lease, halted hash, stream. ARGV: holder, key, entry id, reason,
+/// KEYS: lease, halted hash, stream. ARGV: holder, key segment, entry id, reason,
 /// group, category of the stream. Returns 1, or 0 when fenced.
 pub(crate) static HALT: LazyLock<Script> = LazyLock::new(|| {
     script(&format!(
@@ -459,7 +464,8 @@ return 1
 /// dead-lettered.
 ///
 /// KEYS: lease, stream, dead-letter stream, dead-letter index, halted hash.
-/// ARGV: holder, group, entry id, key, reason. Returns 1 (also when already
+/// ARGV: holder, group, entry id, key segment (`__keyless__` for the keyless
+/// stream), reason. Returns 1 (also when already
 /// settled), 0 when fenced, -1 when the entry is gone.
 pub(crate) static PARK: LazyLock<Script> = LazyLock::new(|| {
     script(&format!(
@@ -566,7 +572,7 @@ return redis.call('XTRIM', KEYS[1], 'MINID', low)
 /// partition is discovered again; a group that still holds the partition
 /// gets its group on the new stream at `0` (see [`READ`]).
 ///
-/// KEYS: stream, index, lease, group registry. ARGV: key, idle ms, holder,
+/// KEYS: stream, index, lease, group registry. ARGV: key segment, idle ms, holder,
 /// `1` to delete the lease too (a single-stream partition is gone with its
 /// stream). Returns 1 when removed.
 pub(crate) static REAP: LazyLock<Script> = LazyLock::new(|| {
@@ -604,7 +610,7 @@ return 1
 /// The operator's skip or resume of a halted head (unfenced: it works with
 /// no owner at all), recorded for the owner to release the key.
 ///
-/// KEYS: stream, halted hash, resolved hash. ARGV: group, entry id, key,
+/// KEYS: stream, halted hash, resolved hash. ARGV: group, entry id, key segment,
 /// action (`skip` acknowledges, `resume` resets the attempt count to 0
 /// at the same consumer, `dlq` only records), wake channel.
 pub(crate) static RESOLVE: LazyLock<Script> = LazyLock::new(|| {
@@ -630,7 +636,7 @@ return 1
 });
 
 /// The operator's view of every partition of a category for one group:
-/// `{key, lease, pending, lag, halted}` per partition (not-yet-delivered
+/// `{key segment, lease, pending, lag, halted}` per partition (not-yet-delivered
 /// entries count as lag; `lease` is `owner:generation` or empty).
 ///
 /// KEYS: index, halted hash. ARGV: category, group.

@@ -33,7 +33,7 @@ pub(crate) struct RedisSettle {
     pub(crate) ctl: Arc<Names>,
     pub(crate) group: Arc<str>,
     pub(crate) mode: Mode,
-    /// The partition's key (`""` when keyless).
+    /// The partition's key, raw (`""` when keyless); [`Names`] encodes it.
     pub(crate) key: String,
     pub(crate) stream: String,
     pub(crate) holder: String,
@@ -153,6 +153,13 @@ impl Settle for RedisSettle {
     }
 
     async fn park(&self, reason: &str) -> Result<()> {
+        // The dead-letter index and the halted hash hold key segments;
+        // `__keyless__` (no key's segment) marks the keyless stream's.
+        let member = if self.key.is_empty() {
+            std::borrow::Cow::Borrowed("__keyless__")
+        } else {
+            Names::segment(&self.key)
+        };
         let n: i64 = scripts::PARK
             .key(self.lease_key())
             .key(&self.stream)
@@ -162,7 +169,7 @@ impl Settle for RedisSettle {
             .arg(self.holder())
             .arg(&*self.group)
             .arg(&self.entry)
-            .arg(if self.key.is_empty() { "__keyless__" } else { &self.key })
+            .arg(&*member)
             .arg(reason)
             .invoke_async(&mut self.t.conn.clone())
             .await
@@ -187,7 +194,7 @@ impl Settle for RedisSettle {
             .key(self.ctl.halted(&self.group))
             .key(&self.stream)
             .arg(self.holder())
-            .arg(&self.key)
+            .arg(&*Names::segment(&self.key))
             .arg(&self.entry)
             .arg(reason)
             .arg(&*self.group)

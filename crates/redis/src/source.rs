@@ -318,7 +318,15 @@ impl Source {
             } else {
                 self.warned = false;
             }
-            indexed.push(index.into_iter().collect());
+            // Members are key segments: decoded, and anything that is no
+            // key's segment is skipped.
+            indexed.push(
+                index
+                    .iter()
+                    .filter_map(|m| Names::key_of(m))
+                    .map(std::borrow::Cow::into_owned)
+                    .collect(),
+            );
         }
         let mut index: Vec<String> = indexed
             .iter()
@@ -391,7 +399,7 @@ impl Source {
             .key(self.cats[s.cat].index())
             .arg(&p.holder)
             .arg(&*self.group)
-            .arg(key)
+            .arg(&*Names::segment(key))
             .invoke_async(&mut self.t.conn.clone())
             .await
             .map_err(broker)?;
@@ -434,7 +442,7 @@ impl Source {
             for n in &self.cats {
                 inv.key(n.index());
             }
-            inv.arg(k.as_str()).arg(self.cats.len());
+            inv.arg(&*Names::segment(k.as_str())).arg(self.cats.len());
         }
         let reply: Value = inv.invoke_async(&mut self.t.conn.clone()).await.map_err(broker)?;
         let Value::Array(results) = reply else {
@@ -494,13 +502,17 @@ impl Source {
             .query_async(&mut conn)
             .await
             .map_err(broker)?;
-        for (key, action) in all {
+        for (field, action) in all {
+            // Fields are key segments.
+            let Some(key) = Names::key_of(&field).map(std::borrow::Cow::into_owned) else {
+                continue;
+            };
             if !self.parts.contains_key(&key) {
                 continue;
             }
             let removed: i64 = redis::cmd("HDEL")
                 .arg(self.ctl.resolved(&self.group))
-                .arg(&key)
+                .arg(&field)
                 .query_async(&mut conn)
                 .await
                 .map_err(broker)?;
@@ -565,7 +577,7 @@ impl Source {
                 .key(self.cats[s.cat].index())
                 .key(&p.lease_key)
                 .key(self.cats[s.cat].groups())
-                .arg(&k)
+                .arg(&*Names::segment(&k))
                 .arg(idle.as_millis() as u64)
                 .arg(&p.holder)
                 .arg(if single { "1" } else { "0" })

@@ -1,4 +1,5 @@
-//! Wake-ups: every publish also publishes its key on the category's wake
+//! Wake-ups: every publish also publishes its key's segment (see
+//! [`Names::segment`]; empty for a keyless message) on the category's wake
 //! channel, so an idle consumer reads the partition at once without a
 //! blocking read (Redis refuses BLOCK inside the fenced read script). A lost
 //! connection or an overflow marks every partition to be read.
@@ -12,7 +13,10 @@ use futures::StreamExt;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
-/// Keys woken since the consumer last looked, bounded.
+use crate::names::Names;
+
+/// Keys woken since the consumer last looked (decoded; `""` for the keyless
+/// stream), bounded.
 #[derive(Debug, Default)]
 pub(crate) struct Wake {
     keys: Mutex<HashSet<String>>,
@@ -63,8 +67,15 @@ pub(crate) fn listen(client: redis::Client, channel: String, wake: Arc<Wake>) ->
                         wake.all();
                         let mut messages = pubsub.on_message();
                         while let Some(m) = messages.next().await {
-                            let key: String = m.get_payload().unwrap_or_default();
-                            wake.push(key);
+                            let segment: String = m.get_payload().unwrap_or_default();
+                            if segment.is_empty() {
+                                wake.push(segment);
+                            } else if let Some(key) = Names::key_of(&segment) {
+                                wake.push(key.into_owned());
+                            } else {
+                                // Not a segment keyorder writes: look at everything.
+                                wake.all();
+                            }
                         }
                         tracing::warn!("redis: wake-up connection closed; reconnecting");
                     }
