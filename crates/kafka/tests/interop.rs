@@ -1,7 +1,9 @@
 //! Interop with a foreign Kafka client (kafka-python, which `scripts/services`
 //! installs): its keyed messages run in per-key order under keyorder, and
 //! keyorder's messages read back with key and value untouched, on the
-//! partition Java's default partitioner gives the key.
+//! partition Java's default partitioner gives the key. Keys as real systems
+//! have them: `customer:42`, 8-byte integers, bytes that are not UTF-8, a
+//! key over 255 bytes.
 
 mod common;
 
@@ -10,8 +12,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::Recording;
-use keyorder_core::{Client, KeySource, Message};
+use keyorder_core::{Client, Delivery, HandlerResult, KeySource, Message, OrderingKey};
 use keyorder_kafka::rdkafka::admin::{NewTopic, TopicReplication};
 use keyorder_kafka::KafkaTransport;
 
@@ -41,9 +42,18 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// The keys real systems use that every adapter carries today.
-fn keys() -> Vec<String> {
-    (0..20).map(|i| format!("customer-{i}")).collect()
+/// Keys real systems use, as raw bytes.
+fn keys() -> Vec<Vec<u8>> {
+    let mut keys: Vec<Vec<u8>> = (0..12).map(|i| format!("customer-{i}").into_bytes()).collect();
+    keys.push(b"customer:42".to_vec());
+    keys.push(b"{tenant}:7".to_vec());
+    keys.push(42u64.to_be_bytes().to_vec());
+    keys.push(7u64.to_be_bytes().to_vec());
+    keys.push(vec![0xff, 0x00, 0x01]);
+    keys.push(vec![0xc3, 0x28]);
+    keys.push("é".repeat(150).into_bytes());
+    keys.push((0..=255u8).cycle().take(300).collect());
+    keys
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -52,7 +62,7 @@ async fn kafka_python_keyed_messages_run_in_per_key_order() {
     create(&topic, 6).await;
     let keys = keys();
     let mut args = vec!["produce".to_owned(), common::brokers(), topic.clone(), "10".to_owned()];
-    args.extend(keys.iter().map(|k| hex(k.as_bytes())));
+    args.extend(keys.iter().map(|k| hex(k)));
     tokio::task::spawn_blocking(move || python(&args)).await.unwrap();
 
     let url = format!("kafka://{}", common::brokers());
@@ -64,12 +74,45 @@ async fn kafka_python_keyed_messages_run_in_per_key_order() {
         .build()
         .await
         .unwrap();
-    let rec = Recording::start(sub);
-    rec.until(200, Duration::from_secs(90), "kafka-python's messages").await;
-    let log = rec.stop().await;
+    // Each run: the key it ran under and its payload.
+    let log: Arc<std::sync::Mutex<Vec<(Option<OrderingKey>, String)>>> = Arc::default();
+    let seen = log.clone();
+    let handler = move |d: Delivery| {
+        let seen = seen.clone();
+        async move {
+            seen.lock()
+                .unwrap()
+                .push((d.key().cloned(), String::from_utf8_lossy(d.payload()).into_owned()));
+            HandlerResult::Ok(())
+        }
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(sub.run(handler, async move {
+        let _ = stopped.await;
+    }));
+    let want = keys.len() * 10;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    while log.lock().unwrap().len() < want {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "kafka-python's messages: {} of {want} ran",
+            log.lock().unwrap().len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+    let by_hex: HashMap<String, &Vec<u8>> = keys.iter().map(|k| (hex(k), k)).collect();
     let mut per_key: HashMap<String, Vec<u32>> = HashMap::new();
-    for p in &log {
-        let (k, r) = p.rsplit_once('/').unwrap();
+    for (key, payload) in log.lock().unwrap().iter() {
+        let (k, r) = payload.rsplit_once('/').unwrap();
+        // Ran under the key its bytes give: never keyless, never another's.
+        let raw = by_hex[k];
+        assert_eq!(
+            key.as_ref(),
+            Some(&OrderingKey::from_bytes(raw).unwrap()),
+            "key {k} ran under another key"
+        );
         per_key.entry(k.to_owned()).or_default().push(r.parse().unwrap());
     }
     assert_eq!(per_key.len(), keys.len());
@@ -85,10 +128,13 @@ async fn keyorder_messages_read_back_untouched_on_the_java_partition() {
     let url = format!("kafka://{}", common::brokers());
     let client = Client::new(Arc::new(KafkaTransport::from_url(&url.parse().unwrap()).await.unwrap()));
     let publisher = client.publisher(&topic).await.unwrap();
-    let keys = keys();
+    // Keys as keyorder holds them: text, and the text form of bytes that
+    // are no UTF-8 (as a consumer of such a record has its key), which goes
+    // out as the original bytes.
+    let keys: Vec<OrderingKey> = keys().iter().map(|k| OrderingKey::from_bytes(k).unwrap()).collect();
     for k in &keys {
         publisher
-            .publish(Message::new(format!("{k}/payload")).with_key(k.as_str()).unwrap())
+            .publish(Message::new(format!("{}/payload", hex(&k.to_bytes()))).with_key(k.as_str()).unwrap())
             .await
             .unwrap();
     }
@@ -105,7 +151,8 @@ async fn keyorder_messages_read_back_untouched_on_the_java_partition() {
         let key = v["key"].as_str().unwrap();
         let key_text = keys
             .iter()
-            .find(|k| hex(k.as_bytes()) == key)
+            .find(|k| hex(&k.to_bytes()) == key)
+            .map(|k| hex(&k.to_bytes()))
             .expect("a key keyorder published");
         assert_eq!(
             v["value"].as_str().unwrap(),
