@@ -4,7 +4,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use keyorder_core::key::label;
+use keyorder_core::key::{from_stored_text, label};
 use keyorder_core::{Error, Result};
 use sqlx::Row;
 
@@ -122,7 +122,8 @@ impl fmt::Display for Acted {
 struct Locked {
     acted: Acted,
     category: String,
-    key: String,
+    /// The key's stored form (what the statements match).
+    stored_key: String,
     /// The record its key is halted on, if the key is halted.
     halted_on: Option<i64>,
 }
@@ -162,7 +163,7 @@ impl Outbox {
                 record_id: r.get(0),
                 message_id: r.get(1),
                 category: r.get(2),
-                label: label(&r.get::<String, _>(3)),
+                label: label(&from_stored_text(&r.get::<String, _>(3))),
                 seq: r.get::<i64, _>(4) as u64,
                 state: RecordState::parse(&r.get::<String, _>(5), false),
                 reason: r.get(6),
@@ -192,7 +193,7 @@ impl Outbox {
         for stmt in [&self.sql.reset_attempts, &self.sql.unhalt] {
             q(stmt)
                 .bind(&l.category)
-                .bind(&l.key)
+                .bind(&l.stored_key)
                 .execute(&mut *tx)
                 .await
                 .map_err(db)?;
@@ -213,19 +214,19 @@ impl Outbox {
                 self.cfg.schema
             )));
         };
-        let (category, key): (String, String) = (r.get(1), r.get(2));
+        let (category, stored_key): (String, String) = (r.get(1), r.get(2));
         let halted_on: Option<i64> = r.get(5);
         let state: String = r.get(4);
         Ok(Locked {
             acted: Acted {
                 record_id,
                 category: category.clone(),
-                label: label(&key),
+                label: label(&from_stored_text(&stored_key)),
                 seq: r.get::<i64, _>(3) as u64,
                 was: RecordState::parse(&state, halted_on == Some(record_id)),
             },
             category,
-            key,
+            stored_key,
             halted_on,
         })
     }
@@ -266,7 +267,7 @@ impl Outbox {
             RecordState::Abandoned | RecordState::Parked | RecordState::Discarded => {
                 let r = q(&self.sql.later)
                     .bind(&l.category)
-                    .bind(&l.key)
+                    .bind(&l.stored_key)
                     .bind(l.acted.seq as i64)
                     .fetch_one(&mut *tx)
                     .await

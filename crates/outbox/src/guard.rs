@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use keyorder_core::key::label;
+use keyorder_core::key::{label, stored_text};
 use keyorder_core::{Delivery, Error, Handler, HandlerError, HandlerResult, Result};
 use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::AssertSqlSafe;
@@ -130,7 +130,7 @@ impl PgApplied {
     pub async fn record_in(&self, conn: &mut PgConnection, key: &str, seq: u64) -> Result<bool> {
         let row = sqlx::query(AssertSqlSafe(self.sql.applied_put.clone()))
             .bind(&self.name)
-            .bind(key)
+            .bind(stored_text(key))
             .bind(seq as i64)
             .fetch_optional(&mut *conn)
             .await
@@ -144,7 +144,7 @@ impl AppliedStore for PgApplied {
     async fn last_applied(&self, key: &str) -> Result<Option<u64>> {
         let seq: Option<i64> = sqlx::query_scalar(AssertSqlSafe(self.sql.applied_get.clone()))
             .bind(&self.name)
-            .bind(key)
+            .bind(stored_text(key))
             .fetch_optional(&self.pool)
             .await
             .map_err(db)?;

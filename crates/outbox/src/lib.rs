@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use keyorder_core::key::{label, redact};
+use keyorder_core::key::{from_stored_text, label, redact, stored_text};
 use keyorder_core::{Client, Error, KeyRules, OrderingKey, Result};
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Row};
@@ -352,7 +352,7 @@ impl Outbox {
         let headers = serde_json::to_string(&message.headers).map_err(|e| Error::Broker(e.to_string()))?;
         let row = q(&self.sql.stage)
             .bind(&message.category)
-            .bind(key.as_str())
+            .bind(stored_text(key.as_str()))
             .bind(&message.id)
             .bind((key.stable_hash() >> 1) as i64)
             .bind(message.correlation_id.as_deref())
@@ -406,7 +406,7 @@ impl Outbox {
             .iter()
             .map(|r| HaltedRecord {
                 category: r.get(0),
-                label: label(&r.get::<String, _>(1)),
+                label: label(&from_stored_text(&r.get::<String, _>(1))),
                 record_id: r.get(2),
                 reason: r.get(3),
                 attempts: r.get::<i32, _>(4) as u32,
@@ -425,19 +425,28 @@ impl Outbox {
             .fetch_all(&self.pool)
             .await
             .map_err(|e| self.missing_schema(e))?;
+        // `stored` is the key's stored form (what the statements match).
         let found = rows
             .iter()
             .map(|r| (r.get::<String, _>(0), r.get::<String, _>(1)))
-            .find(|(c, k)| c == category && (k == key || label(k) == key));
-        let Some((category, key)) = found else {
+            .find(|(c, stored)| {
+                let k = from_stored_text(stored);
+                c == category && (k == key || label(&k) == key)
+            });
+        let Some((category, stored)) = found else {
             return Err(Error::NotFound(format!("no halted key {}", redact(key))));
         };
         let mut tx = self.pool.begin().await.map_err(db)?;
         for stmt in [&self.sql.reset_attempts, &self.sql.unhalt] {
-            q(stmt).bind(&category).bind(&key).execute(&mut *tx).await.map_err(db)?;
+            q(stmt)
+                .bind(&category)
+                .bind(&stored)
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
         }
         tx.commit().await.map_err(db)?;
-        tracing::warn!(key = %label(&key), "operator resumed a halted outbox key");
+        tracing::warn!(key = %label(&from_stored_text(&stored)), "operator resumed a halted outbox key");
         Ok(())
     }
 
@@ -454,7 +463,7 @@ impl Outbox {
                 record_id: r.get(0),
                 message_id: r.get(1),
                 category: r.get(2),
-                label: label(&r.get::<String, _>(3)),
+                label: label(&from_stored_text(&r.get::<String, _>(3))),
                 seq: r.get::<i64, _>(4) as u64,
                 reason: r.get(5),
             })
@@ -476,7 +485,9 @@ impl Outbox {
     }
 
     /// The slot a key's records go to, `(stable_hash(key) >> 1) % slots`,
-    /// for tools that write records with raw SQL.
+    /// for tools that write records with raw SQL (computed from the key
+    /// itself; the `key` column holds
+    /// [`stored_text`]`(key)`).
     pub fn slot_of(key: &str, slots: u32) -> u32 {
         ((keyorder_core::key::stable_hash(key.as_bytes()) >> 1) % u64::from(slots.max(1))) as u32
     }

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use keyorder_core::key::label;
+use keyorder_core::key::{from_stored_text, label};
 use keyorder_core::{
     Client, Error, LeaseConfig, Message, OrderingKey, PoisonPolicy, PublishFence, Publisher, Result, RetryPolicy,
 };
@@ -157,6 +157,7 @@ struct Record {
     id: i64,
     message_id: String,
     category: String,
+    /// The key itself, decoded from its stored form.
     key: String,
     seq: i64,
     correlation_id: Option<String>,
@@ -664,7 +665,7 @@ impl Relay {
                 id: r.get(1),
                 message_id: r.get(3),
                 category: r.get(4),
-                key: r.get(5),
+                key: from_stored_text(&r.get::<String, _>(5)).into_owned(),
                 seq: r.get(6),
                 correlation_id: r.get(7),
                 headers: r.get(8),

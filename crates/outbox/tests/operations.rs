@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{
-    async_trait, Admin, Capabilities, Client, Error, KeyRules, LeaseConfig, MemoryTransport, Message, PoisonPolicy,
-    Result, RetryPolicy, SourceSpec, Transport, TransportPublisher, TransportSource,
+    async_trait, Admin, Capabilities, Client, Error, LeaseConfig, MemoryTransport, Message, PoisonPolicy, Result,
+    RetryPolicy, SourceSpec, Transport, TransportPublisher, TransportSource,
 };
 use keyorder_outbox::sqlx;
 use keyorder_outbox::{Outbox, Outgoing, RecordState, RelayConfig, Staged};
@@ -80,15 +80,15 @@ async fn stage(outbox: &Outbox, category: &str, keys: &[&str], n: u32) -> BTreeM
     out
 }
 
-/// A record with an invalid key, as a tool writing raw SQL could insert it
-/// (the relay abandons it at once).
+/// A record with an invalid (empty) key, as a tool writing raw SQL could
+/// insert it (the relay abandons it at once).
 async fn insert_invalid(outbox: &Outbox, schema: &str, category: &str) {
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "insert into {schema}.records (message_id, category, key, slot, seq, payload) \
-         values ('bad-1', $1, 'a:b', $2, 1, 'x')"
+         values ('bad-1', $1, '', $2, 1, 'x')"
     )))
     .bind(category)
-    .bind(Outbox::slot_of("a:b", 16) as i32)
+    .bind(Outbox::slot_of("", 16) as i32)
     .execute(outbox.pool())
     .await
     .unwrap();
@@ -96,11 +96,14 @@ async fn insert_invalid(outbox: &Outbox, schema: &str, category: &str) {
 
 // ------------------------------------------------- a failing transport
 
-/// Wraps a transport and fails the publishes of chosen message ids.
+/// Wraps a transport and fails the publishes of chosen message ids, and
+/// refuses the keys of chosen keys (as a broker whose key rules are
+/// stricter would: a key error).
 #[derive(Debug, Clone)]
 struct Failing {
     inner: Arc<dyn Transport>,
     fail: Arc<Mutex<HashSet<String>>>,
+    refuse: Arc<HashSet<String>>,
 }
 
 impl Failing {
@@ -108,6 +111,13 @@ impl Failing {
         Failing {
             inner,
             fail: Arc::new(Mutex::new(ids.iter().map(|s| (*s).to_owned()).collect())),
+            refuse: Arc::default(),
+        }
+    }
+    fn refusing(inner: Arc<dyn Transport>, keys: &[&str]) -> Failing {
+        Failing {
+            refuse: Arc::new(keys.iter().map(|s| (*s).to_owned()).collect()),
+            ..Failing::new(inner, &[])
         }
     }
     fn client(&self) -> Client {
@@ -119,6 +129,7 @@ impl Failing {
 struct FailingPublisher {
     inner: Arc<dyn TransportPublisher>,
     fail: Arc<Mutex<HashSet<String>>>,
+    refuse: Arc<HashSet<String>>,
 }
 
 #[async_trait]
@@ -126,6 +137,10 @@ impl TransportPublisher for FailingPublisher {
     async fn publish(&self, message: Message) -> Result<()> {
         if self.fail.lock().unwrap().contains(message.id()) {
             return Err(Error::Broker("test broker refuses this message".into()));
+        }
+        if message.key().is_some_and(|k| self.refuse.contains(k.as_str())) {
+            // A key error as the broker's stricter rules would give it.
+            return Err(Error::Key(keyorder_core::OrderingKey::new("").unwrap_err()));
         }
         self.inner.publish(message).await
     }
@@ -146,6 +161,7 @@ impl Transport for Failing {
         Ok(Arc::new(FailingPublisher {
             inner: self.inner.publisher(category).await?,
             fail: self.fail.clone(),
+            refuse: self.refuse.clone(),
         }))
     }
     async fn open(&self, spec: &SourceSpec) -> Result<Box<dyn TransportSource>> {
@@ -285,16 +301,16 @@ async fn retention_deletes_only_published_records_in_batches() {
 
 // ------------------------------------------------------- retry and discard
 
-/// Records abandoned by a relay whose key rules reject their key are
-/// retried by an operator once the rules are fixed: a running relay reads
-/// them again and publishes them in sequence order.
+/// Records abandoned by a relay whose broker rejects their key (a key
+/// error) are retried by an operator once the broker is fixed: a running
+/// relay reads them again and publishes them in sequence order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retried_abandoned_records_are_published_in_order() {
     let (outbox, schema) = outbox().await;
     let category = unique("retry-");
     let broker: Arc<dyn Transport> = Arc::new(MemoryTransport::new());
     let consumer = consume(&Client::new(broker.clone()), &category, lease()).await;
-    let strict = Client::new(broker.clone()).with_key_rules(KeyRules::default().with_lane("retired"));
+    let strict = Failing::refusing(broker.clone(), &["retired"]).client();
     let a = spawn_relay(outbox.relay(strict, relay_cfg("a")));
     let staged = stage(&outbox, &category, &["retired", "other"], 3).await;
     consumer.wait_for(3).await;
@@ -402,6 +418,62 @@ async fn discard_releases_a_held_key_and_retry_resumes_one() {
     assert_eq!(acted.was, RecordState::Held);
     until("r published", 30, || async { consumer.ids_of("r").len() == 3 }).await;
     assert_eq!(consumer.ids_of("r"), ["r-1", "r-2", "r-3"]);
+    until("nothing held or pending", 30, || async {
+        let status = outbox.status().await.unwrap();
+        (status.held_keys, status.pending) == (0, 0)
+    })
+    .await;
+    relay.stop().await;
+    consumer.stop().await;
+}
+
+/// Halted keys holding NUL: listed under their own label, resumed by their
+/// value, retried by record id; each record reaches the consumer under its
+/// own key, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn halted_nul_keys_are_resumed_and_retried() {
+    let (outbox, _) = outbox().await;
+    let category = unique("nulheld-");
+    let broker: Arc<dyn Transport> = Arc::new(MemoryTransport::new());
+    let consumer = consume(&Client::new(broker.clone()), &category, lease()).await;
+    let failing = Failing::new(broker.clone(), &["n-2", "z-1"]);
+    // Ids without NUL: the message id is not a key.
+    let (n_key, z_key) = ("n\u{0}a", "\u{0}");
+    let mut staged = BTreeMap::new();
+    let mut tx = outbox.pool().begin().await.unwrap();
+    for (name, key) in [("n", n_key), ("z", z_key)] {
+        for i in 1..=3 {
+            let id = format!("{name}-{i}");
+            let s = outbox
+                .stage(&mut tx, Outgoing::new(&category, key, "x").with_id(id.clone()))
+                .await
+                .unwrap();
+            staged.insert(id, s);
+        }
+    }
+    tx.commit().await.unwrap();
+    let relay = spawn_relay(outbox.relay(failing.client(), relay_cfg("a")));
+    until("both keys held", 30, || async {
+        outbox.status().await.unwrap().held_keys == 2
+    })
+    .await;
+    consumer.wait_for(1).await; // n-1
+    let held = outbox.halted().await.unwrap();
+    let labels: HashSet<String> = held.iter().map(|h| h.label.clone()).collect();
+    assert_eq!(
+        labels,
+        HashSet::from([keyorder_core::key::label(n_key), keyorder_core::key::label(z_key)])
+    );
+
+    failing.fail.lock().unwrap().clear();
+    outbox.resume(&category, n_key).await.unwrap();
+    until("n published", 30, || async { consumer.ids_of(n_key).len() == 3 }).await;
+    assert_eq!(consumer.ids_of(n_key), ["n-1", "n-2", "n-3"]);
+    let acted = outbox.retry(staged["z-1"].record_id).await.unwrap();
+    assert_eq!(acted.was, RecordState::Held);
+    assert_eq!(acted.label, keyorder_core::key::label(z_key));
+    until("z published", 30, || async { consumer.ids_of(z_key).len() == 3 }).await;
+    assert_eq!(consumer.ids_of(z_key), ["z-1", "z-2", "z-3"]);
     until("nothing held or pending", 30, || async {
         let status = outbox.status().await.unwrap();
         (status.held_keys, status.pending) == (0, 0)

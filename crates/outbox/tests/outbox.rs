@@ -104,7 +104,9 @@ async fn stage_load(outbox: &Outbox, category: &str, keys: usize, records: u64) 
 async fn c12_invalid_keys_fail_the_stage_call_and_store_nothing() {
     let (outbox, schema) = outbox().await;
     let long = "x".repeat(256);
-    let bad = ["", long.as_str(), "a:b", "a{b", "a\u{1}b", "dlq", "__partitions__"];
+    // Only empty and over-long keys are invalid (NUL, controls, `:` and lane
+    // names are carried: `nul_keys_are_staged_and_relayed_under_their_own_key`).
+    let bad = ["", long.as_str()];
     for key in bad {
         let mut tx = outbox.pool().begin().await.unwrap();
         let err = outbox
@@ -123,10 +125,7 @@ async fn c12_invalid_keys_fail_the_stage_call_and_store_nothing() {
     let err = outbox
         .stage_many(
             &mut tx,
-            vec![
-                Outgoing::new("orders", "good", "p"),
-                Outgoing::new("orders", "a}b", "p"),
-            ],
+            vec![Outgoing::new("orders", "good", "p"), Outgoing::new("orders", "", "p")],
         )
         .await
         .unwrap_err();
@@ -557,13 +556,92 @@ async fn a_stalled_relay_is_fenced_and_its_late_publish_dropped() {
     drop(a);
 }
 
+/// Keys PostgreSQL `text` cannot hold as they are (NUL) and keys that look
+/// like their stored form (a leading U+0001), beside ordinary ones.
+const NUL_KEYS: &[&str] = &["nul\u{0}key", "\u{0}", "\u{1}0", "\u{1}", "customer:42", "a"];
+
+/// Stages 4 records of every [`NUL_KEYS`] key (half with `stage_many`),
+/// relays them through `client` and checks each was delivered under its own
+/// key, in sequence order.
+async fn nul_keys_end_to_end(client: Client, category: &str) {
+    let (outbox, schema) = outbox().await;
+    let mut expected = BTreeMap::new();
+    for round in 0..4u64 {
+        let mut tx = outbox.pool().begin().await.unwrap();
+        let batch: Vec<Outgoing> = NUL_KEYS
+            .iter()
+            .enumerate()
+            .map(|(i, k)| Outgoing::new(category, *k, format!("{i}")).with_id(format!("k{i}-{round}")))
+            .collect();
+        if round % 2 == 0 {
+            outbox.stage_many(&mut tx, batch).await.unwrap();
+        } else {
+            for m in batch {
+                outbox.stage(&mut tx, m).await.unwrap();
+            }
+        }
+        tx.commit().await.unwrap();
+    }
+    for k in NUL_KEYS {
+        expected.insert((*k).to_owned(), 4u64);
+    }
+    assert_eq!(
+        count(
+            outbox.pool(),
+            &format!("select count(distinct key) from {schema}.records")
+        )
+        .await,
+        NUL_KEYS.len() as i64,
+        "every key has a stored form of its own"
+    );
+    let consumer = consume(&client, category, lease()).await;
+    let relay = spawn_relay(outbox.relay(client.clone(), relay_cfg("r1")));
+    consumer.wait_for(4 * NUL_KEYS.len()).await;
+    relay.stop().await;
+    let seen = consumer.stop().await;
+    for (key, _, id) in &seen {
+        let i: usize = id[1..id.find('-').unwrap()].parse().unwrap();
+        assert!(
+            key == NUL_KEYS[i],
+            "a record of key {} was delivered under key {}",
+            keyorder_core::key::redact(NUL_KEYS[i]),
+            keyorder_core::key::redact(key)
+        );
+    }
+    assert_order(&seen, &expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nul_keys_are_staged_and_relayed_under_their_own_key() {
+    nul_keys_end_to_end(Client::memory(), &unique("nul-mem-")).await;
+    let url = format!("{}?schema=keyorder_outbox_nul_test&migrate=true", pg_url());
+    let transport = keyorder_postgres::PgTransport::from_url(&url.parse().unwrap())
+        .await
+        .unwrap();
+    nul_keys_end_to_end(Client::new(Arc::new(transport)), &unique("nul-pg-")).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn applied_stores_keep_nul_keys_apart() {
+    let (outbox, _) = outbox().await;
+    let store = PgApplied::new(&outbox, "billing");
+    for (seq, key) in NUL_KEYS.iter().enumerate() {
+        store.set_applied(key, seq as u64 + 1).await.unwrap();
+    }
+    for (seq, key) in NUL_KEYS.iter().enumerate() {
+        assert_eq!(store.last_applied(key).await.unwrap(), Some(seq as u64 + 1));
+    }
+    assert_eq!(store.last_applied("nul").await.unwrap(), None);
+}
+
 // ------------------------------------------------------------- failures
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_invalid_key_inserted_by_raw_sql_is_abandoned_and_others_flow() {
     let (outbox, schema) = outbox().await;
     let category = unique("abandon-");
-    for (id, key) in [("bad-1", "a:b"), ("bad-2", "dlq")] {
+    let long = "x".repeat(256);
+    for (id, key) in [("bad-1", ""), ("bad-2", long.as_str())] {
         sqlx::query(sqlx::AssertSqlSafe(format!(
             "insert into {schema}.records (message_id, category, key, slot, seq, payload) \
              values ($1, $2, $3, $4, 1, 'x')"

@@ -18,7 +18,7 @@ use futures::FutureExt;
 use keyorder_core::{
     Admin, Capabilities, DeadLetter, Error, GroupInfo, HaltedKey, HeadAction, HotKey, Inbound, Message, OrderingKey,
     PublishFence, Result, ScopeInfo, ScopeLease, Settle, SourceEvent, SourceSpec, Transport, TransportPublisher,
-    TransportSource,
+    TransportSource, KEY_HEADER,
 };
 use sqlx::postgres::{PgListener, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Row};
@@ -691,6 +691,16 @@ fn layout_error(queue: &str, recorded: u32, who: &str, uses: u32) -> Error {
     ))
 }
 
+/// A key's form in the key columns (PostgreSQL `text` cannot hold NUL):
+/// [`keyorder_core::key::stored_text`], which is the key itself unless it
+/// holds NUL or starts with U+0001. Every statement binds this form and
+/// every key read back goes through
+/// [`keyorder_core::key::from_stored_text`]; slots and labels are computed
+/// from the key itself.
+pub(crate) fn stored_key(key: &OrderingKey) -> std::borrow::Cow<'_, str> {
+    keyorder_core::key::stored_text(key.as_str())
+}
+
 /// The slot of a key: `stable_hash(key) % slots` (FNV-1a 64, see
 /// [`keyorder_core::key::stable_hash`]); keyless messages by their id.
 pub fn slot_of(key: Option<&OrderingKey>, message_id: &str, slots: u32) -> u32 {
@@ -928,8 +938,21 @@ impl TransportPublisher for PgPublisher {
     }
 }
 
-fn headers_of(message: &Message) -> Result<String> {
-    serde_json::to_string(message.headers()).map_err(|e| Error::Broker(e.to_string()))
+/// The message's headers as the JSON the `headers` column holds. The key
+/// header ([`KEY_HEADER`], the key a [`keyorder_core::Publisher`] routed by)
+/// is a key: it takes the key's stored form too (`jsonb` cannot hold NUL
+/// either), and [`row_message`] decodes it.
+pub(crate) fn headers_of(message: &Message) -> Result<String> {
+    let headers = message.headers();
+    let json = match headers.get(KEY_HEADER).map(|k| keyorder_core::key::stored_text(k)) {
+        Some(std::borrow::Cow::Owned(stored)) => {
+            let mut headers = headers.clone();
+            headers.insert(KEY_HEADER.to_owned(), stored);
+            serde_json::to_string(&headers)
+        }
+        _ => serde_json::to_string(headers),
+    };
+    json.map_err(|e| Error::Broker(e.to_string()))
 }
 
 impl PgPublisher {
@@ -940,7 +963,7 @@ impl PgPublisher {
         q(sql)
             .bind(&self.queue)
             .bind(slot_of(message.key(), message.id(), self.slots) as i32)
-            .bind(message.key().map(OrderingKey::as_str))
+            .bind(message.key().map(stored_key))
             .bind(message.id())
             .bind(message.correlation_id())
             .bind(headers)
@@ -1164,7 +1187,8 @@ impl fmt::Debug for PgSource {
 
 /// The message of a log row whose columns from `at` on are key, message id,
 /// correlation id, headers (JSON text) and payload; its key, if it passes
-/// the deployment's key rules.
+/// the deployment's key rules. The key and the key header are decoded from
+/// their stored form.
 pub(crate) fn row_message(
     r: &sqlx::postgres::PgRow,
     at: usize,
@@ -1174,13 +1198,18 @@ pub(crate) fn row_message(
     let mut msg = Message::new(r.get::<Vec<u8>, _>(at + 4)).with_id(r.get::<String, _>(at + 1));
     if let Ok(h) = serde_json::from_str::<BTreeMap<String, String>>(&r.get::<String, _>(at + 3)) {
         for (k, v) in h {
+            let v = if k == KEY_HEADER {
+                from_stored_text(&v).into_owned()
+            } else {
+                v
+            };
             msg = msg.with_header(k, v);
         }
     }
     if let Some(c) = r.get::<Option<String>, _>(at + 2) {
         msg = msg.with_correlation_id(c);
     }
-    let key = key.and_then(|k| OrderingKey::with_rules(k, rules).ok());
+    let key = key.and_then(|k| OrderingKey::with_rules(from_stored_text(&k), rules).ok());
     if let Some(k) = &key {
         msg = msg.with_ordering_key(k.clone());
     }
@@ -1373,7 +1402,7 @@ impl PgSource {
                 .await
                 .map_err(db)?
             {
-                let key: String = r.get(0);
+                let key = from_stored_text(&r.get::<String, _>(0)).into_owned();
                 let action: String = r.get(1);
                 let drop_head = action != "resume";
                 let (slot, event_id): (i32, i64) = (r.get(2), r.get(3));
@@ -2018,7 +2047,7 @@ impl Settle for PgSettle {
         let query = self
             .bind_own(q(&self.t.sql.park))
             .bind(&self.message_id)
-            .bind(self.key.as_ref().map(OrderingKey::as_str))
+            .bind(self.key.as_ref().map(stored_key))
             .bind(reason);
         self.fenced_exec(query).await?;
         self.settled();
@@ -2029,7 +2058,7 @@ impl Settle for PgSettle {
         let query = self
             .bind_own(q(&self.t.sql.halt))
             .bind(&self.message_id)
-            .bind(self.key.as_ref().map_or("", OrderingKey::as_str))
+            .bind(self.key.as_ref().map_or(std::borrow::Cow::Borrowed(""), stored_key))
             .bind(reason)
             .bind(self.pos.0.to_string());
         self.fenced_exec(query).await
@@ -2054,7 +2083,7 @@ impl fmt::Debug for PgAdmin {
     }
 }
 
-use keyorder_core::key::label;
+use keyorder_core::key::{from_stored_text, label};
 
 impl PgAdmin {
     /// One (category, group) statement's rows; a missing schema names the fix.
@@ -2103,7 +2132,8 @@ impl Admin for PgAdmin {
         Ok(rows
             .iter()
             .map(|r| {
-                let key: String = r.get(0);
+                let stored: String = r.get(0);
+                let key = from_stored_text(&stored);
                 HaltedKey {
                     label: label(&key),
                     preview: keyorder_core::key::redact(&key),
@@ -2127,7 +2157,7 @@ impl Admin for PgAdmin {
         Ok(rows
             .iter()
             .map(|r| HotKey {
-                label: label(&r.get::<String, _>(0)),
+                label: label(&from_stored_text(&r.get::<String, _>(0))),
                 backlog: r.get::<i64, _>(1) as u64,
             })
             .collect())
@@ -2141,7 +2171,7 @@ impl Admin for PgAdmin {
                 id: r.get(0),
                 label: r
                     .get::<Option<String>, _>(1)
-                    .map_or_else(|| "keyless".into(), |k| label(&k)),
+                    .map_or_else(|| "keyless".into(), |k| label(&from_stored_text(&k))),
                 reason: r.get(2),
             })
             .collect())
@@ -2149,11 +2179,12 @@ impl Admin for PgAdmin {
 
     async fn resolve(&self, category: &str, group: &str, key: &str, action: HeadAction) -> Result<()> {
         let halted = self.rows(&self.t.sql.halted, category, group).await?;
-        let Some(found) = halted
-            .iter()
-            .map(|r| r.get::<String, _>(0))
-            .find(|k| k == key || label(k) == key)
-        else {
+        // `found` is the stored form (what the statements below match);
+        // the operator names the key by its value or its label.
+        let Some(found) = halted.iter().map(|r| r.get::<String, _>(0)).find(|stored| {
+            let k = from_stored_text(stored);
+            k == key || label(&k) == key
+        }) else {
             return Err(Error::NotFound(format!(
                 "no halted key {}",
                 keyorder_core::key::redact(key)
@@ -2197,7 +2228,7 @@ impl Admin for PgAdmin {
             .map_err(db)?;
         tx.commit().await.map_err(db)?;
         if action == HeadAction::Skip {
-            tracing::warn!(key = %label(&found), "operator skipped a halted head");
+            tracing::warn!(key = %label(&from_stored_text(&found)), "operator skipped a halted head");
         }
         Ok(())
     }

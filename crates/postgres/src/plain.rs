@@ -21,8 +21,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use keyorder_core::{
-    Error, Inbound, Message, OrderingKey, Result, ScopeLease, Settle, SourceEvent, SourceSpec, TransportPublisher,
-    TransportSource,
+    Error, Inbound, Message, Result, ScopeLease, Settle, SourceEvent, SourceSpec, TransportPublisher, TransportSource,
 };
 use sqlx::postgres::PgListener;
 use sqlx::{AssertSqlSafe, Row};
@@ -150,10 +149,10 @@ impl fmt::Debug for PlainPublisher {
 #[async_trait]
 impl TransportPublisher for PlainPublisher {
     async fn publish(&self, message: Message) -> Result<()> {
-        let headers = serde_json::to_string(message.headers()).map_err(|e| Error::Broker(e.to_string()))?;
+        let headers = crate::headers_of(&message)?;
         let query = q(&self.sql.publish)
             .bind(&self.queue)
-            .bind(message.key().map(OrderingKey::as_str))
+            .bind(message.key().map(crate::stored_key))
             .bind(message.id())
             .bind(message.correlation_id())
             .bind(headers)

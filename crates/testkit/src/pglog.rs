@@ -3,6 +3,7 @@
 //! database's clock (`clock_timestamp()`), never from the instances'.
 
 use async_trait::async_trait;
+use keyorder_core::key::{from_stored_text, stored_text};
 use keyorder_core::{Error, Result};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::Row;
@@ -13,7 +14,9 @@ fn db(e: sqlx::Error) -> Error {
     Error::Broker(format!("event log: {e}"))
 }
 
-/// A scenario's event log in table `keyorder_test.events`, one `run` id per scenario.
+/// A scenario's event log in table `keyorder_test.events`, one `run` id per
+/// scenario. Keys are stored in their [`stored_text`] form (the `text`
+/// column cannot hold NUL) and decoded on read.
 #[derive(Debug, Clone)]
 pub struct PgEventLog {
     pool: PgPool,
@@ -80,7 +83,7 @@ impl EventLog for PgEventLog {
         let id: i64 = sqlx::query_scalar(sql)
             .bind(&self.run)
             .bind(&e.message_id)
-            .bind(&e.key)
+            .bind(stored_text(&e.key))
             .bind(e.seq as i64)
             .bind(&e.instance)
             .bind(e.generation as i64)
@@ -116,7 +119,7 @@ impl EventLog for PgEventLog {
             .map(|r| {
                 Ok(Event {
                     message_id: r.try_get("message_id").map_err(db)?,
-                    key: r.try_get("key").map_err(db)?,
+                    key: from_stored_text(&r.try_get::<String, _>("key").map_err(db)?).into_owned(),
                     seq: r.try_get::<i64, _>("seq").map_err(db)? as u64,
                     instance: r.try_get("instance").map_err(db)?,
                     generation: r.try_get::<i64, _>("generation").map_err(db)? as u64,
