@@ -404,7 +404,11 @@ mod tests {
         assert_eq!(k, OrderingKey::from_bytes(&raw).unwrap());
         assert_eq!(&*k.to_bytes(), &raw[..], "the form gives its bytes back");
         let spelled = OrderingKey::new("\u{fffd}41").unwrap();
-        assert_eq!(&*spelled.to_bytes(), spelled.as_str().as_bytes(), "a form of UTF-8 bytes is text");
+        assert_eq!(
+            &*spelled.to_bytes(),
+            spelled.as_str().as_bytes(),
+            "a form of UTF-8 bytes is text"
+        );
         assert_ne!(k, OrderingKey::from_bytes(&[0xff, 0x00, 0x42]).unwrap());
         let long: Vec<u8> = (0..=255u8).collect();
         let mut other = long.clone();
@@ -418,7 +422,10 @@ mod tests {
         assert_eq!(OrderingKey::from_bytes(b"").unwrap_err().rule(), KeyRule::Empty);
         let text = "x".repeat(300);
         let k = OrderingKey::from_bytes(text.as_bytes()).unwrap();
-        assert!(k.is_binary_form() && k.as_str().len() <= MAX_KEY_BYTES, "an over-long UTF-8 key gets the form");
+        assert!(
+            k.is_binary_form() && k.as_str().len() <= MAX_KEY_BYTES,
+            "an over-long UTF-8 key gets the form"
+        );
     }
 
     #[test]

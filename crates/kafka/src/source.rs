@@ -1246,9 +1246,11 @@ impl Shared {
             let (topic, first) = (self.names.topic().to_owned(), parts.first().map_or(0, |p| p.partition));
             let prober = self.prober();
             let mut ok = match prober {
-                Ok(prober) => tokio::task::spawn_blocking(move || membership_confirmed(&*member, &prober, &topic, first))
-                    .await
-                    .unwrap_or(false),
+                Ok(prober) => {
+                    tokio::task::spawn_blocking(move || membership_confirmed(&*member, &prober, &topic, first))
+                        .await
+                        .unwrap_or(false)
+                }
                 Err(e) => {
                     tracing::debug!(topic = %self.names.topic(), error = %e, "kafka: the heartbeat's prober could not be created");
                     false
@@ -2303,7 +2305,8 @@ mod broker_tests {
         let member: Arc<BaseConsumer> = Arc::new(c.create().unwrap());
         member.subscribe(&[names.topic()]).unwrap();
         let mut p = base_config(&t.cfg);
-        p.set("group.id", names.group_id("g")).set("enable.auto.commit", "false");
+        p.set("group.id", names.group_id("g"))
+            .set("enable.auto.commit", "false");
         let prober: Arc<BaseConsumer> = Arc::new(p.create().unwrap());
         let topic = names.topic().to_owned();
         let confirmed = |member: &Arc<BaseConsumer>| {

@@ -527,7 +527,9 @@ pub(crate) fn advance<C: ConsumerContext>(
     limit: Limit<'_>,
 ) -> KafkaResult<Vec<i32>> {
     let own: Vec<(i32, u64)> = list.iter().map(|(p, g, _)| (*p, *g)).collect();
-    let stale = newer_claims(pointers, reader, producer, names, group_id, &own, claims, timeout, limit)?;
+    let stale = newer_claims(
+        pointers, reader, producer, names, group_id, &own, claims, timeout, limit,
+    )?;
     let mut tpl = TopicPartitionList::new();
     for (p, _, at) in list {
         if !stale.contains(p) {

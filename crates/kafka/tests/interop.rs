@@ -42,6 +42,9 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// A run: the key it ran under and its payload.
+type Run = (Option<OrderingKey>, String);
+
 /// Keys real systems use, as raw bytes.
 fn keys() -> Vec<Vec<u8>> {
     let mut keys: Vec<Vec<u8>> = (0..12).map(|i| format!("customer-{i}").into_bytes()).collect();
@@ -75,7 +78,7 @@ async fn kafka_python_keyed_messages_run_in_per_key_order() {
         .await
         .unwrap();
     // Each run: the key it ran under and its payload.
-    let log: Arc<std::sync::Mutex<Vec<(Option<OrderingKey>, String)>>> = Arc::default();
+    let log: Arc<std::sync::Mutex<Vec<Run>>> = Arc::default();
     let seen = log.clone();
     let handler = move |d: Delivery| {
         let seen = seen.clone();
@@ -134,7 +137,11 @@ async fn keyorder_messages_read_back_untouched_on_the_java_partition() {
     let keys: Vec<OrderingKey> = keys().iter().map(|k| OrderingKey::from_bytes(k).unwrap()).collect();
     for k in &keys {
         publisher
-            .publish(Message::new(format!("{}/payload", hex(&k.to_bytes()))).with_key(k.as_str()).unwrap())
+            .publish(
+                Message::new(format!("{}/payload", hex(&k.to_bytes())))
+                    .with_key(k.as_str())
+                    .unwrap(),
+            )
             .await
             .unwrap();
     }
