@@ -516,6 +516,8 @@ pub(crate) struct Shared {
     incarnation: Mutex<Option<Incarnation>>,
     /// Whether a record with an unusable (empty) key was reported.
     pub(crate) unusable_key_reported: AtomicBool,
+    /// Whether a record on another partition than its key's was reported.
+    pub(crate) misplaced_key_reported: AtomicBool,
     /// Since when the incarnation check has failed (`None`: it last passed).
     unchecked_since: Mutex<Option<Instant>>,
     /// `start=group:<id>`: that group's committed offsets, read at open.
@@ -1472,6 +1474,7 @@ impl Source {
             static_member: t.cfg.static_membership,
             incarnation: Mutex::new(None),
             unusable_key_reported: AtomicBool::new(false),
+            misplaced_key_reported: AtomicBool::new(false),
             unchecked_since: Mutex::new(None),
             start_offsets,
             fatal: Mutex::new(None),
@@ -1839,6 +1842,28 @@ impl Source {
         }
         msg = msg.with_id(id.unwrap_or_else(|| format!("{}-{partition}-{offset}", self.shared.names.topic())));
         let key_bytes = m.key().map(<[u8]>::to_vec);
+        // A key on another partition than Java's default partitioner gives
+        // it (a producer on librdkafka's `consistent_random`, say): its
+        // records and keyorder's, or another producer's, of one key land
+        // on different partitions, which order nothing between them.
+        // Counted, and said once with the fix.
+        if let Some(raw) = key_bytes.as_deref().filter(|k| !k.is_empty()) {
+            if crate::partition_for(raw, self.shared.partitions) != partition {
+                metrics::counter!("keyorder_kafka_misplaced_keys_total").increment(1);
+                if !self.shared.misplaced_key_reported.swap(true, Ordering::SeqCst) {
+                    tracing::warn!(
+                        topic = %self.shared.names.topic(),
+                        partition,
+                        offset,
+                        "kafka: a record's key is on another partition than Java's default partitioner (murmur2) \
+                         puts it, where keyorder publishes it: a key's records from such a producer and from others \
+                         land on different partitions and are not ordered with each other. Set the producer's \
+                         partitioner to murmur2 (librdkafka clients: partitioner=murmur2_random) (reported once; \
+                         counted in keyorder_kafka_misplaced_keys_total)"
+                    );
+                }
+            }
+        }
         // The record key is the routing key; it reaches key selection as
         // the routing-key header.
         // Any key bytes order their messages (the partitioner placed them

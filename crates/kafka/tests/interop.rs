@@ -59,8 +59,47 @@ fn keys() -> Vec<Vec<u8>> {
     keys
 }
 
+/// What this test binary logged (warnings and above), to check what a
+/// user is told.
+fn logged() -> Arc<std::sync::Mutex<Vec<u8>>> {
+    static LOG: std::sync::OnceLock<Arc<std::sync::Mutex<Vec<u8>>>> = std::sync::OnceLock::new();
+    LOG.get_or_init(|| {
+        let log: Arc<std::sync::Mutex<Vec<u8>>> = Arc::default();
+        let sink = log.clone();
+        let _ = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::WARN)
+            .with_ansi(false)
+            .with_writer(move || Sink(sink.clone()))
+            .try_init();
+        log
+    })
+    .clone()
+}
+
+struct Sink(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Sink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// How many warnings about misplaced keys name `topic`.
+fn misplaced_warnings(topic: &str) -> usize {
+    let log = logged();
+    let text = String::from_utf8_lossy(&log.lock().unwrap()).into_owned();
+    text.lines()
+        .filter(|l| l.contains(topic) && l.contains("another partition than Java's default partitioner"))
+        .count()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_python_keyed_messages_run_in_per_key_order() {
+    logged();
     let topic = format!("interop-in-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
     create(&topic, 6).await;
     let keys = keys();
@@ -122,6 +161,46 @@ async fn kafka_python_keyed_messages_run_in_per_key_order() {
     for (k, rounds) in per_key {
         assert_eq!(rounds, (0..10).collect::<Vec<_>>(), "key {k}: once each, in order");
     }
+    assert_eq!(misplaced_warnings(&topic), 0, "murmur2 placed every key where keyorder would");
+}
+
+/// A producer on another partitioner (CRC32, like librdkafka's default)
+/// puts keys where keyorder's publisher would not: the user is told once,
+/// with the fix, and the records still run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_on_another_partitioner_is_reported_once() {
+    logged();
+    let topic = format!("interop-crc-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    create(&topic, 6).await;
+    let keys: Vec<Vec<u8>> = (0..20).map(|i| format!("customer-{i}").into_bytes()).collect();
+    let mut args = vec!["produce-crc32".to_owned(), common::brokers(), topic.clone(), "3".to_owned()];
+    args.extend(keys.iter().map(|k| hex(k)));
+    tokio::task::spawn_blocking(move || python(&args)).await.unwrap();
+    let url = format!("kafka://{}", common::brokers());
+    let client = Client::new(Arc::new(KafkaTransport::from_url(&url.parse().unwrap()).await.unwrap()));
+    let sub = client
+        .subscribe(&topic, "g")
+        .ordered_by(KeySource::routing_key())
+        .lease(common::lease())
+        .build()
+        .await
+        .unwrap();
+    let stats = sub.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(sub.run(
+        |_d: Delivery| async move { HandlerResult::Ok(()) },
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    while stats.snapshot().applied < 60 {
+        assert!(tokio::time::Instant::now() < deadline, "{:?}", stats.snapshot());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+    assert_eq!(misplaced_warnings(&topic), 1, "told once, not per record");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
