@@ -518,6 +518,8 @@ pub(crate) struct Shared {
     pub(crate) unusable_key_reported: AtomicBool,
     /// Whether a record on another partition than its key's was reported.
     pub(crate) misplaced_key_reported: AtomicBool,
+    /// Whether a failure to create the prober was reported.
+    prober_reported: AtomicBool,
     /// Since when the incarnation check has failed (`None`: it last passed).
     unchecked_since: Mutex<Option<Instant>>,
     /// `start=group:<id>`: that group's committed offsets, read at open.
@@ -1017,8 +1019,19 @@ impl Shared {
         }
         let mut c = crate::base_config(&self.t.cfg);
         c.set("group.id", self.names.group_id(&self.group))
+            .set("client.id", format!("keyorder-{}-probe", self.instance))
             .set("enable.auto.commit", "false");
-        let p: Arc<BaseConsumer> = Arc::new(c.create()?);
+        let p: Arc<BaseConsumer> = match c.create() {
+            Ok(p) => Arc::new(p),
+            Err(e) => {
+                // Nothing is confirmed without it: said once, not silently
+                // self-fenced and replaced over and over.
+                if !self.prober_reported.swap(true, Ordering::SeqCst) {
+                    tracing::warn!(topic = %self.names.topic(), error = %e, "kafka: the heartbeat's prober consumer could not be created; no lease is confirmed until it can (check the client settings)");
+                }
+                return Err(e);
+            }
+        };
         *prober = Some(p.clone());
         Ok(p)
     }
@@ -1309,6 +1322,16 @@ impl Shared {
 /// a member that kept its partitions through the rebalance took that for
 /// a lost membership, was replaced, and its replacement's join started
 /// the wait over for the others.
+///
+/// What this gives up: the fetch no longer shows that the member's own
+/// connection to the coordinator lives. A member whose coordinator
+/// connection alone dies silently (no reset) while its join is pending is
+/// confirmed by the prober until librdkafka's join request times out
+/// (`max.poll.interval.ms` plus 3 s), and a dynamic member's partitions may
+/// meanwhile be handed on when the coordinator expires it; outside a
+/// rebalance librdkafka marks the assignment lost at the session timeout.
+/// A fault that takes the process's connections down together (C19) stops
+/// the prober too. Static members also check claims at every heartbeat.
 pub(crate) fn membership_confirmed<C: ConsumerContext>(
     member: &BaseConsumer<C>,
     prober: &BaseConsumer,
@@ -1475,6 +1498,7 @@ impl Source {
             incarnation: Mutex::new(None),
             unusable_key_reported: AtomicBool::new(false),
             misplaced_key_reported: AtomicBool::new(false),
+            prober_reported: AtomicBool::new(false),
             unchecked_since: Mutex::new(None),
             start_offsets,
             fatal: Mutex::new(None),

@@ -28,29 +28,30 @@
 //! A key is *plain* when it holds no `:`, `{`, `}` or control character
 //! and is not of the `__name__` form (more than 4 bytes, starting and
 //! ending with `__`): its segment is the key itself. Every other key is
-//! *encoded*: `:` followed by the key with `%`, `:`, `{`, `}` and every
+//! *encoded*: `}` followed by the key with `%`, `:`, `{`, `}` and every
 //! control character written as `%XX` (its UTF-8 bytes, upper-case hex).
-//! So a plain segment holds no `:` and is no `__name__` token; an encoded
-//! segment starts with `:` and holds no other `:`.
+//! So no segment holds a `:`; a plain one holds no brace and is no
+//! `__name__` token; an encoded one starts with `}` and holds no other.
 //!
 //! Why no two names meet: read a name of the category after `{c}:` and
 //! split it at `:`. Its first part is a plain segment (the name is a key's),
-//! empty (the name is an encoded key's: the second part is the rest of the
-//! segment), or a `__name__` token (an internal name: `__partitions__`,
-//! `__keyless__`, `__fence__`...). These never overlap, so a key's names
-//! never meet an internal name (the key `__keyless__` is encoded as
-//! `:__keyless__`, so `{c}::__keyless__:dlq` is not the keyless stream's
-//! dead letters `{c}:__keyless__:dlq`). Within a key's names the segment
-//! ends at a known place (a plain one at the first `:`, an encoded one at
-//! the second), and what follows tells the names apart: nothing (the
-//! stream), `:{lane}`, `:dlq`, `:__lease__:{g}`, `:__attempts__:{g}`.
-//! Distinct keys have distinct segments (plain ones are the keys, encoded
-//! ones start with `:` and percent-escape `%` itself), so the key `a:dlq`
-//! has the stream `{c}::a%3Adlq`, not key `a`'s dead letters `{c}:a:dlq`.
-//! A key equal to a lane token (`dlq`, `backfill`) is plain: `{c}:dlq` has
-//! a single `:` after the category, and every lane or dead-letter name has
-//! two, so it needs no encoding and the rule does not depend on the lanes
-//! a deployment configures.
+//! an encoded segment (starting with `}`), or a `__name__` token (an
+//! internal name: `__partitions__`, `__keyless__`, `__fence__`...). These
+//! never overlap, so a key's names never meet an internal name (the key
+//! `__keyless__` is encoded as `}__keyless__`, so `{c}:}__keyless__:dlq` is
+//! not the keyless stream's dead letters `{c}:__keyless__:dlq`). Within a
+//! key's names the segment ends at the first `:`, and what follows tells
+//! the names apart: nothing (the stream), `:{lane}`, `:dlq`,
+//! `:__lease__:{g}`, `:__attempts__:{g}`. Distinct keys have distinct
+//! segments (plain ones are the keys, encoded ones start with `}` and
+//! percent-escape `%` itself), so the key `a:dlq` has the stream
+//! `{c}:}a%3Adlq`, not key `a`'s dead letters `{c}:a:dlq`. A key equal to a
+//! lane token (`dlq`, `backfill`) is plain: `{c}:dlq` has a single `:`
+//! after the category, and every lane or dead-letter name has two, so it
+//! needs no encoding and the rule does not depend on the lanes a
+//! deployment configures. The marker is `}` because no category name holds
+//! a brace: with `:` instead, category `x` would have met category `x:`
+//! (`x::…`).
 //!
 //! Upgrade: every key wave 1 accepted (no `:`, `{`, `}`, control character,
 //! lane token or `__name__` form) is plain, so its streams, leases, index
@@ -100,27 +101,29 @@ impl Names {
     /// wake-up. A *plain* key (no `:`, `{`, `}` or control character, and
     /// not of the `__name__` form: more than 4 bytes, starting and ending
     /// with `__`) is its own segment, so every key that was valid before
-    /// keys could hold these keeps its names. Any other key's segment is `:`
+    /// keys could hold these keeps its names. Any other key's segment is `}`
     /// and the key with `%`, `:`, `{`, `}` and control characters written
-    /// as `%XX` (UTF-8 bytes, upper-case hex). A plain segment holds no `:`
-    /// and is no `__name__` token (every internal name's is); an encoded
-    /// one starts with `:` and holds no other: so no key's names meet
-    /// another key's, a lane, dead letters, a lease or an internal name.
+    /// as `%XX` (UTF-8 bytes, upper-case hex). No segment holds a `:`; a
+    /// plain one holds no brace and is no `__name__` token (every internal
+    /// name's is); an encoded one starts with `}` (which no category name
+    /// holds) and holds no other: so no key's names meet another key's, a
+    /// lane, dead letters, a lease, an internal name, or a name of the
+    /// category `{c}:`.
     ///
     /// ```
     /// use keyorder_redis::Names;
     /// assert_eq!(Names::segment("customer-42"), "customer-42");
     /// assert_eq!(Names::segment("dlq"), "dlq");
-    /// assert_eq!(Names::segment("a:dlq"), ":a%3Adlq");
-    /// assert_eq!(Names::segment("__keyless__"), ":__keyless__");
-    /// assert_eq!(Names::key_of(":a%3Adlq").as_deref(), Some("a:dlq"));
+    /// assert_eq!(Names::segment("a:dlq"), "}a%3Adlq");
+    /// assert_eq!(Names::segment("__keyless__"), "}__keyless__");
+    /// assert_eq!(Names::key_of("}a%3Adlq").as_deref(), Some("a:dlq"));
     /// ```
     pub fn segment(key: &str) -> Cow<'_, str> {
         if is_plain(key) {
             return Cow::Borrowed(key);
         }
         let mut out = String::with_capacity(key.len() + 8);
-        out.push(':');
+        out.push(ENCODED);
         for c in key.chars() {
             if needs_escape(c) {
                 let mut buf = [0u8; 4];
@@ -138,7 +141,7 @@ impl Names {
     /// has that segment (an internal token such as `__keyless__`, or a form
     /// keyorder never writes).
     pub fn key_of(segment: &str) -> Option<Cow<'_, str>> {
-        let Some(body) = segment.strip_prefix(':') else {
+        let Some(body) = segment.strip_prefix(ENCODED) else {
             return (!segment.is_empty() && is_plain(segment)).then_some(Cow::Borrowed(segment));
         };
         let bytes = body.as_bytes();
@@ -229,6 +232,9 @@ impl Names {
     }
 }
 
+/// What starts an encoded segment (no category name holds it).
+const ENCODED: char = '}';
+
 /// Whether `key` is its own segment: no `:`, `{`, `}` or control
 /// character, and not of the `__name__` form.
 fn is_plain(key: &str) -> bool {
@@ -273,16 +279,16 @@ mod tests {
     fn keys_that_look_like_names_are_encoded() {
         let n = Names::new("c").unwrap();
         let cases = [
-            ("a:dlq", ":a%3Adlq"),
-            ("__partitions__", ":__partitions__"),
-            ("__keyless__", ":__keyless__"),
-            ("a:__lease__:g", ":a%3A__lease__%3Ag"),
-            (":", ":%3A"),
-            ("{x}", ":%7Bx%7D"),
-            ("%:", ":%25%3A"),
-            ("\0", ":%00"),
-            ("a\u{1}b", ":a%01b"),
-            ("\u{85}", ":%C2%85"),
+            ("a:dlq", "}a%3Adlq"),
+            ("__partitions__", "}__partitions__"),
+            ("__keyless__", "}__keyless__"),
+            ("a:__lease__:g", "}a%3A__lease__%3Ag"),
+            (":", "}%3A"),
+            ("{x}", "}%7Bx%7D"),
+            ("%:", "}%25%3A"),
+            ("\0", "}%00"),
+            ("a\u{1}b", "}a%01b"),
+            ("\u{85}", "}%C2%85"),
         ];
         for (key, segment) in cases {
             assert_eq!(Names::segment(key), segment, "{key:?}");
@@ -297,24 +303,31 @@ mod tests {
         assert_ne!(n.keyless(), n.stream("__keyless__"));
         assert_ne!(n.keyless_dlq(), n.dlq("__keyless__"));
         assert_ne!(n.index(), n.stream("__partitions__"));
+        // Nor a name of the category `c:` (helper-30's finding: with `:` as
+        // the marker, `c::%3A` was both key `:` of `c` and key `%3A` of `c:`).
+        let colon = Names::new("c:").unwrap();
+        assert_ne!(n.stream(":"), colon.stream("%3A"));
+        assert_ne!(n.stream("__partitions__"), colon.index());
+        assert_ne!(n.stream("a:b"), colon.stream("a%3Ab"));
     }
 
     #[test]
     fn only_canonical_segments_decode() {
         for bad in [
             "",
-            ":",
+            "}",
             "__keyless__",
             "a:b",
+            "}a",
             ":a",
-            ":%3a",
-            ":%3",
-            ":%ZZ",
-            ":%FF",
-            ":%25",
+            "}%3a",
+            "}%3",
+            "}%ZZ",
+            "}%FF",
+            "}%25",
             "a{",
         ] {
-            // `:a` is not canonical (the key `a` is plain); `:%25` neither (`%` is plain).
+            // `}a` is not canonical (the key `a` is plain); `}%25` neither (`%` is plain).
             assert_eq!(Names::key_of(bad), None, "{bad:?}");
         }
     }
@@ -373,18 +386,18 @@ mod tests {
             let seg = Names::segment(&key);
             let back = Names::key_of(&seg);
             prop_assert_eq!(back.as_deref(), Some(key.as_str()));
-            match seg.strip_prefix(':') {
+            prop_assert!(!seg.contains(':'), "a `:` in a segment");
+            match seg.strip_prefix(ENCODED) {
                 Some(rest) => {
-                    prop_assert!(!rest.contains(':'));
+                    prop_assert!(!rest.contains(['{', '}']), "a brace after the marker");
                     prop_assert!(!is_plain(&key));
                 }
                 None => {
-                    prop_assert!(!seg.contains(':'));
+                    prop_assert!(!seg.contains(['{', '}']), "a brace in a plain segment");
                     prop_assert_eq!(seg.as_ref(), key.as_str());
                 }
             }
-            let clean = !seg.contains(['{', '}']) && !seg.chars().any(char::is_control);
-            prop_assert!(clean, "braces or control characters in a segment");
+            prop_assert!(!seg.contains('{') && !seg.chars().any(char::is_control), "a brace or control character in a segment");
         }
 
         #[test]
