@@ -161,7 +161,11 @@ async fn kafka_python_keyed_messages_run_in_per_key_order() {
     for (k, rounds) in per_key {
         assert_eq!(rounds, (0..10).collect::<Vec<_>>(), "key {k}: once each, in order");
     }
-    assert_eq!(misplaced_warnings(&topic), 0, "murmur2 placed every key where keyorder would");
+    assert_eq!(
+        misplaced_warnings(&topic),
+        0,
+        "murmur2 placed every key where keyorder would"
+    );
 }
 
 /// A producer on another partitioner (CRC32, like librdkafka's default)
@@ -173,7 +177,12 @@ async fn a_producer_on_another_partitioner_is_reported_once() {
     let topic = format!("interop-crc-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
     create(&topic, 6).await;
     let keys: Vec<Vec<u8>> = (0..20).map(|i| format!("customer-{i}").into_bytes()).collect();
-    let mut args = vec!["produce-crc32".to_owned(), common::brokers(), topic.clone(), "3".to_owned()];
+    let mut args = vec![
+        "produce-crc32".to_owned(),
+        common::brokers(),
+        topic.clone(),
+        "3".to_owned(),
+    ];
     args.extend(keys.iter().map(|k| hex(k)));
     tokio::task::spawn_blocking(move || python(&args)).await.unwrap();
     let url = format!("kafka://{}", common::brokers());
@@ -187,12 +196,11 @@ async fn a_producer_on_another_partitioner_is_reported_once() {
         .unwrap();
     let stats = sub.stats();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(sub.run(
-        |_d: Delivery| async move { HandlerResult::Ok(()) },
-        async move {
+    let run = tokio::spawn(
+        sub.run(|_d: Delivery| async move { HandlerResult::Ok(()) }, async move {
             let _ = stopped.await;
-        },
-    ));
+        }),
+    );
     let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
     while stats.snapshot().applied < 60 {
         assert!(tokio::time::Instant::now() < deadline, "{:?}", stats.snapshot());

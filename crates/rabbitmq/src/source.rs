@@ -115,6 +115,9 @@ pub(crate) struct Source {
     timeout_arg: Option<i64>,
     /// Queues already warned about a routing key that is no valid key.
     warned_invalid: std::sync::Mutex<HashSet<String>>,
+    /// Whether a delivery the AMQP client could not read was reported
+    /// (see `watch_unreadable`).
+    unreadable_reported: Arc<AtomicBool>,
     t: RabbitTransport,
     spec: SourceSpec,
     names: GroupNames,
@@ -300,6 +303,7 @@ impl Source {
         let mut source = Source {
             timeout_arg,
             warned_invalid: std::sync::Mutex::default(),
+            unreadable_reported: Arc::default(),
             queues: names.queues(t.cfg.topology),
             t,
             spec,
@@ -370,6 +374,7 @@ impl Source {
     async fn connect(&mut self) -> Result<()> {
         let uri = self.t.cfg.uri_with_heartbeat(self.heartbeat_secs());
         let conn = Arc::new(connect_uri(&uri, &self.t.cfg.display).await?);
+        watch_unreadable(&conn, &self.unreadable_reported, self.names.base());
         let wait = self.spec.lease.ttl.max(Duration::from_secs(10));
         let failed = match tokio::time::timeout(wait, self.set_up(conn.clone())).await {
             Ok(Ok(())) => return Ok(()),
@@ -1098,4 +1103,37 @@ impl TransportSource for Source {
         }
         Ok(())
     }
+}
+
+/// Reports, once per subscription, a delivery the AMQP client cannot read
+/// and counts each (`keyorder_rabbitmq_unreadable_deliveries_total`): a
+/// routing key (an AMQP short string) that is no UTF-8. AMQP forbids it,
+/// RabbitMQ routes it anyway, and the client closes the connection on it,
+/// so the message returns to its queue and stops it, every reconnect, until
+/// it is removed. Nothing here can settle it (its delivery tag is in the
+/// frame that could not be read), so the report names the fix.
+fn watch_unreadable(conn: &Connection, reported: &Arc<AtomicBool>, category: &str) {
+    let mut events = conn.events_listener();
+    let (reported, category) = (reported.clone(), category.to_owned());
+    tokio::spawn(async move {
+        while let Some(event) = events.next().await {
+            let lapin::Event::Error(e) = event else { continue };
+            if !matches!(e.kind(), lapin::ErrorKind::ParsingError(_)) {
+                continue;
+            }
+            metrics::counter!("keyorder_rabbitmq_unreadable_deliveries_total").increment(1);
+            if !reported.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                tracing::error!(
+                    category = %category,
+                    error = %e,
+                    "rabbitmq: a delivery could not be read (a routing key that is no UTF-8, which AMQP forbids but \
+                     RabbitMQ routes); the connection closed and the message went back to its queue, which it stops \
+                     until it is removed. Remove it with a client that reads raw bytes (the management UI's Get \
+                     messages with Ack mode \"Reject requeue false\", or pika's basic_get and basic_ack), and make its \
+                     producer send UTF-8 routing keys (reported once; counted in \
+                     keyorder_rabbitmq_unreadable_deliveries_total)"
+                );
+            }
+        }
+    });
 }

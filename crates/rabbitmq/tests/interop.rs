@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 use std::process::Command;
 use std::sync::Arc;
+use std::time::Duration;
 
 mod common;
 use common::Run;
@@ -44,8 +45,23 @@ async fn client() -> Client {
     Client::new(Arc::new(t))
 }
 
+/// Keys as real systems have them (wave 1 refused the last six).
 fn keys() -> Vec<String> {
-    (0..20).map(|i| format!("customer-{i}")).collect()
+    let mut keys: Vec<String> = (0..14).map(|i| format!("customer-{i}")).collect();
+    keys.extend(
+        [
+            "customer:42",
+            "{tenant}:7",
+            "42",
+            "dlq",
+            "__partitions__",
+            "tab\tkey",
+            "ключ",
+        ]
+        .iter()
+        .map(|k| (*k).to_owned()),
+    );
+    keys
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -63,7 +79,7 @@ async fn pika_routing_keys_run_in_per_key_order() {
     let mut args = vec!["produce".to_owned(), base(), format!("{cat}:entry"), "10".to_owned()];
     args.extend(keys.iter().cloned());
     tokio::task::spawn_blocking(move || python(&args)).await.unwrap();
-    run.until(200, 60).await;
+    run.until(keys.len() * 10, 60).await;
     let (seen, _) = run.stop().await;
     let mut per_key: HashMap<String, Vec<u32>> = HashMap::new();
     for (key, body) in &seen {
@@ -132,4 +148,101 @@ async fn keyorder_messages_read_back_by_pika_untouched() {
     assert_eq!(seen, keys.len());
     let _ = ch.queue_delete(queue.as_str().into(), Default::default()).await;
     let _ = conn.close(200, "done".into()).await;
+}
+
+/// What this test binary logged (errors), to check what a user is told.
+fn logged() -> Arc<std::sync::Mutex<Vec<u8>>> {
+    static LOG: std::sync::OnceLock<Arc<std::sync::Mutex<Vec<u8>>>> = std::sync::OnceLock::new();
+    LOG.get_or_init(|| {
+        let log: Arc<std::sync::Mutex<Vec<u8>>> = Arc::default();
+        let sink = log.clone();
+        let _ = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::ERROR)
+            .with_ansi(false)
+            .with_writer(move || Sink(sink.clone()))
+            .try_init();
+        log
+    })
+    .clone()
+}
+
+struct Sink(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Sink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A foreign producer may set a routing key that is no UTF-8 (AMQP
+/// forbids it; RabbitMQ routes it): the AMQP client cannot read such a
+/// delivery and closes the connection on it, so the message stops its
+/// queue. The user is told once, naming the fix; once the message is
+/// removed as told, every other key runs, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_routing_key_that_is_no_utf8_is_reported_and_its_removal_frees_the_queue() {
+    logged();
+    let cat = format!("interop-bin-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let c = client().await;
+    let build = || c.subscribe(&cat, "g").ordered_by(KeySource::routing_key()).build();
+    let run = Run::start(build().await.unwrap());
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    let mut args = vec!["produce-hex".to_owned(), base(), format!("{cat}:entry"), "5".to_owned()];
+    args.push(hex(&[0xff, 0x01, b'a']));
+    args.extend(keys().iter().map(|k| hex(k.as_bytes())));
+    tokio::task::spawn_blocking(move || python(&args)).await.unwrap();
+    let reported = || {
+        String::from_utf8_lossy(&logged().lock().unwrap())
+            .lines()
+            .filter(|l| l.contains(&cat) && l.contains("could not be read") && l.contains("Reject requeue false"))
+            .count()
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while reported() == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the unreadable delivery was not reported"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Whatever ran meanwhile (other queues between reconnects) counts.
+    let (before, _) = run.stop().await;
+    assert_eq!(reported(), 1, "reported once per subscription, not per reconnect");
+    // The fix the report names: a client that reads raw bytes removes it.
+    let mut args = vec!["drop-unreadable".to_owned(), base()];
+    args.extend((0..4).map(|i| format!("{cat}:g.hash.{i}")));
+    let dropped = tokio::task::spawn_blocking(move || python(&args)).await.unwrap();
+    assert_eq!(dropped.trim(), "5", "the five unreadable messages were removed");
+    let run = Run::start(build().await.unwrap());
+    let good = keys().len() * 5;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut per_key: HashMap<String, Vec<u32>> = HashMap::new();
+        for (_, body) in before.iter().cloned().chain(run.snapshot()) {
+            let (k, r) = body.rsplit_once('/').unwrap();
+            per_key.entry(k.to_owned()).or_default().push(r.parse().unwrap());
+        }
+        let done = per_key.values().map(Vec::len).sum::<usize>() >= good;
+        if done {
+            for k in keys() {
+                assert_eq!(
+                    per_key.get(&hex(k.as_bytes())),
+                    Some(&(0..5).collect::<Vec<_>>()),
+                    "key {k}"
+                );
+            }
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} of {good} ran after the removal",
+            per_key.values().map(Vec::len).sum::<usize>()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    run.stop().await;
 }

@@ -37,6 +37,12 @@ impl Run {
         Run { seen, stop, run }
     }
 
+    /// What ran so far, in run order.
+    #[allow(dead_code)]
+    pub(crate) fn snapshot(&self) -> Vec<(Option<String>, String)> {
+        self.seen.lock().unwrap().clone()
+    }
+
     pub(crate) async fn until(&self, n: usize, secs: u64) {
         let deadline = Instant::now() + Duration::from_secs(secs);
         while self.seen.lock().unwrap().len() < n {
