@@ -187,7 +187,11 @@ impl OrderingKey {
     /// key, so their messages keep their order; two different byte strings
     /// share a key only if their forms are equal (a UTF-8 key spelled like
     /// a form, or two long keys with a common 100-byte prefix and equal
-    /// hash), which only orders them together. Fails only for no bytes.
+    /// hash), which only orders them together. One consequence: a foreign
+    /// UTF-8 key spelled exactly like the form of other bytes (`U+FFFD`
+    /// `ff`) is that key, and keyorder's Kafka publisher sends it as those
+    /// bytes ([`OrderingKey::to_bytes`]), so a republished record of it
+    /// lands on those bytes' partition. Fails only for no bytes.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, KeyError> {
         match std::str::from_utf8(bytes) {
             Ok(text) if text.len() <= MAX_KEY_BYTES => Self::new(text),

@@ -296,7 +296,7 @@ impl Admin for KafkaAdmin {
                 let Some((attempts, reason)) = wanted.get(&(p, o)) else {
                     return;
                 };
-                let key = key.map(|k| String::from_utf8_lossy(k).into_owned()).unwrap_or_default();
+                let key = key.map(crate::key_text).unwrap_or_default();
                 let id = headers
                     .and_then(|h| {
                         h.iter()
@@ -334,7 +334,7 @@ impl Admin for KafkaAdmin {
                     *sink
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
-                        .entry(String::from_utf8_lossy(k).into_owned())
+                        .entry(crate::key_text(k))
                         .or_default() += 1;
                 }
             },
@@ -366,7 +366,7 @@ impl Admin for KafkaAdmin {
                 if get(crate::GROUP_HEADER).as_deref() != Some(g.as_str()) {
                     return;
                 }
-                let key = key.map(|k| String::from_utf8_lossy(k).into_owned()).unwrap_or_default();
+                let key = key.map(crate::key_text).unwrap_or_default();
                 sink.lock().unwrap_or_else(|e| e.into_inner()).push(DeadLetter {
                     id: get(ID_HEADER).unwrap_or_default(),
                     label: label(&key),

@@ -98,6 +98,16 @@ pub fn murmur2(data: &[u8]) -> i32 {
     h as i32
 }
 
+/// A record key's bytes as keyorder names the key (its text, or the text
+/// form [`keyorder_core::OrderingKey::from_bytes`] gives bytes that are no
+/// UTF-8 or over 255 bytes): what the dispatcher, operators' labels and a
+/// resolve all use. Empty bytes give an empty text (no key).
+pub(crate) fn key_text(raw: &[u8]) -> String {
+    keyorder_core::OrderingKey::from_bytes(raw)
+        .map(|k| k.as_str().to_owned())
+        .unwrap_or_default()
+}
+
 /// The partition the Java client (and this transport) puts a keyed record
 /// in: `toPositive(murmur2(key)) % partitions`.
 ///

@@ -146,10 +146,12 @@ impl Settle for KafkaSettle {
         self.part.track().halt(self.offset, reason);
         // From now on this process answers operator requests for the category.
         self.shared.t.answer_for(&self.shared.names);
-        if let Some(key) = self.key.as_deref().and_then(|k| std::str::from_utf8(k).ok()) {
+        // The key as the dispatcher holds it (non-UTF-8 and over-long key
+        // bytes by their text form), so a resolve names the same key.
+        if let Some(key) = self.key.as_deref().filter(|k| !k.is_empty()) {
             self.part.hold_head(HeldHead {
                 offset: self.offset,
-                key: key.to_owned(),
+                key: crate::key_text(key),
                 payload: self.payload.clone(),
                 headers: self.headers.clone(),
             });

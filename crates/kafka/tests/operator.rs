@@ -140,3 +140,101 @@ async fn another_process_lists_and_skips_a_halted_head() {
     let _ = stop.send(());
     run.await.unwrap().unwrap();
 }
+
+/// A foreign record's key that keyorder names by its text form (bytes that
+/// are no UTF-8, a key over 255 bytes) halts under that key: listed with
+/// that key's label, resolved by it, and released, so its later records
+/// run. Before, the head was held (and listed) under a lossy decoding of
+/// the bytes: a resolve by the listed label found no owner, or released a
+/// key the dispatcher did not hold.
+async fn foreign_key_halts_and_resolves(name: &str, raw: Vec<u8>) {
+    use keyorder_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
+    let category = format!("op-{name}-{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
+    let c = client().await;
+    let key = keyorder_core::OrderingKey::from_bytes(&raw).unwrap();
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let sub = c
+        .subscribe(&category, "g")
+        .ordered_by(KeySource::routing_key())
+        .poison(PoisonPolicy::Halt)
+        .retry(RetryPolicy {
+            max_attempts: 2,
+            initial_backoff: Duration::from_millis(20),
+            max_backoff: Duration::from_millis(100),
+        })
+        .lease(common::lease())
+        .build()
+        .await
+        .unwrap();
+    let log = seen.clone();
+    let handler = move |d: Delivery| {
+        let log = log.clone();
+        async move {
+            let body = String::from_utf8_lossy(d.payload()).into_owned();
+            if body == "k-2" {
+                return Err(HandlerError::retry("poison (test)"));
+            }
+            log.lock().unwrap().push(body);
+            HandlerResult::Ok(())
+        }
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(sub.run(handler, async move {
+        let _ = stopped.await;
+    }));
+    // The topic exists once the subscription is built; a foreign producer
+    // writes the raw key bytes on the key's murmur2 partition.
+    let mut cfg = keyorder_kafka::rdkafka::ClientConfig::new();
+    cfg.set("bootstrap.servers", common::brokers());
+    let producer: FutureProducer = cfg.create().unwrap();
+    let partition = keyorder_kafka::partition_for(&raw, 2);
+    for i in 1..=4 {
+        let body = format!("k-{i}");
+        producer
+            .send(
+                FutureRecord::to(&category)
+                    .key(&raw[..])
+                    .payload(&body)
+                    .partition(partition),
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap();
+    }
+    let admin = c.admin();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let halted = loop {
+        let h = admin.halted(&category, "g").await.unwrap_or_default();
+        if !h.is_empty() {
+            break h;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{name}: no halt listed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(halted[0].label, key.label(), "{name}: listed under its key's label");
+    tokio::time::timeout(
+        Duration::from_secs(40),
+        admin.resolve(&category, "g", &halted[0].label, HeadAction::Skip),
+    )
+    .await
+    .expect("the resolve answers")
+    .expect("the owner resolves it");
+    until(&format!("{name}: the key's later records to run"), || {
+        let seen = seen.clone();
+        async move { seen.lock().unwrap().len() >= 3 }
+    })
+    .await;
+    assert_eq!(*seen.lock().unwrap(), vec!["k-1", "k-3", "k-4"], "{name}");
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_halted_foreign_binary_key_is_resolved_by_its_label() {
+    foreign_key_halts_and_resolves("bin", vec![0xff, 0x00, 0x41]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_halted_foreign_long_key_is_resolved_by_its_label() {
+    foreign_key_halts_and_resolves("long", "é".repeat(150).into_bytes()).await;
+}

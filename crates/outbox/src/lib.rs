@@ -349,13 +349,17 @@ impl Outbox {
                 redact(&message.category)
             )));
         }
-        let headers = serde_json::to_string(&message.headers).map_err(|e| Error::Broker(e.to_string()))?;
+        // Text and `jsonb` hold no NUL: values in their stored form (see
+        // `stored_text`; itself unless it holds NUL or starts with U+0001).
+        let stored: BTreeMap<&String, std::borrow::Cow<'_, str>> =
+            message.headers.iter().map(|(k, v)| (k, stored_text(v))).collect();
+        let headers = serde_json::to_string(&stored).map_err(|e| Error::Broker(e.to_string()))?;
         let row = q(&self.sql.stage)
             .bind(&message.category)
             .bind(stored_text(key.as_str()))
             .bind(&message.id)
             .bind((key.stable_hash() >> 1) as i64)
-            .bind(message.correlation_id.as_deref())
+            .bind(message.correlation_id.as_deref().map(stored_text))
             .bind(headers)
             .bind(message.payload.as_ref())
             .fetch_optional(&mut *conn)

@@ -922,11 +922,11 @@ fn message_of(rec: &Record, key: OrderingKey) -> Message {
     let mut msg = Message::new(rec.payload.clone()).with_id(rec.message_id.clone());
     if let Ok(headers) = serde_json::from_str::<BTreeMap<String, String>>(&rec.headers) {
         for (k, v) in headers {
-            msg = msg.with_header(k, v);
+            msg = msg.with_header(k, from_stored_text(&v));
         }
     }
     if let Some(c) = &rec.correlation_id {
-        msg = msg.with_correlation_id(c.clone());
+        msg = msg.with_correlation_id(from_stored_text(c));
     }
     msg.with_ordering_key(key).with_header(SEQ_HEADER, rec.seq.to_string())
 }

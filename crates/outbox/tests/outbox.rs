@@ -571,7 +571,13 @@ async fn nul_keys_end_to_end(client: Client, category: &str) {
         let batch: Vec<Outgoing> = NUL_KEYS
             .iter()
             .enumerate()
-            .map(|(i, k)| Outgoing::new(category, *k, format!("{i}")).with_id(format!("k{i}-{round}")))
+            .map(|(i, k)| {
+                // A header and a correlation id may hold NUL as well.
+                Outgoing::new(category, *k, format!("{i}"))
+                    .with_id(format!("k{i}-{round}"))
+                    .with_header("tenant", *k)
+                    .with_correlation_id(format!("c\u{0}{i}"))
+            })
             .collect();
         if round % 2 == 0 {
             outbox.stage_many(&mut tx, batch).await.unwrap();

@@ -18,7 +18,7 @@ use futures::FutureExt;
 use keyorder_core::{
     Admin, Capabilities, DeadLetter, Error, GroupInfo, HaltedKey, HeadAction, HotKey, Inbound, Message, OrderingKey,
     PublishFence, Result, ScopeInfo, ScopeLease, Settle, SourceEvent, SourceSpec, Transport, TransportPublisher,
-    TransportSource, KEY_HEADER,
+    TransportSource,
 };
 use sqlx::postgres::{PgListener, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Row};
@@ -944,13 +944,18 @@ impl TransportPublisher for PgPublisher {
 /// either), and [`row_message`] decodes it.
 pub(crate) fn headers_of(message: &Message) -> Result<String> {
     let headers = message.headers();
-    let json = match headers.get(KEY_HEADER).map(|k| keyorder_core::key::stored_text(k)) {
-        Some(std::borrow::Cow::Owned(stored)) => {
-            let mut headers = headers.clone();
-            headers.insert(KEY_HEADER.to_owned(), stored);
-            serde_json::to_string(&headers)
-        }
-        _ => serde_json::to_string(headers),
+    // `jsonb` holds no NUL: every value in its stored form (itself unless
+    // it holds NUL or starts with U+0001), a key taken from a header and
+    // the `keyorder-key` header alike.
+    let json = if headers
+        .values()
+        .any(|v| matches!(stored_text(v), std::borrow::Cow::Owned(_)))
+    {
+        let stored: BTreeMap<&String, std::borrow::Cow<'_, str>> =
+            headers.iter().map(|(k, v)| (k, stored_text(v))).collect();
+        serde_json::to_string(&stored)
+    } else {
+        serde_json::to_string(headers)
     };
     json.map_err(|e| Error::Broker(e.to_string()))
 }
@@ -965,7 +970,7 @@ impl PgPublisher {
             .bind(slot_of(message.key(), message.id(), self.slots) as i32)
             .bind(message.key().map(stored_key))
             .bind(message.id())
-            .bind(message.correlation_id())
+            .bind(message.correlation_id().map(stored_text))
             .bind(headers)
             .bind(message.payload().as_ref())
             .bind(&self.t.sql.channel)
@@ -1198,16 +1203,12 @@ pub(crate) fn row_message(
     let mut msg = Message::new(r.get::<Vec<u8>, _>(at + 4)).with_id(r.get::<String, _>(at + 1));
     if let Ok(h) = serde_json::from_str::<BTreeMap<String, String>>(&r.get::<String, _>(at + 3)) {
         for (k, v) in h {
-            let v = if k == KEY_HEADER {
-                from_stored_text(&v).into_owned()
-            } else {
-                v
-            };
+            let v = from_stored_text(&v).into_owned();
             msg = msg.with_header(k, v);
         }
     }
     if let Some(c) = r.get::<Option<String>, _>(at + 2) {
-        msg = msg.with_correlation_id(c);
+        msg = msg.with_correlation_id(from_stored_text(&c));
     }
     let key = key.and_then(|k| OrderingKey::with_rules(from_stored_text(&k), rules).ok());
     if let Some(k) = &key {
@@ -2083,7 +2084,7 @@ impl fmt::Debug for PgAdmin {
     }
 }
 
-use keyorder_core::key::{from_stored_text, label};
+use keyorder_core::key::{from_stored_text, label, stored_text};
 
 impl PgAdmin {
     /// One (category, group) statement's rows; a missing schema names the fix.

@@ -154,7 +154,7 @@ impl TransportPublisher for PlainPublisher {
             .bind(&self.queue)
             .bind(message.key().map(crate::stored_key))
             .bind(message.id())
-            .bind(message.correlation_id())
+            .bind(message.correlation_id().map(keyorder_core::key::stored_text))
             .bind(headers)
             .bind(message.payload().as_ref())
             .bind(&self.t.sql.channel);

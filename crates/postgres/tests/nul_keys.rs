@@ -223,3 +223,84 @@ async fn the_plain_layout_carries_nul_keys() {
     }
     assert_eq!(indexes.len(), KEYS.len());
 }
+
+/// A key taken from a user header (and a correlation id) may hold NUL
+/// too: the headers column (`jsonb`) and the correlation id (`text`) keep
+/// every value in its stored form. Before, such a publish failed with
+/// "unsupported Unicode escape sequence".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_from_a_user_header_and_a_correlation_id_may_hold_nul() {
+    let cfg = PgConfig::from_url(
+        &format!("{}?schema=keyorder_nul_keys&slots=2&migrate=true", url())
+            .parse()
+            .unwrap(),
+    )
+    .unwrap();
+    let client = Client::new(Arc::new(
+        PgTransport::connect(cfg).await.expect("PostgreSQL must be reachable"),
+    ));
+    let queue = format!("nulh-{}", uuid::Uuid::new_v4().simple());
+    let publisher = client.publisher(&queue).await.unwrap();
+    let keys = ["t\u{0}1", "\u{1}1", "plain"];
+    for seq in 0..3 {
+        for (i, key) in keys.iter().enumerate() {
+            publisher
+                .publish(
+                    Message::new(format!("{i}/{seq}"))
+                        .with_key(*key)
+                        .unwrap()
+                        .with_header("tenant", *key)
+                        .with_correlation_id(format!("corr\u{0}{i}")),
+                )
+                .await
+                .unwrap();
+        }
+    }
+    let subscription = client
+        .subscribe(&queue, "g")
+        .ordered_by(KeySource::header("tenant"))
+        .build()
+        .await
+        .unwrap();
+    // Per delivery: its key, its tenant header, its correlation id, payload.
+    type Got = (String, String, String, String);
+    let seen: Arc<Mutex<Vec<Got>>> = Arc::default();
+    let handler = {
+        let seen = seen.clone();
+        move |d: Delivery| {
+            let seen = seen.clone();
+            async move {
+                seen.lock().unwrap().push((
+                    d.key().map(|k| k.as_str().to_owned()).unwrap_or_default(),
+                    d.message().header("tenant").unwrap_or_default().to_owned(),
+                    d.message().correlation_id().unwrap_or_default().to_owned(),
+                    String::from_utf8_lossy(d.payload()).into_owned(),
+                ));
+                HandlerResult::Ok(())
+            }
+        }
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(subscription.run(handler, async move {
+        let _ = stopped.await;
+    }));
+    until("every message", async || seen.lock().unwrap().len() >= 9).await;
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+    let mut order: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for (key, tenant, corr, body) in seen.lock().unwrap().iter() {
+        let (i, seq) = body.split_once('/').unwrap();
+        let i: usize = i.parse().unwrap();
+        assert_eq!(key, keys[i], "ran under its header's key");
+        assert_eq!(tenant, keys[i], "the header came back as published");
+        assert_eq!(
+            corr,
+            &format!("corr\u{0}{i}"),
+            "the correlation id came back as published"
+        );
+        order.entry(i).or_default().push(seq.parse().unwrap());
+    }
+    for (i, seqs) in order {
+        assert_eq!(seqs, vec![0, 1, 2], "key {i} in order");
+    }
+}
