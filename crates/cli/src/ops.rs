@@ -1,6 +1,7 @@
 //! Operator actions over the admin view.
 
 use clap::{Args, ValueEnum};
+use keyorder::redact::text;
 use keyorder::HeadAction;
 
 /// Which transport, category and group.
@@ -60,8 +61,8 @@ pub(crate) async fn scopes(t: Target) -> anyhow::Result<()> {
     for s in scopes {
         println!(
             "{:<32} {:<38} {:>10} {:>10} {:>7}",
-            s.scope,
-            s.owner.as_deref().unwrap_or("-"),
+            text(&s.scope),
+            text(s.owner.as_deref().unwrap_or("-")),
             s.generation,
             s.lag,
             s.halted
@@ -84,7 +85,12 @@ pub(crate) async fn head(a: HeadArgs) -> anyhow::Result<()> {
                 let held = h.held.map_or_else(String::new, |n| format!(" held={n}"));
                 println!(
                     "{} {} scope={} head={} attempts={}{held} reason={}",
-                    h.label, h.preview, h.scope, h.head_id, h.attempts, h.reason
+                    text(&h.label),
+                    text(&h.preview),
+                    text(&h.scope),
+                    text(&h.head_id),
+                    h.attempts,
+                    text(&h.reason)
                 );
             }
             return Ok(());
@@ -109,7 +115,7 @@ pub(crate) async fn hot_keys(a: HotKeysArgs) -> anyhow::Result<()> {
     for h in hot {
         println!(
             "{} backlog={} share={:.1}%",
-            h.label,
+            text(&h.label),
             h.backlog,
             100.0 * h.backlog as f64 / total.max(1) as f64
         );
@@ -120,7 +126,7 @@ pub(crate) async fn hot_keys(a: HotKeysArgs) -> anyhow::Result<()> {
 pub(crate) async fn dead_letters(t: Target) -> anyhow::Result<()> {
     let client = keyorder::connect(&t.url).await?;
     for d in client.admin().dead_letters(&t.category, &t.group).await? {
-        println!("{} {} reason={}", d.id, d.label, d.reason);
+        println!("{} {} reason={}", text(&d.id), text(&d.label), text(&d.reason));
     }
     Ok(())
 }

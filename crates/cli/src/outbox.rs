@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use clap::{Args, Subcommand};
+use keyorder::redact::text;
 use keyorder_outbox::{Outbox, OutboxConfig, DEFAULT_SCHEMA};
 
 /// Where the outbox lives.
@@ -93,7 +94,11 @@ pub(crate) async fn run(a: OutboxArgs) -> anyhow::Result<()> {
             for h in held {
                 println!(
                     "{} {} record={} attempts={} reason={}",
-                    h.category, h.label, h.record_id, h.attempts, h.reason
+                    text(&h.category),
+                    text(&h.label),
+                    h.record_id,
+                    h.attempts,
+                    text(&h.reason)
                 );
             }
         }
@@ -105,7 +110,12 @@ pub(crate) async fn run(a: OutboxArgs) -> anyhow::Result<()> {
             for r in list {
                 println!(
                     "{} {} {} seq={} {} reason={}",
-                    r.record_id, r.category, r.label, r.seq, r.state, r.reason
+                    r.record_id,
+                    text(&r.category),
+                    text(&r.label),
+                    r.seq,
+                    r.state,
+                    text(&r.reason)
                 );
             }
         }

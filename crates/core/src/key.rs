@@ -87,18 +87,19 @@ impl KeyError {
     }
 }
 
-/// A short, escaped, truncated form of a key, safe to log: at most 8
-/// characters of the value, escaped, followed by its byte length.
+/// A short, escaped, truncated form of a key, safe to log: at most half of
+/// its characters and never more than 8, escaped (control characters,
+/// quotes and non-ASCII as `\u{..}`, so nothing in it can act on a log or
+/// a terminal), then `…` and its byte length. It never shows a whole key,
+/// however short: `"ab"` shows as `"a…" (2 bytes)`.
 pub fn redact(value: &str) -> String {
-    let mut shown: String = value.chars().take(8).flat_map(char::escape_default).collect();
-    if shown.len() > 32 {
-        shown.truncate(32);
-    }
-    if value.chars().count() > 8 {
-        format!("\"{shown}…\" ({} bytes)", value.len())
-    } else {
-        format!("\"{shown}\" ({} bytes)", value.len())
-    }
+    let chars = value.chars().count();
+    let shown: String = value
+        .chars()
+        .take((chars / 2).min(8))
+        .flat_map(char::escape_default)
+        .collect();
+    format!("\"{shown}…\" ({} bytes)", value.len())
 }
 
 /// The deployment's lanes (`dlq` and suffixes such as `backfill`).
@@ -442,6 +443,18 @@ mod tests {
             assert!(!stored.contains('\0'), "{key:?}");
             assert_eq!(from_stored_text(&stored), key);
         }
+    }
+
+    #[test]
+    fn a_preview_never_shows_a_whole_key() {
+        for len in 1..=12 {
+            let key: String = "abcdefghijkl".chars().take(len).collect();
+            let shown = redact(&key);
+            assert!(!shown.contains(&format!("\"{key}")), "{key}: {shown}");
+            assert!(shown.ends_with(&format!("({len} bytes)")), "{shown}");
+        }
+        assert_eq!(redact("ab"), "\"a…\" (2 bytes)");
+        assert_eq!(redact("\u{1b}[31mred"), "\"\\u{1b}[31…\" (8 bytes)");
     }
 
     #[test]

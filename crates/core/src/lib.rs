@@ -11,6 +11,7 @@ pub mod key;
 pub mod lease;
 pub mod memory;
 pub mod message;
+pub mod redact;
 mod rt;
 pub mod stats;
 pub mod strategy;

@@ -101,7 +101,7 @@ pub enum StartAt {
 /// assert_eq!(KafkaConfig::from_url(&url).unwrap().start, StartAt::Group("legacy-billing".into()));
 /// assert!(KafkaConfig::from_url(&url::Url::parse("kafka://127.0.0.1?partitions=0").unwrap()).is_err());
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct KafkaConfig {
     /// `bootstrap.servers`.
     pub brokers: String,
@@ -237,6 +237,78 @@ impl KafkaConfig {
             }
         }
         cfg.brokers = brokers.join(",");
+        check_extra(&cfg.extra)?;
         Ok(cfg)
+    }
+}
+
+/// Shows no pass-through value (`rdkafka.sasl.password`, ...): only names.
+impl std::fmt::Debug for KafkaConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let extra: Vec<String> = self.extra.keys().map(|k| format!("{k}=***")).collect();
+        f.debug_struct("KafkaConfig")
+            .field("brokers", &self.brokers)
+            .field("partitions", &self.partitions)
+            .field("replication", &self.replication)
+            .field("create", &self.create)
+            .field("assignor", &self.assignor)
+            .field("fetch_wait_ms", &self.fetch_wait_ms)
+            .field("max_unfinished", &self.max_unfinished)
+            .field("static_membership", &self.static_membership)
+            .field("start", &self.start)
+            .field("reset_layout", &self.reset_layout)
+            .field("extra", &extra)
+            .finish()
+    }
+}
+
+/// Checks every pass-through setting with librdkafka now, so that a bad
+/// one fails here, naming the setting, never its value (a password): the
+/// client's own error shows both.
+fn check_extra(extra: &BTreeMap<String, String>) -> Result<()> {
+    for (k, v) in extra {
+        let mut probe = rdkafka::ClientConfig::new();
+        probe.set(k, v);
+        if let Err(e) = probe.create_native_config() {
+            let why = match &e {
+                rdkafka::error::KafkaError::ClientConfig(_, desc, _, _) if !v.is_empty() => {
+                    desc.replace(v.as_str(), "***")
+                }
+                rdkafka::error::KafkaError::ClientConfig(_, desc, _, _) => desc.clone(),
+                _ => "refused".to_owned(),
+            };
+            return Err(Error::Url(format!(
+                "kafka:// option `rdkafka.{}`: librdkafka refused it: {} (the value is not shown)",
+                keyorder_core::redact::text(k),
+                keyorder_core::redact::text(&why)
+            )));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// No pass-through value reaches `Debug` or an error (issue 37).
+    #[test]
+    fn pass_through_values_stay_hidden() {
+        let url = url::Url::parse("kafka://127.0.0.1:9092?rdkafka.sasl.password=s3cret-a").unwrap();
+        let cfg = KafkaConfig::from_url(&url).unwrap();
+        assert!(!format!("{cfg:?}").contains("s3cret"), "{cfg:?}");
+        for bad in [
+            "kafka://127.0.0.1:9092?rdkafka.sasl.passwrd=s3cret-b",
+            "kafka://127.0.0.1:9092?rdkafka.session.timeout.ms=s3cret-c",
+        ] {
+            let err = KafkaConfig::from_url(&url::Url::parse(bad).unwrap())
+                .unwrap_err()
+                .to_string();
+            assert!(!err.contains("s3cret"), "{err}");
+            assert!(
+                err.contains("rdkafka.sasl.passwrd") || err.contains("rdkafka.session.timeout.ms"),
+                "{err}"
+            );
+        }
     }
 }

@@ -77,7 +77,7 @@ pub enum Layout {
 }
 
 /// Configuration of the PostgreSQL transport.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct PgConfig {
     /// The connection URL (without keyorder's own query options).
     pub url: String,
@@ -106,6 +106,40 @@ pub struct PgConfig {
     pub direct: Option<String>,
     /// The queue layout (`?layout=slots|plain`, default `slots`).
     pub layout: Layout,
+}
+
+/// The driver's (sqlx) URL options keyorder passes on.
+const DRIVER_OPTIONS: &[&str] = &[
+    "sslmode",
+    "sslrootcert",
+    "sslcert",
+    "sslkey",
+    "application_name",
+    "options",
+    "statement-cache-capacity",
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+];
+
+/// Shows the URLs without their passwords or option values.
+impl std::fmt::Debug for PgConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgConfig")
+            .field("url", &keyorder_core::redact::url(&self.url))
+            .field("schema", &self.schema)
+            .field("slots", &self.slots)
+            .field("max_connections", &self.max_connections)
+            .field("migrate", &self.migrate)
+            .field("retention_batch", &self.retention_batch)
+            .field("pooled", &self.pooled)
+            .field("direct", &self.direct.as_deref().map(keyorder_core::redact::url))
+            .field("layout", &self.layout)
+            .finish()
+    }
 }
 
 impl PgConfig {
@@ -167,7 +201,18 @@ impl PgConfig {
                         .parse()
                         .map_err(|_| Error::Url(format!("migrate={v}: expected true or false")))?
                 }
-                _ => driver.push((k.into_owned(), v.into_owned())),
+                // The driver's own options, on an allow-list: any other
+                // is refused, never forwarded (the driver logs an option it
+                // does not know at WARN, value and all).
+                k if DRIVER_OPTIONS.contains(&k) => driver.push((k.to_owned(), v.into_owned())),
+                k => {
+                    return Err(Error::Url(format!(
+                        "postgres: unknown URL option `{}` (keyorder's: schema, slots, pool, retention_batch, \
+                         pooler, direct, layout, migrate; the driver's: {})",
+                        keyorder_core::redact::text(k),
+                        DRIVER_OPTIONS.join(", ")
+                    )))
+                }
             }
         }
         if !driver.is_empty() {
@@ -2354,5 +2399,30 @@ mod notify_tests {
         assert_eq!(published_to("orders-eu\n7", "orders"), None);
         assert_eq!(published_to("orders\nx", "orders"), None);
         assert_eq!(published_to("members\norders\ng", "orders"), None);
+    }
+}
+
+#[cfg(test)]
+mod secret_tests {
+    use super::PgConfig;
+
+    /// URL options are on an allow-list, and no password or option value
+    /// reaches `Debug` or an error (issue 37: `sslpassword=`, unknown to the
+    /// driver, was forwarded and logged at WARN with its value).
+    #[test]
+    fn secrets_stay_out_of_debug_and_errors() {
+        let url = |s: &str| url::Url::parse(s).unwrap();
+        let cfg = PgConfig::from_url(&url("postgres://app:s3cret-a@db:5432/test?sslmode=require")).unwrap();
+        assert!(!format!("{cfg:?}").contains("s3cret"), "{cfg:?}");
+        let err = PgConfig::from_url(&url("postgres://app@db:5432/test?sslpassword=s3cret-b"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`sslpassword`") && !err.contains("s3cret"), "{err}");
+        let direct = "postgres%3A%2F%2Fapp%3As3cret-c%40db%3A5432%2Ftest";
+        let cfg = PgConfig::from_url(&url(&format!(
+            "postgres://app:s3cret-c@db:6432/test?pooler=transaction&direct={direct}"
+        )))
+        .unwrap();
+        assert!(!format!("{cfg:?}").contains("s3cret"), "{cfg:?}");
     }
 }

@@ -122,7 +122,7 @@ impl std::fmt::Display for ConsumerTimeout {
 /// let big = url::Url::parse("amqp://127.0.0.1/%2f?topology=hash&prefetch=256").unwrap();
 /// assert!(RabbitConfig::from_url(&big).unwrap_err().to_string().contains("at most 32"));
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct RabbitConfig {
     /// The broker URI without keyorder's options.
     pub uri: String,
@@ -148,10 +148,24 @@ pub struct RabbitConfig {
     pub(crate) probe: Option<(String, u16)>,
 }
 
+/// Without a TLS backend lapin would connect an `amqps://` URL in
+/// plaintext, credentials and all: refused, never downgraded.
+fn check_tls(scheme: &str, tls_built: bool) -> Result<()> {
+    if scheme == "amqps" && !tls_built {
+        return Err(Error::Config(
+            "rabbitmq: amqps:// needs TLS, and this build has none: enable keyorder-rabbitmq's `tls` feature \
+             (keyorder's `rabbitmq-tls`, part of `all-adapters`); refusing to connect in plaintext"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
 impl RabbitConfig {
     /// Reads the configuration; an unknown option or bad value is an error
     /// that names the accepted ones.
     pub fn from_url(url: &url::Url) -> Result<Self> {
+        check_tls(url.scheme(), cfg!(feature = "tls"))?;
         let mut topology = "plain".to_owned();
         let mut queues: u16 = 8;
         let mut cfg = RabbitConfig {
@@ -294,5 +308,52 @@ impl RabbitConfig {
             .extend_pairs(keep)
             .append_pair("heartbeat", &secs.max(1).to_string());
         u.to_string()
+    }
+}
+
+/// Shows the URI without its password or option values.
+impl std::fmt::Debug for RabbitConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RabbitConfig")
+            .field("uri", &keyorder_core::redact::url(&self.uri))
+            .field("display", &self.display)
+            .field("topology", &self.topology)
+            .field("queue_type", &self.queue_type)
+            .field("declare", &self.declare)
+            .field("prefetch", &self.prefetch)
+            .field("expires_ms", &self.expires_ms)
+            .field("consumer_timeout", &self.consumer_timeout)
+            .field("groups", &self.groups)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A TLS scheme is never downgraded to plaintext (issue 37: without
+    /// a TLS backend lapin connected `amqps://` in the clear).
+    #[test]
+    fn amqps_without_tls_is_refused() {
+        let err = check_tls("amqps", false).unwrap_err().to_string();
+        assert!(err.contains("`tls` feature"), "{err}");
+        assert!(check_tls("amqps", true).is_ok() && check_tls("amqp", false).is_ok());
+        // This build's own answer.
+        let url = url::Url::parse("amqps://app:s3cret@127.0.0.1:5671/%2f").unwrap();
+        let built = cfg!(feature = "tls");
+        match RabbitConfig::from_url(&url) {
+            Ok(_) => assert!(built, "amqps accepted without TLS"),
+            Err(e) => assert!(!built && !e.to_string().contains("s3cret"), "{e}"),
+        }
+    }
+
+    /// The password stays out of `Debug` (issue 37).
+    #[test]
+    fn debug_hides_the_password() {
+        let cfg =
+            RabbitConfig::from_url(&url::Url::parse("amqp://app:s3cret@127.0.0.1:5672/%2f?topology=hash").unwrap())
+                .unwrap();
+        assert!(!format!("{cfg:?}").contains("s3cret"), "{cfg:?}");
     }
 }

@@ -932,7 +932,10 @@ impl Source {
         // delivery: a quorum queue's `x-delivery-count` also counts
         // prefetched messages a dead consumer never started, a classic
         // queue only flags a redelivery (the `attempts` module).
-        let redelivered = d.redelivered || header_int(&props, "x-delivery-count").is_some_and(|n| n > 0);
+        // `x-delivery-count` only from a quorum queue, which sets it: on a
+        // classic queue the header can only be the publisher's (issue 37).
+        let quorum = self.t.cfg.queue_type == crate::QueueType::Quorum;
+        let redelivered = d.redelivered || (quorum && header_int(&props, "x-delivery-count").is_some_and(|n| n > 0));
         let subject = crate::attempts::subject(
             self.names.base(),
             props.message_id().as_ref().map(|s| s.as_str()),

@@ -271,3 +271,46 @@ async fn a_parked_foreign_message_keeps_its_key() {
         "the dead letter keeps its key"
     );
 }
+
+/// A publisher cannot forge how often a message was tried (issue 37): an
+/// `x-delivery-count` of 1000 set by the publisher on a classic queue is
+/// not the broker's, so the message runs as a first attempt, once, under
+/// the poison policy's full budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_set_delivery_count_is_not_an_attempt_count() {
+    let cat = category("foreign-count");
+    let c = client(HASH).await;
+    let sub = c
+        .subscribe(&cat, "g")
+        .ordered_by(KeySource::routing_key())
+        .poison(keyorder_core::PoisonPolicy::Halt)
+        .build()
+        .await
+        .unwrap();
+    let stats = sub.stats();
+    let attempts: Arc<std::sync::Mutex<Vec<u32>>> = Arc::default();
+    let seen = attempts.clone();
+    let handler = move |d: Delivery| {
+        let seen = seen.clone();
+        async move {
+            seen.lock().unwrap().push(d.attempt());
+            HandlerResult::Ok(())
+        }
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(sub.run(handler, async move {
+        let _ = stopped.await;
+    }));
+    let mut h = FieldTable::default();
+    h.insert(ShortString::from("x-delivery-count"), AMQPValue::LongLongInt(1000));
+    foreign_publish(&cat, &[("customer-1".to_owned(), "forged/0".to_owned(), h)]).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while stats.snapshot().applied < 1 {
+        assert!(Instant::now() < deadline, "{:?}", stats.snapshot());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+    assert_eq!(*attempts.lock().unwrap(), vec![1], "one first attempt");
+    assert_eq!(stats.snapshot().halts, 0);
+}

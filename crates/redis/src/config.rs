@@ -30,7 +30,7 @@ pub enum Layout {
 /// let cfg = keyorder_redis::RedisConfig::from_url(&url).unwrap();
 /// assert_eq!(cfg.reap_idle, std::time::Duration::from_secs(60));
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct RedisConfig {
     /// The server URL without keyorder's options.
     pub server: String,
@@ -101,5 +101,31 @@ impl RedisConfig {
         }
         cfg.server = server.to_string();
         Ok(cfg)
+    }
+}
+
+/// Shows the server URL without its password or option values.
+impl std::fmt::Debug for RedisConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisConfig")
+            .field("server", &keyorder_core::redact::url(&self.server))
+            .field("display", &self.display)
+            .field("layout", &self.layout)
+            .field("response_timeout", &self.response_timeout)
+            .field("reap_idle", &self.reap_idle)
+            .field("partition_warn", &self.partition_warn)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The password stays out of `Debug` (issue 37).
+    #[test]
+    fn debug_hides_the_password() {
+        let cfg = RedisConfig::from_url(&url::Url::parse("redis://:s3cret@127.0.0.1:6379/0").unwrap()).unwrap();
+        assert!(!format!("{cfg:?}").contains("s3cret"), "{cfg:?}");
     }
 }
