@@ -87,8 +87,20 @@ impl KafkaAdmin {
         c.create().map_err(kafka_err)
     }
 
+    /// The partition count of `topic`, which must exist: an operator's
+    /// command names a category, and one that does not exist is said at
+    /// once (no wait for a topic that was just created, nothing created).
+    async fn existing(&self, topic: &str) -> Result<i32> {
+        self.t.topic_count(topic).await?.ok_or_else(|| {
+            Error::NotFound(format!(
+                "kafka: topic `{}` does not exist",
+                keyorder_core::redact::text(topic)
+            ))
+        })
+    }
+
     async fn committed(&self, names: &Names, group: &str) -> Result<(i32, Vec<Committed>)> {
-        let n = self.t.partition_count(names.topic()).await?;
+        let n = self.existing(names.topic()).await?;
         let c = self.consumer(&names.group_id(group))?;
         let mut rc = base_config(&self.t.cfg);
         rc.set("group.id", "keyorder-state-reader")
@@ -347,7 +359,7 @@ impl Admin for KafkaAdmin {
     async fn dead_letters(&self, category: &str, group: &str) -> Result<Vec<DeadLetter>> {
         let names = Names::new(category)?;
         let dlq = names.dlq();
-        let n = self.t.partition_count(&dlq).await?;
+        let n = self.existing(&dlq).await?;
         let found = Arc::new(std::sync::Mutex::new(Vec::new()));
         let sink = found.clone();
         let g = group.to_owned();

@@ -653,7 +653,13 @@ impl KafkaTransport {
 
 pub(crate) fn base_config(cfg: &KafkaConfig) -> ClientConfig {
     let mut c = ClientConfig::new();
-    c.set("bootstrap.servers", &cfg.brokers).set("log_level", "3");
+    // Topics are created only where keyorder means to (`ensure`, with
+    // `create=true`): a producer's metadata request for a named topic
+    // would otherwise let the broker create it, so that an operator's
+    // read-only command created a category's topics (issue 37).
+    c.set("bootstrap.servers", &cfg.brokers)
+        .set("log_level", "3")
+        .set("allow.auto.create.topics", "false");
     apply_extra(&mut c, cfg);
     c
 }

@@ -238,3 +238,39 @@ async fn a_halted_foreign_binary_key_is_resolved_by_its_label() {
 async fn a_halted_foreign_long_key_is_resolved_by_its_label() {
     foreign_key_halts_and_resolves("long", "é".repeat(150).into_bytes()).await;
 }
+
+/// Read-only operator commands create nothing (issue 37): on a category
+/// that does not exist, listing scopes, halted keys, hot keys and dead
+/// letters fails or finds nothing, and afterwards no topic of the category
+/// exists (a metadata request for a named topic let the broker create it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_only_commands_create_nothing() {
+    let category = format!("op-none-{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
+    let c = client().await;
+    let admin = c.admin();
+    let _ = admin.scopes(&category, "g").await;
+    let _ = admin.halted(&category, "g").await;
+    let _ = admin.hot_keys(&category, "g", 10).await;
+    let _ = admin.dead_letters(&category, "g").await;
+    // Every topic the broker has, without naming one (which could create it).
+    let mut cfg = keyorder_kafka::rdkafka::ClientConfig::new();
+    cfg.set("bootstrap.servers", common::brokers());
+    let probe: keyorder_kafka::rdkafka::consumer::BaseConsumer = cfg.create().unwrap();
+    let found: Vec<String> = tokio::task::spawn_blocking(move || {
+        use keyorder_kafka::rdkafka::consumer::Consumer;
+        probe
+            .fetch_metadata(None, Duration::from_secs(10))
+            .unwrap()
+            .topics()
+            .iter()
+            .map(|t| t.name().to_owned())
+            .filter(|n| n.starts_with("op-none-"))
+            .collect()
+    })
+    .await
+    .unwrap();
+    assert!(
+        !found.iter().any(|t| t.starts_with(&category)),
+        "read-only commands created {found:?}"
+    );
+}
