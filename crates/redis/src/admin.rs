@@ -81,11 +81,12 @@ impl RedisAdmin {
     /// The halted heads of `group`, by key (the hash's fields are key
     /// segments, decoded here).
     async fn halted_map(&self, n: &Names, group: &str) -> Result<HashMap<String, serde_json::Value>> {
-        let all: HashMap<String, String> = redis::cmd("HGETALL")
+        let all: Vec<(Vec<u8>, Vec<u8>)> = redis::cmd("HGETALL")
             .arg(n.halted(group))
             .query_async(&mut self.t.conn.clone())
             .await
             .map_err(broker)?;
+        let all = crate::text_pairs(all, "halted field");
         Ok(all
             .into_iter()
             .filter_map(|(k, v)| {
@@ -150,11 +151,12 @@ impl Admin for RedisAdmin {
     async fn dead_letters(&self, category: &str, group: &str) -> Result<Vec<DeadLetter>> {
         let n = Names::new(category)?;
         let mut conn = self.t.conn.clone();
-        let members: Vec<String> = redis::cmd("SMEMBERS")
+        let members: Vec<Vec<u8>> = redis::cmd("SMEMBERS")
             .arg(n.dlq_index())
             .query_async(&mut conn)
             .await
             .map_err(broker)?;
+        let members = crate::texts(members, "dead-letter index member");
         // Members are key segments, or `__keyless__` (no key's segment) for
         // the keyless stream's dead letters.
         let mut keys: Vec<Option<String>> = members

@@ -59,6 +59,37 @@ pub const SINGLE_CAPABILITIES: Capabilities = Capabilities {
     persistent: false,
 };
 
+/// Stored entries (index members, hash fields, set members) that are text,
+/// in order; any other (written by hand or by a foreign client: no keyorder
+/// writes one) is skipped, counted in `keyorder_redis_unreadable_entries_total`
+/// and reported once per process, so one bad entry never stops discovery,
+/// upkeep or an operator's command.
+pub(crate) fn texts(raw: Vec<Vec<u8>>, what: &str) -> Vec<String> {
+    raw.into_iter().filter_map(|b| text_of(b, what)).collect()
+}
+
+/// The pairs of a hash read with `HGETALL` whose field and value are text
+/// (see [`texts`]).
+pub(crate) fn text_pairs(raw: Vec<(Vec<u8>, Vec<u8>)>, what: &str) -> Vec<(String, String)> {
+    raw.into_iter()
+        .filter_map(|(k, v)| Some((text_of(k, what)?, text_of(v, what)?)))
+        .collect()
+}
+
+fn text_of(b: Vec<u8>, what: &str) -> Option<String> {
+    static REPORTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    match String::from_utf8(b) {
+        Ok(t) => Some(t),
+        Err(_) => {
+            metrics::counter!("keyorder_redis_unreadable_entries_total").increment(1);
+            if !REPORTED.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                tracing::warn!(what, "redis: skipped a stored entry that is not text (not written by keyorder); counted in keyorder_redis_unreadable_entries_total, reported once");
+            }
+            None
+        }
+    }
+}
+
 pub(crate) fn broker(e: redis::RedisError) -> Error {
     let text = e.to_string();
     if text.contains(scripts::GROUP_REMOVED) {

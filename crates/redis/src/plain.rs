@@ -296,13 +296,14 @@ impl PlainSource {
             return Ok(());
         }
         let mut conn = self.t.conn.clone();
-        let index: Vec<String> = redis::cmd("ZRANGE")
+        let index: Vec<Vec<u8>> = redis::cmd("ZRANGE")
             .arg(self.names.index())
             .arg(0)
             .arg(-1)
             .query_async(&mut conn)
             .await
             .map_err(broker)?;
+        let index = crate::texts(index, "index member");
         // Members are key segments: decoded, and anything that is no key's
         // segment is skipped.
         for k in index

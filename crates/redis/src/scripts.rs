@@ -105,7 +105,15 @@ return 1
 /// claims every pending entry of earlier generations (XAUTOCLAIM with
 /// min-idle 0 until the cursor is `0-0`), removing the emptied consumers.
 const JOIN: &str = r"
+-- Whether a partition's stream name holds a stream or nothing: anything
+-- else (written by hand, never by keyorder) is no partition, and is left
+-- alone rather than failing every script that touches it.
+local function usable(stream)
+  local kind = redis.call('TYPE', stream)['ok']
+  return kind == 'stream' or kind == 'none'
+end
 local function join(stream, group, holder)
+  if not usable(stream) then return end
   redis.pcall('XGROUP', 'CREATE', stream, group, '0', 'MKSTREAM')
   local cursor = '0-0'
   repeat
@@ -166,7 +174,7 @@ while ai <= #ARGV do
   local lease = KEYS[ki]
   local res, indexed, any = {{0}}, {{}}, false
   for j = 1, n do
-    indexed[j] = redis.call('ZSCORE', KEYS[ki + n + j], key) ~= false
+    indexed[j] = redis.call('ZSCORE', KEYS[ki + n + j], key) ~= false and usable(KEYS[ki + j])
     any = any or indexed[j]
     res[j + 1] = 0
   end
@@ -556,7 +564,8 @@ end
 pub(crate) static TRIM: LazyLock<Script> = LazyLock::new(|| {
     script(&format!(
         r"{LOW_WATER}
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+-- Nothing, or something else than a stream (written by hand): nothing to trim.
+if redis.call('TYPE', KEYS[1])['ok'] ~= 'stream' then return 0 end
 local low = low_water(KEYS[1], KEYS[2])
 if low == nil or low == '0-0' then return 0 end
 return redis.call('XTRIM', KEYS[1], 'MINID', low)
@@ -581,7 +590,11 @@ pub(crate) static REAP: LazyLock<Script> = LazyLock::new(|| {
 local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
 if score and tonumber(score) > now_ms() - tonumber(ARGV[2]) then return 0 end
 if redis.call('GET', KEYS[3]) ~= ARGV[3] then return 0 end
-if redis.call('EXISTS', KEYS[1]) == 1 then
+local kind = redis.call('TYPE', KEYS[1])['ok']
+-- Something else than a stream under a partition's name (written by hand)
+-- is never deleted: left alone, it is no partition of keyorder's.
+if kind ~= 'stream' and kind ~= 'none' then return 0 end
+if kind == 'stream' then
   local last = redis.call('XINFO', 'STREAM', KEYS[1])
   local last_id = '0-0'
   for j = 1, #last, 2 do
@@ -648,7 +661,9 @@ for _, k in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   local stream = ARGV[1] .. ':' .. k
   local lease = redis.call('GET', stream .. ':__lease__:' .. ARGV[2]) or ''
   local pending, lag, found = 0, 0, false
-  if redis.call('EXISTS', stream) == 1 then
+  -- A member whose name holds something else than a stream (written by
+  -- hand, not by keyorder) is shown without counts, never an error.
+  if redis.call('TYPE', stream)['ok'] == 'stream' then
     for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
       local name, p, l = nil, 0, 0
       for j = 1, #g, 2 do

@@ -294,13 +294,14 @@ impl Source {
         // Discovery: the indexes list every live partition.
         let mut indexed: Vec<HashSet<String>> = Vec::with_capacity(self.cats.len());
         for n in &self.cats {
-            let index: Vec<String> = redis::cmd("ZRANGE")
+            let index: Vec<Vec<u8>> = redis::cmd("ZRANGE")
                 .arg(n.index())
                 .arg(0)
                 .arg(-1)
                 .query_async(&mut conn)
                 .await
                 .map_err(broker)?;
+            let index = crate::texts(index, "index member");
             let count = index.len();
             metrics::gauge!("keyorder_redis_partitions", "category" => n.category().to_owned()).set(count as f64);
             if count > self.t.cfg.partition_warn {
@@ -497,11 +498,12 @@ impl Source {
     /// Operator actions on halted heads of owned partitions.
     async fn resolved(&mut self) -> Result<()> {
         let mut conn = self.t.conn.clone();
-        let all: HashMap<String, String> = redis::cmd("HGETALL")
+        let all: Vec<(Vec<u8>, Vec<u8>)> = redis::cmd("HGETALL")
             .arg(self.ctl.resolved(&self.group))
             .query_async(&mut conn)
             .await
             .map_err(broker)?;
+        let all = crate::text_pairs(all, "resolved field");
         for (field, action) in all {
             // Fields are key segments.
             let Some(key) = Names::key_of(&field).map(std::borrow::Cow::into_owned) else {
