@@ -456,6 +456,23 @@ pub(crate) async fn delete_amqp_queues(url: &str, category: &str) -> anyhow::Res
     // Every group's queues and exchanges, the entry exchange, the group
     // registry and queues of the layout before consumer groups.
     let t = keyorder::rabbitmq::RabbitTransport::from_url(&url.parse()?).await?;
+    // Refused while a group has a live member, as on PostgreSQL: a running
+    // subscription would lose its queues under it.
+    let admin = keyorder::Transport::admin(&t);
+    let live: Vec<String> = admin
+        .groups(category)
+        .await?
+        .into_iter()
+        .filter(|g| g.live_members > 0)
+        .map(|g| format!("{} ({} live)", keyorder::redact::text(&g.name), g.live_members))
+        .collect();
+    if !live.is_empty() {
+        anyhow::bail!(
+            "delete-queue refused: consumer groups of `{}` have live members: {}; stop their subscriptions first",
+            keyorder::redact::text(category),
+            live.join(", ")
+        );
+    }
     t.delete_category(category).await?;
     Ok(())
 }

@@ -129,3 +129,52 @@ async fn delete_queue_removes_the_rabbitmq_topology_queues() {
     }
     let _ = conn.close(200, "done".into()).await;
 }
+
+/// On RabbitMQ, as on PostgreSQL, delete-queue is refused while a group of
+/// the category has a live member (issue 37: it deleted the queues under a
+/// running subscription), and goes through once it stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_queue_is_refused_while_a_rabbitmq_group_runs() {
+    let base = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let u = format!("{base}?topology=hash&queues=2&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000");
+    let category = format!("cli-delete-live-{}", std::process::id());
+    let client = keyorder::connect(&u).await.expect("RabbitMQ must be reachable");
+    let sub = client
+        .subscribe(&category, "g")
+        .ordered_by(keyorder::KeySource::routing_key())
+        .build()
+        .await
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(sub.run(
+        |_d: keyorder::Delivery| async move { keyorder::HandlerResult::Ok(()) },
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    // Until its member is live (the run joins the group).
+    let admin = client.admin();
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !admin
+        .groups(&category)
+        .await
+        .unwrap_or_default()
+        .iter()
+        .any(|g| g.live_members > 0)
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the group never had a live member"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let refused = keyorder(&["delete-queue", "--url", &u, "--category", &category, "--yes"]);
+    assert!(!refused.status.success(), "deleted under a running subscription");
+    let text = String::from_utf8_lossy(&refused.stderr);
+    assert!(text.contains("live members"), "{text}");
+    assert!(!run.is_finished(), "the subscription kept running");
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+    let done = keyorder(&["delete-queue", "--url", &u, "--category", &category, "--yes"]);
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+}
