@@ -140,10 +140,28 @@ pub(crate) fn encode(generation: u64, committed: i64, meta: &str) -> String {
 fn decode(value: &[u8]) -> Option<(u64, i64, String)> {
     let text = std::str::from_utf8(value).ok()?;
     let mut it = text.splitn(3, '|');
-    let generation = it.next()?.parse().ok()?;
-    let committed = it.next()?.parse().ok()?;
-    Some((generation, committed, it.next()?.to_owned()))
+    let generation: u64 = it.next()?.parse().ok()?;
+    let committed: i64 = it.next()?.parse().ok()?;
+    let meta = it.next()?.to_owned();
+    // A generation or offset no owner could have written (a record forged
+    // or damaged in the state topic) is skipped, counted and said once:
+    // restoring it would overflow the next generation or position.
+    if generation >= STATE_LIMIT as u64 || !(0..STATE_LIMIT).contains(&committed) {
+        metrics::counter!("keyorder_kafka_bad_state_records_total").increment(1);
+        static REPORTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if !REPORTED.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            tracing::warn!(
+                "kafka: skipped a state record with a generation or offset out of range (not written by keyorder); \
+                 counted in keyorder_kafka_bad_state_records_total, reported once"
+            );
+        }
+        return None;
+    }
+    Some((generation, committed, meta))
 }
+
+/// Above any generation or offset a state record can hold (2^62).
+const STATE_LIMIT: i64 = 1 << 62;
 
 /// A state record of one group, as read.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -722,6 +740,16 @@ pub(crate) fn newer_incarnation(
 
 #[cfg(test)]
 mod tests {
+
+    /// A record no owner could have written is skipped (issue 37): its
+    /// generation + 1 or offset + 1 would overflow.
+    #[test]
+    fn out_of_range_records_are_skipped() {
+        assert_eq!(decode(b"3|5|meta"), Some((3, 5, "meta".to_owned())));
+        assert_eq!(decode(format!("{}|5|", u64::MAX).as_bytes()), None);
+        assert_eq!(decode(format!("3|{}|", i64::MAX).as_bytes()), None);
+        assert_eq!(decode(b"3|-7|"), None);
+    }
     use super::*;
 
     #[test]
