@@ -16,7 +16,7 @@ use crate::run;
 #[derive(Debug, Args)]
 pub(crate) struct BenchArgs {
     /// The transport URL.
-    #[arg(long, env = "KEYORDER_URL", default_value = "memory://")]
+    #[arg(long, hide_env_values = true, env = "KEYORDER_URL", default_value = "memory://")]
     url: String,
     /// Distinct keys.
     #[arg(long, default_value_t = 100)]

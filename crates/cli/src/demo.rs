@@ -13,7 +13,7 @@ use crate::run;
 #[derive(Debug, Args)]
 pub(crate) struct DemoArgs {
     /// The transport URL.
-    #[arg(long, env = "KEYORDER_URL", default_value = "memory://")]
+    #[arg(long, hide_env_values = true, env = "KEYORDER_URL", default_value = "memory://")]
     url: String,
     /// Consumer instances.
     #[arg(long, default_value_t = 3)]

@@ -24,10 +24,10 @@ use crate::run;
 #[derive(Debug, Args)]
 pub(crate) struct FailoverArgs {
     /// The transport URL (a transport whose consumers can run as processes).
-    #[arg(long, env = "KEYORDER_URL")]
+    #[arg(long, hide_env_values = true, env = "KEYORDER_URL")]
     url: String,
     /// PostgreSQL URL of the event log (default: POSTGRES_URL, or the URL itself if it is postgres://).
-    #[arg(long, env = "POSTGRES_URL")]
+    #[arg(long, hide_env_values = true, env = "POSTGRES_URL")]
     log_url: Option<String>,
     /// Distinct keys.
     #[arg(long, default_value_t = 20)]

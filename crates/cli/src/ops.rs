@@ -1,14 +1,14 @@
 //! Operator actions over the admin view.
 
 use clap::{Args, ValueEnum};
-use keyorder::redact::text;
+use keyorder::redact::{quoted, text};
 use keyorder::HeadAction;
 
 /// Which transport, category and group.
 #[derive(Debug, Args)]
 pub(crate) struct Target {
     /// The transport URL (memory://, redis://, amqp://, kafka://, postgres://).
-    #[arg(long, env = "KEYORDER_URL", default_value = "memory://")]
+    #[arg(long, hide_env_values = true, env = "KEYORDER_URL", default_value = "memory://")]
     url: String,
     /// The category.
     #[arg(long)]
@@ -85,12 +85,13 @@ pub(crate) async fn head(a: HeadArgs) -> anyhow::Result<()> {
                 let held = h.held.map_or_else(String::new, |n| format!(" held={n}"));
                 println!(
                     "{} {} scope={} head={} attempts={}{held} reason={}",
-                    text(&h.label),
-                    text(&h.preview),
-                    text(&h.scope),
-                    text(&h.head_id),
+                    // Label and preview are keyorder's own, already escaped.
+                    h.label,
+                    h.preview,
+                    quoted(&h.scope),
+                    quoted(&h.head_id),
                     h.attempts,
-                    text(&h.reason)
+                    quoted(&h.reason)
                 );
             }
             return Ok(());
@@ -115,7 +116,7 @@ pub(crate) async fn hot_keys(a: HotKeysArgs) -> anyhow::Result<()> {
     for h in hot {
         println!(
             "{} backlog={} share={:.1}%",
-            text(&h.label),
+            h.label,
             h.backlog,
             100.0 * h.backlog as f64 / total.max(1) as f64
         );
@@ -126,7 +127,7 @@ pub(crate) async fn hot_keys(a: HotKeysArgs) -> anyhow::Result<()> {
 pub(crate) async fn dead_letters(t: Target) -> anyhow::Result<()> {
     let client = keyorder::connect(&t.url).await?;
     for d in client.admin().dead_letters(&t.category, &t.group).await? {
-        println!("{} {} reason={}", text(&d.id), text(&d.label), text(&d.reason));
+        println!("id={} {} reason={}", quoted(&d.id), d.label, quoted(&d.reason));
     }
     Ok(())
 }
@@ -146,7 +147,7 @@ pub(crate) struct GroupsArgs {
     #[arg(value_enum)]
     verb: GroupsVerb,
     /// The transport URL (memory://, redis://, amqp://, kafka://, postgres://).
-    #[arg(long, env = "KEYORDER_URL", default_value = "memory://")]
+    #[arg(long, hide_env_values = true, env = "KEYORDER_URL", default_value = "memory://")]
     url: String,
     /// The category.
     #[arg(long)]
@@ -193,7 +194,7 @@ pub(crate) async fn groups(a: GroupsArgs) -> anyhow::Result<()> {
 #[derive(Debug, Args)]
 pub(crate) struct DeleteQueueArgs {
     /// The transport URL (postgres:// or amqp://).
-    #[arg(long, env = "KEYORDER_URL")]
+    #[arg(long, hide_env_values = true, env = "KEYORDER_URL")]
     url: String,
     /// The category (queue) to delete.
     #[arg(long)]

@@ -5,14 +5,14 @@
 use std::time::Duration;
 
 use clap::{Args, Subcommand};
-use keyorder::redact::text;
+use keyorder::redact::{quoted, text};
 use keyorder_outbox::{Outbox, OutboxConfig, DEFAULT_SCHEMA};
 
 /// Where the outbox lives.
 #[derive(Debug, Args)]
 pub(crate) struct Db {
     /// The outbox's PostgreSQL URL (a plain `postgres://` URL).
-    #[arg(long, env = "KEYORDER_OUTBOX_URL")]
+    #[arg(long, hide_env_values = true, env = "KEYORDER_OUTBOX_URL")]
     url: String,
     /// The outbox's schema.
     #[arg(long, default_value = DEFAULT_SCHEMA)]
@@ -95,10 +95,10 @@ pub(crate) async fn run(a: OutboxArgs) -> anyhow::Result<()> {
                 println!(
                     "{} {} record={} attempts={} reason={}",
                     text(&h.category),
-                    text(&h.label),
+                    h.label,
                     h.record_id,
                     h.attempts,
-                    text(&h.reason)
+                    quoted(&h.reason)
                 );
             }
         }
@@ -112,10 +112,10 @@ pub(crate) async fn run(a: OutboxArgs) -> anyhow::Result<()> {
                     "{} {} {} seq={} {} reason={}",
                     r.record_id,
                     text(&r.category),
-                    text(&r.label),
+                    r.label,
                     r.seq,
                     r.state,
-                    text(&r.reason)
+                    quoted(&r.reason)
                 );
             }
         }

@@ -20,7 +20,7 @@ use crate::run;
 pub(crate) struct OutboxBenchArgs {
     /// The outbox's PostgreSQL URL (a plain `postgres://` URL). Each side
     /// gets a fresh schema of its own, dropped at the end unless `--keep`.
-    #[arg(long, env = "KEYORDER_OUTBOX_URL")]
+    #[arg(long, hide_env_values = true, env = "KEYORDER_OUTBOX_URL")]
     db: String,
     /// The transport the relays publish to (any keyorder URL).
     #[arg(long, default_value = "memory://")]

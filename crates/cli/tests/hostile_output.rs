@@ -13,7 +13,7 @@ use keyorder::{Delivery, HandlerError, KeySource, Message, PoisonPolicy, RetryPo
 
 /// An id that would clear the screen, set the terminal's title, and start
 /// a forged log line.
-const EVIL_ID: &str = "id-\u{1b}[2J\u{1b}]0;pwned\u{7}\nFORGED INFO keyorder: all good";
+const EVIL_ID: &str = "id-\u{1b}[2J\u{1b}]0;pwned\u{7}\" reason=\"handled ok\nFORGED INFO keyorder: all good";
 const EVIL_REASON: &str = "boom\r\n\u{1b}[31mFORGED\u{9b}1m";
 
 fn env(name: &str, default: &str) -> String {
@@ -141,7 +141,18 @@ async fn park_and_list(url: &str) {
         &format!("{scheme}: dead-letters stderr"),
         &String::from_utf8_lossy(&out.stderr),
     );
+    // The id is quoted whole: no field can be forged after it.
+    assert!(stdout.starts_with("id=\"id-\\u{1b}[2J"), "{scheme}: {stdout:?}");
+    assert_eq!(
+        stdout.matches(" reason=\"").count(),
+        1,
+        "{scheme}: a forged field: {stdout:?}"
+    );
     let log = String::from_utf8_lossy(&logged().lock().unwrap()).into_owned();
+    assert!(
+        log.contains("id-\\u{1b}"),
+        "{scheme}: the park was logged, escaped: {log:?}"
+    );
     assert_inert(&format!("{scheme}: the library's log"), &log);
 }
 

@@ -1367,7 +1367,7 @@ impl Inner {
                 Ok(()) => {
                     bump(&self.stats.parked, "keyorder_parked_total");
                     self.report(job, Settlement::Parked);
-                    tracing::warn!(key = %label, id = %crate::redact::text(job.message.id()), reason = %crate::redact::text(reason), "head parked; key released (gap)");
+                    tracing::warn!(key = %label, id = job.message.id(), reason, "head parked; key released (gap)");
                     Outcome::Done
                 }
                 Err(outcome) => outcome,
@@ -1378,7 +1378,7 @@ impl Inner {
                     self.report(job, Settlement::Halted);
                     self.stats.halted_now.fetch_add(1, Ordering::Relaxed);
                     metrics::gauge!("keyorder_halted_keys").increment(1.0);
-                    tracing::error!(key = %label, id = %crate::redact::text(job.message.id()), reason = %crate::redact::text(reason), "key halted at a poison head");
+                    tracing::error!(key = %label, id = job.message.id(), reason, "key halted at a poison head");
                     Outcome::Halted
                 }
                 Err(outcome) => outcome,

@@ -924,7 +924,7 @@ impl Admin for MemoryAdmin {
             let h = g.halted.remove(i);
             let drop_head = match action {
                 HeadAction::Skip => {
-                    tracing::warn!(key = %label_of(&h.key), id = %crate::redact::text(&h.id), "operator skipped a halted head");
+                    tracing::warn!(key = %label_of(&h.key), id = &*h.id, "operator skipped a halted head");
                     g.settle(h.part, h.offset);
                     true
                 }

@@ -41,22 +41,38 @@ pub fn url(raw: &str) -> String {
     parsed.to_string().replace("%2A%2A%2A", "***")
 }
 
-/// `value` with every control character (C0, DEL, C1: ESC, CR, LF, BEL...)
-/// written as an escape (`\n`, `\u{1b}`), and backslashes doubled, so the
-/// result is one line that cannot move a terminal's cursor, set its title
-/// or forge a log line. Other characters are kept.
+/// `value` with every control character (C0, DEL, C1: ESC, CR, LF, BEL...),
+/// line separator and bidirectional mark written as an escape (`\n`,
+/// `\u{1b}`), and backslashes and double quotes escaped, so the result is
+/// one line that cannot move a terminal's cursor, set its title, reorder
+/// what is shown, or, printed between double quotes, end its field and
+/// forge another. Other characters are kept.
 pub fn text(value: &str) -> String {
     let mut out = String::with_capacity(value.len());
     for c in value.chars() {
         match c {
             '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
             c if c.is_control() => out.extend(c.escape_default()),
-            // Unicode bidirectional controls reorder what a terminal shows.
-            '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' => out.extend(c.escape_unicode()),
+            // Bidirectional controls and marks reorder what a terminal
+            // shows; line and paragraph separators break a line.
+            '\u{61c}'
+            | '\u{200e}'
+            | '\u{200f}'
+            | '\u{2028}'
+            | '\u{2029}'
+            | '\u{202a}'..='\u{202e}'
+            | '\u{2066}'..='\u{2069}' => out.extend(c.escape_unicode()),
             c => out.push(c),
         }
     }
     out
+}
+
+/// [`text`] between double quotes: a field value of one line that nothing
+/// in it can end early.
+pub fn quoted(value: &str) -> String {
+    format!("\"{}\"", text(value))
 }
 
 #[cfg(test)]
@@ -81,8 +97,15 @@ mod tests {
 
     #[test]
     fn text_is_one_inert_line() {
-        let shown = text("a\r\nb\u{1b}[2J\u{9b}c\u{7}\\\u{202e}");
-        assert!(!shown.chars().any(|c| c.is_control() || c == '\u{202e}'), "{shown:?}");
+        let shown = text("a\r\nb\u{1b}[2J\u{9b}c\u{7}\\\u{202e}\u{2028}\u{200f}");
+        assert!(
+            !shown
+                .chars()
+                .any(|c| c.is_control() || matches!(c, '\u{202e}' | '\u{2028}' | '\u{200f}')),
+            "{shown:?}"
+        );
         assert_eq!(text("plain ключ"), "plain ключ");
+        // A quoted field cannot be ended early to forge another.
+        assert_eq!(quoted("m-1\" reason=\"ok"), "\"m-1\\\" reason=\\\"ok\"");
     }
 }

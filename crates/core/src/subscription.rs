@@ -575,7 +575,11 @@ impl Subscription {
         } else {
             bump(&self.stats.keyless_rejected, "keyorder_keyless_rejected_total");
         }
-        tracing::warn!(id = %crate::redact::text(inbound.message.id()), reason = %reason, "delivery rejected: never processed under the wrong key");
+        tracing::warn!(
+            id = inbound.message.id(),
+            reason = reason.as_str(),
+            "delivery rejected: never processed under the wrong key"
+        );
         let mut delay = Duration::from_millis(50);
         loop {
             match inbound.settle.park(&reason).await {

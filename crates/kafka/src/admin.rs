@@ -84,7 +84,7 @@ impl KafkaAdmin {
         c.set("group.id", group)
             .set("enable.auto.commit", "false")
             .set("enable.partition.eof", "false");
-        c.create().map_err(kafka_err)
+        c.create().map_err(crate::create_err)
     }
 
     /// The partition count of `topic`, which must exist: an operator's
@@ -105,7 +105,7 @@ impl KafkaAdmin {
         let mut rc = base_config(&self.t.cfg);
         rc.set("group.id", "keyorder-state-reader")
             .set("enable.auto.commit", "false");
-        let reader: state::Reader = rc.create().map_err(kafka_err)?;
+        let reader: state::Reader = rc.create().map_err(crate::create_err)?;
         let producer = self.t.state_producer.clone();
         let (n2, g2) = (names.clone(), names.group_id(group));
         let saved = tokio::task::spawn_blocking(move || {
@@ -147,7 +147,7 @@ impl KafkaAdmin {
         let mut rc = base_config(&self.t.cfg);
         rc.set("group.id", "keyorder-admin-scan")
             .set("enable.auto.commit", "false");
-        let c: state::Reader = rc.create().map_err(kafka_err)?;
+        let c: state::Reader = rc.create().map_err(crate::create_err)?;
         let topic = topic.to_owned();
         tokio::task::spawn_blocking(move || -> Result<()> {
             let mut each = each;
@@ -439,7 +439,7 @@ impl Admin for KafkaAdmin {
             )));
         }
         let names = Names::new(category)?;
-        let admin: AdminClient<DefaultClientContext> = base_config(&self.t.cfg).create().map_err(kafka_err)?;
+        let admin: AdminClient<DefaultClientContext> = base_config(&self.t.cfg).create().map_err(crate::create_err)?;
         let id = names.group_id(group);
         let results = admin
             .delete_groups(

@@ -42,7 +42,7 @@ fn tail(t: &KafkaTransport, topic: &str) -> Result<BaseConsumer> {
     rc.set("group.id", "keyorder-control-reader")
         .set("enable.auto.commit", "false")
         .set("fetch.wait.max.ms", "50");
-    let c: BaseConsumer = rc.create().map_err(kafka_err)?;
+    let c: BaseConsumer = rc.create().map_err(crate::create_err)?;
     let (_, high) = c
         .fetch_watermarks(topic, 0, Duration::from_secs(10))
         .map_err(kafka_err)?;

@@ -169,6 +169,18 @@ pub(crate) fn kafka_err(e: impl fmt::Display) -> Error {
     Error::Broker(format!("kafka: {e}"))
 }
 
+/// A client's creation failed: librdkafka's configuration error names the
+/// value it refused (a password, say), so only the setting is shown.
+pub(crate) fn create_err(e: rdkafka::error::KafkaError) -> Error {
+    match e {
+        rdkafka::error::KafkaError::ClientConfig(_, _, key, _) => Error::Config(format!(
+            "kafka: librdkafka refused the setting `{}` (the value is not shown)",
+            keyorder_core::redact::text(&key)
+        )),
+        other => kafka_err(other),
+    }
+}
+
 /// Sources of this transport, for the in-process admin actions.
 #[derive(Default)]
 pub(crate) struct Registry {
@@ -239,6 +251,9 @@ impl fmt::Debug for KafkaTransport {
 impl KafkaTransport {
     /// Connects with `cfg` (creates the producer; checks the brokers answer).
     pub async fn connect(cfg: KafkaConfig) -> Result<Self> {
+        // A configuration built in code is checked as a URL's is: a bad
+        // pass-through setting is named, its value never shown.
+        config::check_extra(&cfg.extra)?;
         let mut pc = base_config(&cfg);
         pc.set("enable.idempotence", "true")
             .set("acks", "all")
@@ -246,10 +261,10 @@ impl KafkaTransport {
             .set("linger.ms", "1")
             .set("message.timeout.ms", "30000");
         apply_extra(&mut pc, &cfg);
-        let producer: FutureProducer = pc.create().map_err(kafka_err)?;
+        let producer: FutureProducer = pc.create().map_err(crate::create_err)?;
         pc.set("linger.ms", "0");
         apply_extra(&mut pc, &cfg);
-        let state_producer: FutureProducer = pc.create().map_err(kafka_err)?;
+        let state_producer: FutureProducer = pc.create().map_err(crate::create_err)?;
         let probe = producer.clone();
         let brokers = cfg.brokers.clone();
         tokio::task::spawn_blocking(move || probe.client().fetch_metadata(None, Duration::from_secs(10)))
@@ -524,7 +539,7 @@ impl KafkaTransport {
                 "kafka: the state topic `{state}` is in use now (another process reset it or wrote to it); retrying"
             )));
         }
-        let admin: AdminClient<DefaultClientContext> = base_config(&self.cfg).create().map_err(kafka_err)?;
+        let admin: AdminClient<DefaultClientContext> = base_config(&self.cfg).create().map_err(crate::create_err)?;
         let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
         for r in admin.delete_topics(&[&state], &opts).await.map_err(kafka_err)? {
             if let Err((topic, code)) = r {
@@ -562,7 +577,7 @@ impl KafkaTransport {
 
     /// Creates `topics`; one that already exists is fine.
     pub(crate) async fn create_topics(&self, topics: &[NewTopic<'_>]) -> Result<()> {
-        let admin: AdminClient<DefaultClientContext> = base_config(&self.cfg).create().map_err(kafka_err)?;
+        let admin: AdminClient<DefaultClientContext> = base_config(&self.cfg).create().map_err(crate::create_err)?;
         let results = admin
             .create_topics(
                 topics,

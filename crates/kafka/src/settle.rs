@@ -137,7 +137,7 @@ impl Settle for KafkaSettle {
             reason,
         )
         .await?;
-        tracing::info!(scope = %self.part.lease.scope(), offset = self.offset, id = %keyorder_core::redact::text(&self.message_id), "kafka: parked");
+        tracing::info!(scope = %self.part.lease.scope(), offset = self.offset, id = self.message_id.as_str(), "kafka: parked");
         self.ack().await
     }
 

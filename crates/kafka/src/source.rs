@@ -1600,7 +1600,7 @@ impl Source {
             topic: self.shared.names.topic().to_owned(),
             names: self.shared.names.clone(),
             group_id: self.shared.names.group_id(&self.spec.group),
-            reader: rc.create().map_err(kafka_err)?,
+            reader: rc.create().map_err(crate::create_err)?,
             producer: self.shared.t.state_producer.clone(),
             instance: self.spec.instance.to_string(),
             revoke_wait,
@@ -1608,7 +1608,7 @@ impl Source {
             shared: Arc::downgrade(&self.shared),
             cooperative: cfg.assignor == crate::Assignor::CooperativeSticky,
         };
-        let member: Member = c.create_with_context(ctx).map_err(kafka_err)?;
+        let member: Member = c.create_with_context(ctx).map_err(crate::create_err)?;
         member.subscribe(&[self.shared.names.topic()]).map_err(kafka_err)?;
         let member = Arc::new(member);
         *self.shared.member.lock().unwrap_or_else(|e| e.into_inner()) = Some(member.clone());
@@ -2097,7 +2097,7 @@ fn poll_loop(member: Arc<Member>, tx: mpsc::UnboundedSender<Ev>, stop: Arc<Atomi
 async fn group_offsets(t: &KafkaTransport, names: &Names, group: &str, partitions: i32) -> Result<HashMap<i32, i64>> {
     let mut c = base_config(&t.cfg);
     c.set("group.id", group).set("enable.auto.commit", "false");
-    let probe: BaseConsumer = c.create().map_err(kafka_err)?;
+    let probe: BaseConsumer = c.create().map_err(crate::create_err)?;
     let topic = names.topic().to_owned();
     let committed = tokio::task::spawn_blocking(move || {
         let mut tpl = TopicPartitionList::new();
@@ -2138,7 +2138,7 @@ async fn check_partition_count(t: &KafkaTransport, names: &Names, group: &str, p
     let mut c = base_config(&t.cfg);
     c.set("group.id", names.group_id(group))
         .set("enable.auto.commit", "false");
-    let probe: BaseConsumer = c.create().map_err(kafka_err)?;
+    let probe: BaseConsumer = c.create().map_err(crate::create_err)?;
     let reader = state::reader(&t.cfg).map_err(kafka_err)?;
     let producer = t.state_producer.clone();
     let (n2, g2) = (names.clone(), names.group_id(group));

@@ -274,3 +274,19 @@ async fn read_only_commands_create_nothing() {
         "read-only commands created {found:?}"
     );
 }
+
+/// A configuration built in code is checked as a URL's is (issue 37): a
+/// bad pass-through setting is named, its value never shown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_setting_in_code_is_named_without_its_value() {
+    let mut cfg = keyorder_kafka::KafkaConfig {
+        brokers: common::brokers(),
+        ..Default::default()
+    };
+    cfg.extra.insert("sasl.passwrd".into(), "s3cretProg".into());
+    let Err(err) = KafkaTransport::connect(cfg).await else {
+        panic!("refused");
+    };
+    let err = err.to_string();
+    assert!(err.contains("sasl.passwrd") && !err.contains("s3cret"), "{err}");
+}

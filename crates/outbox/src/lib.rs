@@ -238,6 +238,8 @@ impl Outbox {
     /// Connects a pool of `max_connections` to `url` (a plain PostgreSQL
     /// URL) and builds the outbox with `cfg`.
     pub async fn connect(url: &str, max_connections: u32, cfg: OutboxConfig) -> Result<Self> {
+        let parsed = url::Url::parse(url).map_err(|_| Error::Url("outbox: the URL is not a postgres:// URL".into()))?;
+        keyorder_postgres::shared::check_driver_url(&parsed)?;
         let pool = PgPoolOptions::new()
             .max_connections(max_connections.max(1))
             .acquire_timeout(Duration::from_secs(10))

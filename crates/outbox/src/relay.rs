@@ -964,7 +964,7 @@ async fn abandon(ctx: &Ctx, slot: u32, generation: i64, rec: &Record, reason: &s
     let reason = format!("abandoned: {reason}");
     match resolve(ctx, slot, generation, rec, "abandoned", Some(&reason)).await {
         Ok(true) => {
-            tracing::warn!(key = %label(&rec.key), id = %keyorder_core::redact::text(&rec.message_id), reason = %keyorder_core::redact::text(&reason), "outbox relay: record can never be published");
+            tracing::warn!(key = %label(&rec.key), id = rec.message_id.as_str(), reason = reason.as_str(), "outbox relay: record can never be published");
             bump(&ctx.stats.abandoned, "keyorder_outbox_abandoned_total");
             Outcome::Resolved
         }

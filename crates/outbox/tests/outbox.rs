@@ -13,7 +13,7 @@ use keyorder_core::{
     RetryPolicy, SourceSpec, Transport, TransportPublisher, TransportSource,
 };
 use keyorder_outbox::sqlx;
-use keyorder_outbox::{AppliedStore, MemoryApplied, Outbox, Outgoing, PgApplied, RelayConfig};
+use keyorder_outbox::{AppliedStore, MemoryApplied, Outbox, OutboxConfig, Outgoing, PgApplied, RelayConfig};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
@@ -836,4 +836,21 @@ async fn applied_stores_never_go_back() {
     tx.rollback().await.unwrap();
     store.set_applied("k", 1).await.unwrap();
     assert_eq!(store.last_applied("k").await.unwrap(), Some(2));
+}
+
+/// The outbox's URL goes to the driver: an option it does not take is
+/// refused by name, never logged with its value by the driver (issue 37).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_url_option_is_refused_without_its_value() {
+    let Err(err) = Outbox::connect(
+        "postgres://app@127.0.0.1:1/db?sslpassword=s3cret-e",
+        1,
+        OutboxConfig::default(),
+    )
+    .await
+    else {
+        panic!("refused");
+    };
+    let err = err.to_string();
+    assert!(err.contains("`sslpassword`") && !err.contains("s3cret"), "{err}");
 }

@@ -108,23 +108,6 @@ pub struct PgConfig {
     pub layout: Layout,
 }
 
-/// The driver's (sqlx) URL options keyorder passes on.
-const DRIVER_OPTIONS: &[&str] = &[
-    "sslmode",
-    "sslrootcert",
-    "sslcert",
-    "sslkey",
-    "application_name",
-    "options",
-    "statement-cache-capacity",
-    "host",
-    "hostaddr",
-    "port",
-    "dbname",
-    "user",
-    "password",
-];
-
 /// Shows the URLs without their passwords or option values.
 impl std::fmt::Debug for PgConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -187,6 +170,8 @@ impl PgConfig {
                     if !matches!(direct.scheme(), "postgres" | "postgresql") {
                         return Err(Error::Url("direct=: expected a postgres:// URL".into()));
                     }
+                    // Handed to the driver as it is: its options too.
+                    shared::check_driver_url(&direct).map_err(|e| Error::Url(format!("direct=: {e}")))?;
                     cfg.direct = Some(v.into_owned());
                 }
                 "layout" => {
@@ -204,13 +189,13 @@ impl PgConfig {
                 // The driver's own options, on an allow-list: any other
                 // is refused, never forwarded (the driver logs an option it
                 // does not know at WARN, value and all).
-                k if DRIVER_OPTIONS.contains(&k) => driver.push((k.to_owned(), v.into_owned())),
+                k if shared::is_driver_option(k) => driver.push((k.to_owned(), v.into_owned())),
                 k => {
                     return Err(Error::Url(format!(
                         "postgres: unknown URL option `{}` (keyorder's: schema, slots, pool, retention_batch, \
                          pooler, direct, layout, migrate; the driver's: {})",
                         keyorder_core::redact::text(k),
-                        DRIVER_OPTIONS.join(", ")
+                        shared::DRIVER_OPTIONS.join(", ")
                     )))
                 }
             }
@@ -2424,5 +2409,18 @@ mod secret_tests {
         )))
         .unwrap();
         assert!(!format!("{cfg:?}").contains("s3cret"), "{cfg:?}");
+        // The direct URL goes to the driver too: its options are checked.
+        let direct = "postgres%3A%2F%2Fapp%40db%2Ftest%3Fsslpassword%3Ds3cret-d";
+        let err = PgConfig::from_url(&url(&format!(
+            "postgres://app@db:6432/test?pooler=transaction&direct={direct}"
+        )))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("`sslpassword`") && !err.contains("s3cret"), "{err}");
+        // The driver's other spellings and server settings pass.
+        PgConfig::from_url(&url(
+            "postgres://app@db/test?ssl-mode=require&options[statement_timeout]=5s",
+        ))
+        .unwrap();
     }
 }

@@ -175,3 +175,47 @@ impl LeaseSql {
         }
     }
 }
+
+/// The driver's (sqlx) URL options keyorder passes on; `options[...]`
+/// (server settings) too.
+pub const DRIVER_OPTIONS: &[&str] = &[
+    "sslmode",
+    "ssl-mode",
+    "sslrootcert",
+    "ssl-root-cert",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "application_name",
+    "options",
+    "statement-cache-capacity",
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+];
+
+/// Whether `key` is a URL option of the driver keyorder passes on.
+pub fn is_driver_option(key: &str) -> bool {
+    DRIVER_OPTIONS.contains(&key) || (key.starts_with("options[") && key.ends_with(']'))
+}
+
+/// Refuses a URL handed to the driver with an option not on the
+/// allow-list ([`DRIVER_OPTIONS`]), naming it, never its value: the driver
+/// logs an option it does not know at WARN, value and all (a password).
+pub fn check_driver_url(url: &url::Url) -> keyorder_core::Result<()> {
+    for (k, _) in url.query_pairs() {
+        if !is_driver_option(&k) {
+            return Err(keyorder_core::Error::Url(format!(
+                "postgres: URL option `{}` is not one the driver takes (it takes: {})",
+                keyorder_core::redact::text(&k),
+                DRIVER_OPTIONS.join(", ")
+            )));
+        }
+    }
+    Ok(())
+}

@@ -304,8 +304,10 @@ impl RabbitTransport {
             return Ok(());
         }
         if let Some(e) = answers.iter().find_map(|a| a.get("error").and_then(Value::as_str)) {
+            // Another process's words, read off the broker: escaped.
             return Err(Error::Broker(format!(
-                "rabbitmq: the process holding the head failed: {e}"
+                "rabbitmq: the process holding the head failed: {}",
+                keyorder_core::redact::text(e)
             )));
         }
         Err(Error::NotFound(format!(
