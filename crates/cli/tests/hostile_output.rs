@@ -6,7 +6,6 @@
 #![cfg(feature = "all-adapters")]
 
 use std::process::Command;
-use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use keyorder::{Delivery, HandlerError, KeySource, Message, PoisonPolicy, RetryPolicy};
@@ -18,34 +17,6 @@ const EVIL_REASON: &str = "boom\r\n\u{1b}[31mFORGED\u{9b}1m";
 
 fn env(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.into())
-}
-
-/// What the test process logged.
-fn logged() -> Arc<Mutex<Vec<u8>>> {
-    static LOG: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
-    LOG.get_or_init(|| {
-        let log: Arc<Mutex<Vec<u8>>> = Arc::default();
-        let sink = log.clone();
-        let _ = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::INFO)
-            .with_ansi(false)
-            .with_writer(move || Sink(sink.clone()))
-            .try_init();
-        log
-    })
-    .clone()
-}
-
-struct Sink(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Sink {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
 }
 
 /// No control character but line ends, and no forged line of its own.
@@ -61,7 +32,7 @@ fn assert_inert(what: &str, text: &str) {
 }
 
 async fn park_and_list(url: &str) {
-    logged();
+    keyorder_testkit::logs::install();
     let nonce = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -148,7 +119,7 @@ async fn park_and_list(url: &str) {
         1,
         "{scheme}: a forged field: {stdout:?}"
     );
-    let log = String::from_utf8_lossy(&logged().lock().unwrap()).into_owned();
+    let log = keyorder_testkit::logs::text();
     assert!(
         log.contains("id-\\u{1b}"),
         "{scheme}: the park was logged, escaped: {log:?}"

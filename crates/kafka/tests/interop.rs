@@ -59,47 +59,17 @@ fn keys() -> Vec<Vec<u8>> {
     keys
 }
 
-/// What this test binary logged (warnings and above), to check what a
-/// user is told.
-fn logged() -> Arc<std::sync::Mutex<Vec<u8>>> {
-    static LOG: std::sync::OnceLock<Arc<std::sync::Mutex<Vec<u8>>>> = std::sync::OnceLock::new();
-    LOG.get_or_init(|| {
-        let log: Arc<std::sync::Mutex<Vec<u8>>> = Arc::default();
-        let sink = log.clone();
-        let _ = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::WARN)
-            .with_ansi(false)
-            .with_writer(move || Sink(sink.clone()))
-            .try_init();
-        log
-    })
-    .clone()
-}
-
-struct Sink(Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for Sink {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 /// How many warnings about misplaced keys name `topic`.
 fn misplaced_warnings(topic: &str) -> usize {
-    let log = logged();
-    let text = String::from_utf8_lossy(&log.lock().unwrap()).into_owned();
-    text.lines()
+    keyorder_testkit::logs::text()
+        .lines()
         .filter(|l| l.contains(topic) && l.contains("another partition than Java's default partitioner"))
         .count()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_python_keyed_messages_run_in_per_key_order() {
-    logged();
+    keyorder_testkit::logs::install();
     let topic = format!("interop-in-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
     create(&topic, 6).await;
     let keys = keys();
@@ -173,7 +143,7 @@ async fn kafka_python_keyed_messages_run_in_per_key_order() {
 /// with the fix, and the records still run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_producer_on_another_partitioner_is_reported_once() {
-    logged();
+    keyorder_testkit::logs::install();
     let topic = format!("interop-crc-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
     create(&topic, 6).await;
     let keys: Vec<Vec<u8>> = (0..20).map(|i| format!("customer-{i}").into_bytes()).collect();

@@ -977,17 +977,9 @@ pub(crate) fn headers_of(message: &Message) -> Result<String> {
     // `jsonb` holds no NUL: every value in its stored form (itself unless
     // it holds NUL or starts with U+0001), a key taken from a header and
     // the `keyorder-key` header alike.
-    let json = if headers
-        .values()
-        .any(|v| matches!(stored_text(v), std::borrow::Cow::Owned(_)))
-    {
-        let stored: BTreeMap<&String, std::borrow::Cow<'_, str>> =
-            headers.iter().map(|(k, v)| (k, stored_text(v))).collect();
-        serde_json::to_string(&stored)
-    } else {
-        serde_json::to_string(headers)
-    };
-    json.map_err(|e| Error::Broker(e.to_string()))
+    let stored: BTreeMap<&String, std::borrow::Cow<'_, str>> =
+        headers.iter().map(|(k, v)| (k, stored_text(v))).collect();
+    serde_json::to_string(&stored).map_err(|e| Error::Broker(e.to_string()))
 }
 
 impl PgPublisher {

@@ -150,34 +150,6 @@ async fn keyorder_messages_read_back_by_pika_untouched() {
     let _ = conn.close(200, "done".into()).await;
 }
 
-/// What this test binary logged (errors), to check what a user is told.
-fn logged() -> Arc<std::sync::Mutex<Vec<u8>>> {
-    static LOG: std::sync::OnceLock<Arc<std::sync::Mutex<Vec<u8>>>> = std::sync::OnceLock::new();
-    LOG.get_or_init(|| {
-        let log: Arc<std::sync::Mutex<Vec<u8>>> = Arc::default();
-        let sink = log.clone();
-        let _ = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::ERROR)
-            .with_ansi(false)
-            .with_writer(move || Sink(sink.clone()))
-            .try_init();
-        log
-    })
-    .clone()
-}
-
-struct Sink(Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for Sink {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 /// A foreign producer may set a routing key that is no UTF-8 (AMQP
 /// forbids it; RabbitMQ routes it): the AMQP client cannot read such a
 /// delivery and closes the connection on it, so the message stops its
@@ -185,7 +157,7 @@ impl std::io::Write for Sink {
 /// removed as told, every other key runs, in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_routing_key_that_is_no_utf8_is_reported_and_its_removal_frees_the_queue() {
-    logged();
+    keyorder_testkit::logs::install();
     let cat = format!("interop-bin-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
     let c = client().await;
     let build = || c.subscribe(&cat, "g").ordered_by(KeySource::routing_key()).build();
@@ -196,7 +168,7 @@ async fn a_routing_key_that_is_no_utf8_is_reported_and_its_removal_frees_the_que
     args.extend(keys().iter().map(|k| hex(k.as_bytes())));
     tokio::task::spawn_blocking(move || python(&args)).await.unwrap();
     let reported = || {
-        String::from_utf8_lossy(&logged().lock().unwrap())
+        keyorder_testkit::logs::text()
             .lines()
             .filter(|l| l.contains(&cat) && l.contains("could not be read") && l.contains("Reject requeue false"))
             .count()

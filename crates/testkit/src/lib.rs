@@ -21,6 +21,7 @@ mod faults;
 mod groups;
 mod handover;
 pub mod instance;
+pub mod logs;
 pub mod outbox;
 pub mod pglog;
 pub mod proxy;
