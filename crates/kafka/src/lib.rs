@@ -267,10 +267,17 @@ impl KafkaTransport {
         let state_producer: FutureProducer = pc.create().map_err(crate::create_err)?;
         let probe = producer.clone();
         let brokers = cfg.brokers.clone();
+        let tls = match cfg.extra.get("security.protocol").map(|v| v.to_ascii_lowercase()) {
+            Some(p) if p.contains("ssl") => {
+                "is it running, does that port serve TLS (a plaintext port fails the handshake), and did the CA of \
+                 ssl.ca.location (or a system root) sign its certificate? librdkafka's log line says which"
+            }
+            _ => "is it running?",
+        };
         tokio::task::spawn_blocking(move || probe.client().fetch_metadata(None, Duration::from_secs(10)))
             .await
             .map_err(kafka_err)?
-            .map_err(|e| Error::Broker(format!("kafka: no answer from {brokers}: {e} (is it running?)")))?;
+            .map_err(|e| Error::Broker(format!("kafka: no answer from {brokers}: {e} ({tls})")))?;
         Ok(KafkaTransport {
             cfg: Arc::new(cfg),
             producer,

@@ -146,6 +146,9 @@ pub struct RabbitConfig {
     /// `host:port` to read the broker's version from (plain `amqp://` only;
     /// `None` for TLS).
     pub(crate) probe: Option<(String, u16)>,
+    /// CA certificates to trust (`cacertfile=`, the name RabbitMQ's URI
+    /// spec uses; `amqps://` only); `None`: the system's roots.
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 /// Without a TLS backend lapin would connect an `amqps://` URL in
@@ -173,7 +176,7 @@ impl RabbitConfig {
             display: format!(
                 "{}:{}",
                 url.host_str().unwrap_or("127.0.0.1"),
-                url.port().unwrap_or(5672)
+                url.port().unwrap_or(if url.scheme() == "amqps" { 5671 } else { 5672 })
             ),
             topology: Topology::Plain,
             queue_type: QueueType::Quorum,
@@ -182,6 +185,7 @@ impl RabbitConfig {
             expires_ms: None,
             consumer_timeout: None,
             groups: Vec::new(),
+            ca_file: None,
             probe: (url.scheme() == "amqp").then(|| {
                 (
                     url.host_str().unwrap_or("127.0.0.1").to_owned(),
@@ -252,13 +256,21 @@ impl RabbitConfig {
                         }
                     }
                 }
+                "cacertfile" => {
+                    if url.scheme() != "amqps" {
+                        return Err(Error::Url(
+                            "amqp: cacertfile= is for TLS: use amqps:// (amqp:// is plaintext)".into(),
+                        ));
+                    }
+                    cfg.ca_file = Some(std::path::PathBuf::from(v.as_ref()))
+                }
                 "heartbeat" | "frame_max" | "channel_max" | "connection_timeout" => {
                     rest.push((k.into_owned(), v.into_owned()))
                 }
                 other => {
                     return Err(Error::Url(format!(
                         "amqp: unknown option `{other}` (known: topology, queues, queue_type, declare, prefetch, expires_ms, \
-                         consumer_timeout_ms, groups)"
+                         consumer_timeout_ms, groups, cacertfile, heartbeat, frame_max, channel_max, connection_timeout)"
                     )))
                 }
             }
@@ -324,6 +336,7 @@ impl std::fmt::Debug for RabbitConfig {
             .field("expires_ms", &self.expires_ms)
             .field("consumer_timeout", &self.consumer_timeout)
             .field("groups", &self.groups)
+            .field("ca_file", &self.ca_file)
             .finish()
     }
 }

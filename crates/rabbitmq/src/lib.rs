@@ -160,20 +160,52 @@ impl fmt::Debug for RabbitTransport {
     }
 }
 
-pub(crate) async fn connect_uri(uri: &str, display: &str) -> Result<Connection> {
+/// Connects to `uri` (`cfg`'s, or a variant of it); with TLS, the CA
+/// certificates of `cacertfile=` (or the system's roots) verify the server.
+pub(crate) async fn connect_uri(uri: &str, cfg: &RabbitConfig) -> Result<Connection> {
+    let display = &cfg.display;
+    let tls = match &cfg.ca_file {
+        Some(path) => lapin::tcp::OwnedTLSConfig {
+            identity: None,
+            cert_chain: Some(std::fs::read_to_string(path).map_err(|e| {
+                Error::Config(format!("rabbitmq: cannot read cacertfile {}: {e}", path.display()))
+            })?),
+        },
+        None => lapin::tcp::OwnedTLSConfig::default(),
+    };
+    let runtime = lapin::runtime::default_runtime()
+        .map_err(|e| Error::Broker(format!("rabbitmq: no runtime to connect with: {e}")))?;
     tokio::time::timeout(
         std::time::Duration::from_secs(10),
-        Connection::connect(uri, ConnectionProperties::default()),
+        Connection::connect_with_config(uri, ConnectionProperties::default(), tls, runtime),
     )
     .await
-    .map_err(|_| Error::Broker(format!("rabbitmq: no answer from {display} (is it running?)")))?
-    .map_err(|e| Error::Broker(format!("rabbitmq: cannot connect to {display}: {e} (is it running?)")))
+    .map_err(|_| Error::Broker(format!("rabbitmq: no answer from {display} ({})", hint(uri))))?
+    .map_err(|e| {
+        let e = e.to_string();
+        let hint = if e.contains("ACCESS_REFUSED") {
+            "check the user name and password, and that the user may use this virtual host"
+        } else {
+            hint(uri)
+        };
+        Error::Broker(format!("rabbitmq: cannot connect to {display}: {e} ({hint})"))
+    })
+}
+
+/// What to check when a connection fails.
+fn hint(uri: &str) -> &'static str {
+    if uri.starts_with("amqps:") {
+        "is it running, does that port serve TLS (a plaintext port answers a TLS handshake with a corrupt message), \
+         and did the CA of cacertfile= (or a system root) sign its certificate?"
+    } else {
+        "is it running?"
+    }
 }
 
 impl RabbitTransport {
     /// Connects with `cfg`.
     pub async fn connect(cfg: RabbitConfig) -> Result<Self> {
-        let conn = connect_uri(&cfg.uri, &cfg.display).await?;
+        let conn = connect_uri(&cfg.uri, &cfg).await?;
         Ok(RabbitTransport {
             cfg: Arc::new(cfg),
             conn: Arc::new(tokio::sync::Mutex::new(Arc::new(conn))),
@@ -200,7 +232,7 @@ impl RabbitTransport {
         let mut conn = self.conn.lock().await;
         if !conn.status().connected() {
             tracing::info!(broker = %self.cfg.display, "rabbitmq: reconnecting");
-            *conn = Arc::new(connect_uri(&self.cfg.uri, &self.cfg.display).await?);
+            *conn = Arc::new(connect_uri(&self.cfg.uri, &self.cfg).await?);
         }
         Ok(conn.clone())
     }

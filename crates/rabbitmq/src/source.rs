@@ -373,7 +373,7 @@ impl Source {
     /// A connection whose set-up failed is closed in the background.
     async fn connect(&mut self) -> Result<()> {
         let uri = self.t.cfg.uri_with_heartbeat(self.heartbeat_secs());
-        let conn = Arc::new(connect_uri(&uri, &self.t.cfg.display).await?);
+        let conn = Arc::new(connect_uri(&uri, &self.t.cfg).await?);
         watch_unreadable(&conn, &self.unreadable_reported, self.names.base());
         let wait = self.spec.lease.ttl.max(Duration::from_secs(10));
         let failed = match tokio::time::timeout(wait, self.set_up(conn.clone())).await {

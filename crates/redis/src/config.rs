@@ -24,6 +24,11 @@ pub enum Layout {
 /// | `response_timeout_ms` | `2000` | per-command response timeout |
 /// | `reap_idle_ms` | `3600000` | remove a drained partition idle this long (0: never) |
 /// | `partition_warn` | `2000` | warn when a category has more live partitions |
+/// | `ca_file` | the system's roots | `rediss://` only: a PEM file of the CA certificates to trust |
+///
+/// `rediss://` connects with TLS and verifies the server's certificate and
+/// name; it needs the `tls` feature (part of keyorder's `all-adapters`) and
+/// is refused without it, never downgraded to plaintext.
 ///
 /// ```
 /// let url = url::Url::parse("redis://127.0.0.1:6379/?reap_idle_ms=60000").unwrap();
@@ -44,6 +49,37 @@ pub struct RedisConfig {
     pub reap_idle: Duration,
     /// Live partitions per category above which a warning fires.
     pub partition_warn: usize,
+    /// CA certificates to trust (`ca_file=`, `rediss://` only); `None`: the
+    /// system's roots.
+    pub ca_file: Option<std::path::PathBuf>,
+}
+
+impl RedisConfig {
+    /// What to check when a connection fails.
+    pub(crate) fn hint(&self) -> &'static str {
+        if self.server.starts_with("rediss:") {
+            "is it running, does that port serve TLS (a plaintext port never answers the TLS handshake), and did \
+             the CA of ca_file= (or a system root) sign its certificate?"
+        } else {
+            "is it running?"
+        }
+    }
+}
+
+/// Refuses `rediss://` in a build without TLS, and `ca_file=` without
+/// `rediss://`: never a plaintext connection where TLS was asked for.
+fn check_tls(scheme: &str, ca_file: bool, tls_built: bool) -> Result<()> {
+    match scheme {
+        "rediss" if !tls_built => Err(Error::Config(
+            "redis: rediss:// needs TLS, and this build has none: enable keyorder-redis's `tls` feature (keyorder's \
+             `tls`, part of `all-adapters`); refusing to connect in plaintext"
+                .into(),
+        )),
+        "redis" if ca_file => Err(Error::Url(
+            "redis: ca_file= is for TLS: use rediss:// (redis:// is plaintext)".into(),
+        )),
+        _ => Ok(()),
+    }
 }
 
 impl RedisConfig {
@@ -61,6 +97,7 @@ impl RedisConfig {
             response_timeout: Duration::from_secs(2),
             reap_idle: Duration::from_secs(3600),
             partition_warn: 2000,
+            ca_file: None,
         };
         let num = |k: &str, v: &str| -> Result<u64> {
             v.parse()
@@ -85,15 +122,17 @@ impl RedisConfig {
                 }
                 "reap_idle_ms" => cfg.reap_idle = Duration::from_millis(num(&k, &v)?),
                 "partition_warn" => cfg.partition_warn = num(&k, &v)? as usize,
+                "ca_file" => cfg.ca_file = Some(std::path::PathBuf::from(v.as_ref())),
                 "protocol" | "db" => rest.push((k.into_owned(), v.into_owned())),
                 other => {
                     return Err(Error::Url(format!(
                         "redis: unknown option `{other}` (known: layout, response_timeout_ms, reap_idle_ms, \
-                         partition_warn)"
+                         partition_warn, ca_file)"
                     )))
                 }
             }
         }
+        check_tls(url.scheme(), cfg.ca_file.is_some(), cfg!(feature = "tls"))?;
         let mut server = url.clone();
         server.set_query(None);
         if !rest.is_empty() {
@@ -114,6 +153,7 @@ impl std::fmt::Debug for RedisConfig {
             .field("response_timeout", &self.response_timeout)
             .field("reap_idle", &self.reap_idle)
             .field("partition_warn", &self.partition_warn)
+            .field("ca_file", &self.ca_file)
             .finish()
     }
 }
@@ -127,5 +167,16 @@ mod tests {
     fn debug_hides_the_password() {
         let cfg = RedisConfig::from_url(&url::Url::parse("redis://:s3cret@127.0.0.1:6379/0").unwrap()).unwrap();
         assert!(!format!("{cfg:?}").contains("s3cret"), "{cfg:?}");
+    }
+
+    /// TLS asked for is never downgraded (issue 37).
+    #[test]
+    fn tls_is_refused_without_a_backend_and_ca_file_needs_rediss() {
+        let err = check_tls("rediss", false, false).unwrap_err().to_string();
+        assert!(err.contains("`tls` feature") && err.contains("refusing"), "{err}");
+        assert!(check_tls("rediss", true, true).is_ok() && check_tls("redis", false, false).is_ok());
+        let url = url::Url::parse("redis://127.0.0.1:6379/?ca_file=/tmp/ca.pem").unwrap();
+        let err = RedisConfig::from_url(&url).unwrap_err().to_string();
+        assert!(err.contains("use rediss://"), "{err}");
     }
 }

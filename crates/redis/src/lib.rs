@@ -163,7 +163,7 @@ impl fmt::Debug for RedisTransport {
 impl RedisTransport {
     /// Connects with `cfg`; fails when the server does not answer.
     pub async fn connect(cfg: RedisConfig) -> Result<Self> {
-        let client = redis::Client::open(cfg.server.as_str()).map_err(|e| Error::Url(format!("redis: {e}")))?;
+        let client = Self::client(&cfg)?;
         let conn = Self::manager(&client, &cfg, Some(cfg.response_timeout)).await?;
         Self::check_eviction(&mut conn.clone(), &cfg).await?;
         Ok(RedisTransport {
@@ -172,6 +172,26 @@ impl RedisTransport {
             batcher: batch::Batcher::start(conn.clone()),
             conn,
         })
+    }
+
+    /// The client for `cfg`: with TLS, the CA certificates of `ca_file=` (or
+    /// the system's roots) verify the server.
+    fn client(cfg: &RedisConfig) -> Result<redis::Client> {
+        let bad = |e: redis::RedisError| Error::Url(format!("redis: {}", keyorder_core::redact::text(&e.to_string())));
+        #[cfg(feature = "tls")]
+        if cfg.server.starts_with("rediss:") {
+            // redis-rs builds its TLS configuration from the process's
+            // rustls provider: install ring's unless the application chose one.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            if let Some(path) = &cfg.ca_file {
+                let pem = std::fs::read(path).map_err(|e| {
+                    Error::Config(format!("redis: cannot read ca_file {}: {e}", path.display()))
+                })?;
+                let certs = redis::TlsCertificates { client_tls: None, root_cert: Some(pem) };
+                return redis::Client::build_with_tls(cfg.server.as_str(), certs).map_err(bad);
+            }
+        }
+        redis::Client::open(cfg.server.as_str()).map_err(bad)
     }
 
     /// Connects to the server a `redis://` URL names (options in its query
@@ -223,11 +243,12 @@ impl RedisTransport {
             ConnectionManager::new_with_config(client.clone(), config),
         )
         .await
-        .map_err(|_| Error::Broker(format!("redis: no answer from {} (is it running?)", cfg.display)))?
+        .map_err(|_| Error::Broker(format!("redis: no answer from {} ({})", cfg.display, cfg.hint())))?
         .map_err(|e| {
             Error::Broker(format!(
-                "redis: cannot connect to {}: {e} (is it running?)",
-                cfg.display
+                "redis: cannot connect to {}: {e} ({})",
+                cfg.display,
+                cfg.hint()
             ))
         })
     }
