@@ -93,6 +93,7 @@ impl std::fmt::Display for ConsumerTimeout {
 /// | `expires_ms` | none | delete a group's queue unused (no consumer) this long (`x-expires`; for tests and short-lived categories; never the registry, its lock or a dead-letter queue). Publishing is not use: a queue that expires while a backlog is published to it is deleted with its messages |
 /// | `consumer_timeout_ms` | see below | how long a halted head may stay unacknowledged: a whole number of ms, or `off` |
 /// | `groups` | none | consumer groups (comma-separated) whose topology a publisher declares before its first publish, so they keep what is published before their first consumer starts |
+/// | `cacertfile` | the system's roots | `amqps://` only: a PEM file of the CA certificates to trust (with the `tls` feature; `amqps://` without it is refused, never connected in plaintext) |
 ///
 /// `groups`: each consumer group has queues of its own behind the
 /// category's entry exchange, created when the group's first subscription
