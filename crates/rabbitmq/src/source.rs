@@ -110,6 +110,42 @@ struct Link {
     presence: Option<(Channel, JoinHandle<()>)>,
 }
 
+/// Announcements confirmed with the broker per maintenance, at most.
+const CONFIRMS_PER_ROUND: usize = 16;
+
+/// Whether the queue `name` is an exclusive queue of another connection
+/// (`Some(true)`), absent or not exclusive (`Some(false)`), or unknown (no
+/// answer, `None`).
+async fn live_elsewhere(conn: &Connection, name: &str) -> Option<bool> {
+    let ch = conn.create_channel().await.ok()?;
+    let passive = ch
+        .queue_declare(
+            name.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
+    match passive {
+        Ok(_) => {
+            let _ = ch.close(200, "checked".into()).await;
+            Some(false)
+        }
+        Err(e) => {
+            let text = e.to_string();
+            if text.contains("RESOURCE_LOCKED") || text.contains("RESOURCE-LOCKED") {
+                Some(true)
+            } else if text.contains("NOT_FOUND") || text.contains("NOT-FOUND") {
+                Some(false)
+            } else {
+                None
+            }
+        }
+    }
+}
+
 pub(crate) struct Source {
     /// `x-consumer-timeout` for each consumer, where the broker takes it.
     timeout_arg: Option<i64>,
@@ -136,6 +172,13 @@ pub(crate) struct Source {
     plans: Arc<Mutex<HashMap<String, Option<Plan>>>>,
     /// This instance's own plan, while it is the oldest live one.
     plan: Option<Plan>,
+    /// Announcements the broker confirmed (their member's live queue is
+    /// held by another connection), with when: `(who, started)`.
+    confirmed: HashMap<(String, u64), Instant>,
+    /// Members already reported as unconfirmed (bounded).
+    unconfirmed_reported: HashSet<String>,
+    /// Whether this source holds its own live queue on its connection.
+    live_held: bool,
     owned: HashMap<String, Owned>,
     scopes: HashMap<Arc<str>, String>,
     tx: mpsc::UnboundedSender<Arrival>,
@@ -314,6 +357,9 @@ impl Source {
             joined: Arc::default(),
             plans: Arc::default(),
             plan: None,
+            confirmed: HashMap::new(),
+            unconfirmed_reported: HashSet::new(),
+            live_held: false,
             owned: HashMap::new(),
             scopes: HashMap::new(),
             tx,
@@ -326,6 +372,111 @@ impl Source {
         };
         source.maintain_now().await?;
         Ok(source)
+    }
+
+    /// Declares this source's live queue on `conn` (exclusive: the broker
+    /// deletes it with the connection), so that the others believe its
+    /// announcements. Refused while an earlier connection of this source
+    /// still holds it (the broker has not yet noticed that one died): tried
+    /// again at the next maintenance; until then the others leave this
+    /// source out of their plans, and single active consumers keep every
+    /// queue consumed once.
+    async fn hold_live(&self, conn: &Connection) -> bool {
+        let Some(started) = self.joined_at else {
+            return false;
+        };
+        let name = self.names.live(started, &self.spec.instance);
+        let declare = async {
+            let ch = conn.create_channel().await?;
+            ch.queue_declare(
+                name.as_str().into(),
+                QueueDeclareOptions {
+                    exclusive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+            let _ = ch.close(200, "declared".into()).await;
+            Ok::<_, lapin::Error>(())
+        };
+        match tokio::time::timeout(self.spec.lease.ttl, declare).await {
+            Ok(Ok(())) => true,
+            Ok(Err(e)) => {
+                tracing::warn!(
+                    error = %e,
+                    "rabbitmq: cannot declare this instance's live queue yet (an earlier connection may still \
+                     hold it); the other instances leave it out of their plans until it is declared"
+                );
+                false
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// The announced members (`(started, who)`, this source excluded) that
+    /// the broker confirms: each one's live queue exists and is locked to
+    /// another connection (`RESOURCE_LOCKED` on a passive declaration). An
+    /// announcement anyone could publish on the presence exchange, a forged
+    /// id or a departed member's replayed one, names no held queue and is
+    /// ignored (reported once per id). A confirmation lasts one lease TTL;
+    /// at most [`CONFIRMS_PER_ROUND`] are asked for per maintenance, so a
+    /// flood of forged ids costs the broker a bounded number of round trips.
+    async fn confirm(&mut self, announced: Vec<(u64, String)>) -> Vec<(u64, String)> {
+        let ttl = self.spec.lease.ttl;
+        self.confirmed.retain(|(who, started), at| {
+            at.elapsed() < ttl * 4 && announced.iter().any(|(s, w)| s == started && w == who)
+        });
+        let Some(conn) = self.link.as_ref().map(|l| l.conn.clone()) else {
+            return Vec::new();
+        };
+        let due: Vec<(u64, String)> = announced
+            .iter()
+            .filter(|(s, w)| {
+                self.confirmed
+                    .get(&(w.clone(), *s))
+                    .is_none_or(|at| at.elapsed() >= ttl)
+            })
+            .take(CONFIRMS_PER_ROUND)
+            .cloned()
+            .collect();
+        let checks = due.into_iter().map(|(started, who)| {
+            let name = self.names.live(started, &who);
+            let conn = conn.clone();
+            async move {
+                let verdict = tokio::time::timeout(ttl, live_elsewhere(&conn, &name))
+                    .await
+                    .ok()
+                    .flatten();
+                (started, who, verdict)
+            }
+        });
+        for (started, who, verdict) in futures::future::join_all(checks).await {
+            match verdict {
+                Some(true) => {
+                    self.confirmed.insert((who, started), Instant::now());
+                }
+                Some(false) => {
+                    self.confirmed.remove(&(who.clone(), started));
+                    if self.unconfirmed_reported.len() < 1000 && self.unconfirmed_reported.insert(who.clone()) {
+                        metrics::counter!("keyorder_rabbitmq_presence_unconfirmed_total").increment(1);
+                        tracing::warn!(
+                            member = who.as_str(),
+                            "rabbitmq: an announcement on the presence exchange is not confirmed by the broker (no \
+                             live queue held for it): ignored. A forged or replayed announcement, or an instance of \
+                             an older keyorder; see SECURITY.md for the permissions that keep publishers off the \
+                             presence exchange"
+                        );
+                    }
+                }
+                // No answer: the last verdict stands.
+                None => {}
+            }
+        }
+        announced
+            .into_iter()
+            .filter(|(s, w)| self.confirmed.contains_key(&(w.clone(), *s)))
+            .collect()
     }
 
     /// Whether queues are spread over the instances (ordered `hash`): with
@@ -511,6 +662,10 @@ impl Source {
         } else {
             None
         };
+        self.live_held = false;
+        if self.spreads() {
+            self.live_held = self.hold_live(&conn).await;
+        }
         self.link = Some(Link {
             conn,
             dlq_channel,
@@ -729,7 +884,7 @@ impl Source {
         let me = self.spec.instance.clone();
         let mine: HashSet<String> = if self.spreads() {
             let ttl = self.spec.lease.ttl;
-            let mut live: Vec<(u64, String)> = {
+            let live: Vec<(u64, String)> = {
                 let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
                 seen.retain(|_, (at, _)| at.elapsed() < ttl * 4);
                 self.plans
@@ -741,6 +896,12 @@ impl Source {
                     .map(|(m, (_, started))| (*started, m.clone()))
                     .collect()
             };
+            if !self.live_held {
+                if let Some(conn) = self.link.as_ref().map(|l| l.conn.clone()) {
+                    self.live_held = self.hold_live(&conn).await;
+                }
+            }
+            let mut live = self.confirm(live).await;
             live.push((self.joined_at.unwrap_or(u64::MAX), me.clone()));
             live.sort();
             let members: Vec<String> = live.into_iter().map(|(_, m)| m).collect();

@@ -24,6 +24,7 @@
 //! | `{c}:{g}.dlq` | queue, never `x-expires` | the group's dead letters (published with a confirm, then the head is acknowledged) |
 //! | `{c}:{g}.members` | classic queue, never holds a message | every running source of the group consumes it: its consumer count is the group's live members |
 //! | `{c}:{g}.presence` | fanout exchange (transient) | the group's instances announce themselves every heartbeat (`hash`) |
+//! | `keyorder.live.{hash}` | exclusive queue (gone with its connection), never holds a message | held by each running source of a `hash` group, named after its join claim and instance id; an announcement is believed only while its queue exists and is locked to another connection ([`GroupNames::live`]) |
 //!
 //! Virtual host (shared by every category and group):
 //!
@@ -215,6 +216,20 @@ impl GroupNames {
     /// The group's presence exchange.
     pub fn presence(&self) -> String {
         format!("{}.presence", self.base)
+    }
+    /// The exclusive queue a running source of the group holds for as long
+    /// as its connection lives, named after its join claim's offset and its
+    /// instance id: the broker's proof that a presence announcement
+    /// (`started:who`) comes from a live member (the source module). A
+    /// fixed-length name (`keyorder.live.` and 32 hex digits of a stable
+    /// hash), so a long category, group or instance id still fits.
+    pub fn live(&self, started: u64, who: &str) -> String {
+        let data = format!("{}\0{started}\0{who}", self.base);
+        format!(
+            "keyorder.live.{:016x}{:016x}",
+            fnv1a(0xcbf2_9ce4_8422_2325, data.as_bytes()),
+            fnv1a(0x6c62_272e_07bb_0142, data.as_bytes())
+        )
     }
     /// The queues a topology consumes.
     pub fn queues(&self, t: Topology) -> Vec<String> {
@@ -1087,6 +1102,12 @@ pub(crate) async fn delete_group(conn: &Connection, g: &GroupNames, topology: Op
 /// A server-named, exclusive, auto-deleted queue on `ch` and a consumer of
 /// it without acknowledgements (presence announcements, operator requests
 /// and their answers); returns the queue's name and the consumer.
+/// FNV-1a (64 bits) from `seed`: stable across builds and versions, unlike
+/// the standard library's hasher.
+fn fnv1a(seed: u64, bytes: &[u8]) -> u64 {
+    bytes.iter().fold(seed, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3))
+}
+
 pub(crate) async fn private_queue(ch: &Channel) -> Result<(String, Consumer)> {
     let q = ch
         .queue_declare(

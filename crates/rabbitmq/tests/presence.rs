@@ -1,0 +1,197 @@
+//! Presence cannot be forged (issue 37), on the real RabbitMQ: anyone who
+//! may publish on a `hash` group's presence exchange used to add members at
+//! will (`started:who`), and `started=0` made a forged member the leader, so
+//! the only live instance gave its queues away to ghosts and they went
+//! unconsumed for as long as the forger kept on. Now an announcement counts
+//! only while the broker holds the member's live queue (exclusive to its
+//! connection): the ghosts are ignored and reported, and a real second
+//! instance still joins.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig, Message};
+use keyorder_rabbitmq::{Names, RabbitTransport};
+use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+
+const QUEUES: u16 = 4;
+
+fn base() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+fn url() -> String {
+    format!(
+        "{}?topology=hash&queues={QUEUES}&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000&groups=g",
+        base()
+    )
+}
+
+async fn client() -> Client {
+    let t = RabbitTransport::from_url(&url().parse().unwrap())
+        .await
+        .expect("RabbitMQ must be reachable (run scripts/services)");
+    Client::new(Arc::new(t))
+}
+
+/// The consumer count of each of the group's hash queues (the broker's view).
+async fn consumers(conn: &Connection, queues: &[String]) -> Vec<u32> {
+    let ch = conn.create_channel().await.unwrap();
+    let mut counts = Vec::new();
+    for q in queues {
+        let d = ch
+            .queue_declare(
+                q.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        counts.push(d.consumer_count());
+    }
+    let _ = ch.close(200, "done".into()).await;
+    counts
+}
+
+type Applied = Arc<Mutex<Vec<(String, String)>>>;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_announcements_take_no_queue_and_a_real_member_still_joins() {
+    keyorder_testkit::logs::install();
+    let category = format!("presence-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let names = Names::new(&category).unwrap().group("g").unwrap();
+    let queues: Vec<String> = (0..QUEUES).map(|i| names.hash_queue(i)).collect();
+    let a = client().await;
+    let publisher = a.publisher(&category).await.unwrap();
+    let applied: Applied = Arc::default();
+    let start = |client: Client, id: &'static str| {
+        let (applied, category) = (applied.clone(), category.clone());
+        async move {
+            let sub = client
+                .subscribe(&category, "g")
+                .ordered_by(KeySource::routing_key())
+                .instance_id(id)
+                .lease(LeaseConfig {
+                    ttl: Duration::from_secs(4),
+                    heartbeat: Duration::from_millis(500),
+                    margin: Duration::from_millis(1500),
+                })
+                .build()
+                .await
+                .unwrap();
+            let handler = move |d: Delivery| {
+                let applied = applied.clone();
+                async move {
+                    let body = String::from_utf8_lossy(d.payload()).into_owned();
+                    applied.lock().unwrap().push((body, id.to_owned()));
+                    HandlerResult::Ok(())
+                }
+            };
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let run = tokio::spawn(sub.run(handler, async move {
+                let _ = stopped.await;
+            }));
+            (stop, run)
+        }
+    };
+    let conn = Connection::connect(&base(), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let (stop_a, run_a) = start(a, "a").await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while consumers(&conn, &queues).await != vec![1; QUEUES as usize] {
+        assert!(tokio::time::Instant::now() < deadline, "a never consumed every queue");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // The forger: eight ghosts, each claiming to be the oldest member.
+    let forging = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let forger = tokio::spawn({
+        let (forging, presence) = (forging.clone(), names.presence());
+        let ch = conn.create_channel().await.unwrap();
+        async move {
+            while forging.load(std::sync::atomic::Ordering::SeqCst) {
+                for i in 0..8 {
+                    ch.basic_publish(
+                        presence.as_str().into(),
+                        "".into(),
+                        BasicPublishOptions::default(),
+                        format!("0:ghost-{i}").as_bytes(),
+                        BasicProperties::default(),
+                    )
+                    .await
+                    .unwrap();
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    });
+
+    // Either a ghost took a queue from a (it goes unconsumed), or a saw
+    // through them (it says so).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let counts = consumers(&conn, &queues).await;
+        assert!(
+            !counts.contains(&0),
+            "forged announcements took queues from the only live instance: consumers per queue {counts:?}"
+        );
+        if keyorder_testkit::logs::text().contains("not confirmed by the broker") {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the forged announcements were neither followed nor reported"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Everything published while the forger goes on is delivered.
+    for k in 0..40 {
+        publisher
+            .publish(Message::new(format!("first-{k}")).with_key(format!("k{k}")).unwrap())
+            .await
+            .unwrap();
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while applied.lock().unwrap().len() < 40 {
+        let counts = consumers(&conn, &queues).await;
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not delivered while forged announcements arrive: {} of 40, consumers per queue {counts:?}",
+            applied.lock().unwrap().len()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // A real second member is confirmed and given queues, ghosts or not.
+    let (stop_b, run_b) = start(client().await, "b").await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    let mut round = 0;
+    while !applied.lock().unwrap().iter().any(|(_, by)| by == "b") {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the real member b was never given a queue"
+        );
+        round += 1;
+        for k in 0..8 {
+            publisher
+                .publish(Message::new(format!("r{round}-{k}")).with_key(format!("k{k}")).unwrap())
+                .await
+                .unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    forging.store(false, std::sync::atomic::Ordering::SeqCst);
+    forger.await.unwrap();
+    let log = keyorder_testkit::logs::text();
+    assert!(log.contains("ghost-0"), "the ignored announcement is named: {log}");
+    for (stop, run) in [(stop_a, run_a), (stop_b, run_b)] {
+        let _ = stop.send(());
+        run.await.unwrap().unwrap();
+    }
+}
