@@ -1,7 +1,10 @@
 //! Nothing forged in an operator's terminal or a log (issue 37): a message
-//! id and a poison reason carrying ESC, OSC, BEL and line breaks are parked
-//! on every real broker; `keyorder dead-letters` prints each dead letter as
-//! one inert line, and the library's own log lines stay inert too.
+//! whose id, key, correlation id and a header carry ESC, OSC, BEL and line
+//! breaks, failed with a poison reason carrying the same, is parked on
+//! every real broker (on Kafka and RabbitMQ the id and the reason travel
+//! back as headers of the dead letter); `keyorder dead-letters` prints each
+//! dead letter as one inert line, and the library's own log lines stay
+//! inert too.
 
 #![cfg(feature = "all-adapters")]
 
@@ -14,6 +17,10 @@ use keyorder::{Delivery, HandlerError, KeySource, Message, PoisonPolicy, RetryPo
 /// a forged log line.
 const EVIL_ID: &str = "id-\u{1b}[2J\u{1b}]0;pwned\u{7}\" reason=\"handled ok\nFORGED INFO keyorder: all good";
 const EVIL_REASON: &str = "boom\r\n\u{1b}[31mFORGED\u{9b}1m";
+/// A key (keys may hold control characters) and a header value that would
+/// do the same.
+const EVIL_KEY: &str = "key-\u{1b}]0;pwned\u{7}\nFORGED INFO keyorder: key ok";
+const EVIL_HEADER: &str = "h-\u{1b}[2J\r\nFORGED WARN keyorder: header";
 
 fn env(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.into())
@@ -65,7 +72,14 @@ async fn park_and_list(url: &str) {
         .publisher(&category)
         .await
         .unwrap()
-        .publish(Message::new("x").with_key("k").unwrap().with_id(EVIL_ID))
+        .publish(
+            Message::new("x")
+                .with_key(EVIL_KEY)
+                .unwrap()
+                .with_id(EVIL_ID)
+                .with_correlation_id(EVIL_HEADER)
+                .with_header("x-note", EVIL_HEADER),
+        )
         .await
         .unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(90);

@@ -245,3 +245,56 @@ async fn another_process_sees_the_keys_the_consumers_hold() {
     let _ = stop.send(());
     run.await.unwrap().unwrap();
 }
+
+/// `rabbitmqctl` on the local node (as `scripts/services` runs it).
+fn rabbitmqctl(args: &[&str]) -> String {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .expect("rabbitmqctl runs (scripts/services installs RabbitMQ)");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Read-only operator commands create nothing on the broker (issue 37):
+/// in a virtual host of its own, nothing but the broker's own exchanges
+/// exists after every one of them ran (the control exchange they ask the
+/// consumers through was declared by the first of them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_only_commands_create_nothing() {
+    let vhost = format!("keyorder-ro-{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
+    rabbitmqctl(&["add_vhost", &vhost]);
+    rabbitmqctl(&["set_permissions", "-p", &vhost, "guest", ".*", ".*", ".*"]);
+    let base = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let mut url: url::Url = format!("{base}?topology=hash&queues=2&queue_type=classic&consumer_timeout_ms=3600000")
+        .parse()
+        .unwrap();
+    url.set_path(&vhost);
+    let t = RabbitTransport::from_url(&url).await.unwrap();
+    let c = Client::new(Arc::new(t));
+    let admin = c.admin();
+    let _ = admin.scopes("cat", "g").await;
+    let _ = admin.halted("cat", "g").await;
+    let _ = admin.hot_keys("cat", "g", 10).await;
+    let _ = admin.dead_letters("cat", "g").await;
+    let _ = admin.groups("cat").await;
+    let list = |what: &str| -> Vec<String> {
+        rabbitmqctl(&[what, "-p", &vhost, "-q", "--no-table-headers", "name"])
+            .lines()
+            .map(str::trim)
+            .filter(|n| !n.is_empty() && !n.starts_with("amq."))
+            .map(str::to_owned)
+            .collect()
+    };
+    let (exchanges, queues) = (list("list_exchanges"), list("list_queues"));
+    drop(c);
+    rabbitmqctl(&["delete_vhost", &vhost]);
+    assert!(
+        exchanges.is_empty() && queues.is_empty(),
+        "read-only commands created exchanges {exchanges:?} and queues {queues:?}"
+    );
+}
