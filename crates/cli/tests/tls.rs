@@ -33,7 +33,11 @@ fn tls() -> (String, String) {
 
 /// A wrong password that shares nothing with the right one but its length.
 fn wrong(password: &str) -> String {
-    password.chars().rev().map(|c| if c == 'x' { 'y' } else { 'x' }).collect()
+    password
+        .chars()
+        .rev()
+        .map(|c| if c == 'x' { 'y' } else { 'x' })
+        .collect()
 }
 
 fn unique(prefix: &str) -> String {
@@ -74,7 +78,9 @@ async fn round_trip(url: &str, secrets: &[&str]) -> String {
             move |d: Delivery| {
                 let seen = seen.clone();
                 async move {
-                    seen.lock().unwrap().push(String::from_utf8_lossy(d.payload()).into_owned());
+                    seen.lock()
+                        .unwrap()
+                        .push(String::from_utf8_lossy(d.payload()).into_owned());
                     Ok::<(), keyorder::HandlerError>(())
                 }
             }
@@ -197,10 +203,22 @@ async fn postgres() {
     check(
         url(&pw, 5434, "ca.pem"),
         vec![
-            ("postgres: wrong CA", url(&pw, 5434, "other-ca.pem"), &["certificate", "UnknownIssuer"][..]),
+            (
+                "postgres: wrong CA",
+                url(&pw, 5434, "other-ca.pem"),
+                &["certificate", "UnknownIssuer"][..],
+            ),
             // PgBouncer on 6432 serves no TLS.
-            ("postgres: plaintext port", url(&pw, 6432, "ca.pem"), &["TLS", "SSL"][..]),
-            ("postgres: wrong password", url(&bad_pw, 5434, "ca.pem"), &["password"][..]),
+            (
+                "postgres: plaintext port",
+                url(&pw, 6432, "ca.pem"),
+                &["TLS", "SSL"][..],
+            ),
+            (
+                "postgres: wrong password",
+                url(&bad_pw, 5434, "ca.pem"),
+                &["password"][..],
+            ),
         ],
         &[&pw, &bad_pw],
     )
@@ -215,9 +233,21 @@ async fn redis() {
     check(
         url(&pw, 6390, "ca.pem"),
         vec![
-            ("redis: wrong CA", url(&pw, 6390, "other-ca.pem"), &["certificate", "UnknownIssuer"][..]),
-            ("redis: plaintext port", url(&pw, 6379, "ca.pem"), &["TLS", "SSL", "handshake"][..]),
-            ("redis: wrong password", url(&bad_pw, 6390, "ca.pem"), &["password", "WRONGPASS", "auth"][..]),
+            (
+                "redis: wrong CA",
+                url(&pw, 6390, "other-ca.pem"),
+                &["certificate", "UnknownIssuer"][..],
+            ),
+            (
+                "redis: plaintext port",
+                url(&pw, 6379, "ca.pem"),
+                &["TLS", "SSL", "handshake"][..],
+            ),
+            (
+                "redis: wrong password",
+                url(&bad_pw, 6390, "ca.pem"),
+                &["password", "WRONGPASS", "auth"][..],
+            ),
         ],
         &[&pw, &bad_pw],
     )
@@ -237,9 +267,21 @@ async fn rabbitmq() {
     check(
         url(&pw, 5674, "ca.pem"),
         vec![
-            ("rabbitmq: wrong CA", url(&pw, 5674, "other-ca.pem"), &["certificate", "UnknownIssuer"][..]),
-            ("rabbitmq: plaintext port", url(&pw, 5673, "ca.pem"), &["TLS", "SSL", "handshake"][..]),
-            ("rabbitmq: wrong password", url(&bad_pw, 5674, "ca.pem"), &["password", "ACCESS_REFUSED"][..]),
+            (
+                "rabbitmq: wrong CA",
+                url(&pw, 5674, "other-ca.pem"),
+                &["certificate", "UnknownIssuer"][..],
+            ),
+            (
+                "rabbitmq: plaintext port",
+                url(&pw, 5673, "ca.pem"),
+                &["TLS", "SSL", "handshake"][..],
+            ),
+            (
+                "rabbitmq: wrong password",
+                url(&bad_pw, 5674, "ca.pem"),
+                &["password", "ACCESS_REFUSED"][..],
+            ),
         ],
         &[&pw, &bad_pw],
     )
@@ -259,8 +301,16 @@ async fn kafka() {
     check(
         url(9095, "ca.pem"),
         vec![
-            ("kafka: wrong CA", url(9095, "other-ca.pem"), &["certificate", "SSL", "TLS"][..]),
-            ("kafka: plaintext port", url(9092, "ca.pem"), &["SSL", "TLS", "handshake"][..]),
+            (
+                "kafka: wrong CA",
+                url(9095, "other-ca.pem"),
+                &["certificate", "SSL", "TLS"][..],
+            ),
+            (
+                "kafka: plaintext port",
+                url(9092, "ca.pem"),
+                &["SSL", "TLS", "handshake"][..],
+            ),
         ],
         &[&pw],
     )

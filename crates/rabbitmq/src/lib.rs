@@ -167,9 +167,10 @@ pub(crate) async fn connect_uri(uri: &str, cfg: &RabbitConfig) -> Result<Connect
     let tls = match &cfg.ca_file {
         Some(path) => lapin::tcp::OwnedTLSConfig {
             identity: None,
-            cert_chain: Some(std::fs::read_to_string(path).map_err(|e| {
-                Error::Config(format!("rabbitmq: cannot read cacertfile {}: {e}", path.display()))
-            })?),
+            cert_chain: Some(
+                std::fs::read_to_string(path)
+                    .map_err(|e| Error::Config(format!("rabbitmq: cannot read cacertfile {}: {e}", path.display())))?,
+            ),
         },
         None => lapin::tcp::OwnedTLSConfig::default(),
     };

@@ -1105,7 +1105,9 @@ pub(crate) async fn delete_group(conn: &Connection, g: &GroupNames, topology: Op
 /// FNV-1a (64 bits) from `seed`: stable across builds and versions, unlike
 /// the standard library's hasher.
 fn fnv1a(seed: u64, bytes: &[u8]) -> u64 {
-    bytes.iter().fold(seed, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3))
+    bytes
+        .iter()
+        .fold(seed, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3))
 }
 
 pub(crate) async fn private_queue(ch: &Channel) -> Result<(String, Consumer)> {

@@ -184,10 +184,12 @@ impl RedisTransport {
             // rustls provider: install ring's unless the application chose one.
             let _ = rustls::crypto::ring::default_provider().install_default();
             if let Some(path) = &cfg.ca_file {
-                let pem = std::fs::read(path).map_err(|e| {
-                    Error::Config(format!("redis: cannot read ca_file {}: {e}", path.display()))
-                })?;
-                let certs = redis::TlsCertificates { client_tls: None, root_cert: Some(pem) };
+                let pem = std::fs::read(path)
+                    .map_err(|e| Error::Config(format!("redis: cannot read ca_file {}: {e}", path.display())))?;
+                let certs = redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(pem),
+                };
                 return redis::Client::build_with_tls(cfg.server.as_str(), certs).map_err(bad);
             }
         }

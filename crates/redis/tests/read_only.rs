@@ -1,0 +1,50 @@
+//! Read-only operator commands create nothing (issue 37), on the real
+//! Redis: no key naming the category exists after every one of them ran.
+
+use std::sync::Arc;
+
+use keyorder_core::Client;
+use keyorder_redis::RedisTransport;
+
+fn url() -> String {
+    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_only_commands_create_nothing() {
+    let category = format!("ro-{}", uuid::Uuid::new_v4().simple());
+    let t = RedisTransport::from_url(&url().parse().unwrap())
+        .await
+        .expect("Redis must be reachable (run scripts/services)");
+    let c = Client::new(Arc::new(t));
+    let admin = c.admin();
+    let _ = admin.scopes(&category, "g").await;
+    let _ = admin.halted(&category, "g").await;
+    let _ = admin.hot_keys(&category, "g", 10).await;
+    let _ = admin.dead_letters(&category, "g").await;
+    let _ = admin.groups(&category).await;
+    let mut conn = redis::Client::open(url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let mut found: Vec<String> = Vec::new();
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("*{category}*"))
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        found.extend(keys);
+        if next == 0 {
+            break;
+        }
+        cursor = next;
+    }
+    assert!(found.is_empty(), "read-only commands created {found:?}");
+}
