@@ -113,7 +113,9 @@ async fn round_trip(url: &str, secrets: &[&str]) -> String {
 }
 
 /// Connecting with `url` must fail: its error, checked for `hint` (any of
-/// the words, case-insensitive) and for the secrets.
+/// the driver's words for the cause, case-insensitive; keyorder's advice
+/// after them names none of these words, so a broker that is merely down
+/// does not pass) and for the secrets.
 async fn refused(what: &str, url: &str, hint: &[&str], secrets: &[&str]) {
     let err = match tokio::time::timeout(Duration::from_secs(60), keyorder::connect(url)).await {
         Err(_) => panic!("{what}: no answer within 60 s; expected a refusal"),
@@ -164,7 +166,8 @@ fn cli(url: &str, category: &str, ok: bool, secrets: &[&str]) {
 }
 
 /// The whole check for one broker: `ok` round-trips; each of `bad` (what,
-/// URL, hint words) is refused; the CLI and the log hold no secret.
+/// URL, hint words) is refused; the CLI succeeds on `ok` and fails on the
+/// last of `bad`; neither output nor the log holds a secret.
 async fn check(ok: String, bad: Vec<(&str, String, &[&str])>, secrets: &[&str]) {
     keyorder_testkit::logs::install_every_level();
     let category = round_trip(&ok, secrets).await;
@@ -206,18 +209,18 @@ async fn postgres() {
             (
                 "postgres: wrong CA",
                 url(&pw, 5434, "other-ca.pem"),
-                &["certificate", "UnknownIssuer"][..],
+                &["UnknownIssuer"][..],
             ),
             // PgBouncer on 6432 serves no TLS.
             (
                 "postgres: plaintext port",
                 url(&pw, 6432, "ca.pem"),
-                &["TLS", "SSL"][..],
+                &["does not support TLS"][..],
             ),
             (
                 "postgres: wrong password",
                 url(&bad_pw, 5434, "ca.pem"),
-                &["password"][..],
+                &["password authentication failed"][..],
             ),
         ],
         &[&pw, &bad_pw],
@@ -236,17 +239,13 @@ async fn redis() {
             (
                 "redis: wrong CA",
                 url(&pw, 6390, "other-ca.pem"),
-                &["certificate", "UnknownIssuer"][..],
+                &["UnknownIssuer"][..],
             ),
-            (
-                "redis: plaintext port",
-                url(&pw, 6379, "ca.pem"),
-                &["TLS", "SSL", "handshake"][..],
-            ),
+            ("redis: plaintext port", url(&pw, 6379, "ca.pem"), &["timed out"][..]),
             (
                 "redis: wrong password",
                 url(&bad_pw, 6390, "ca.pem"),
-                &["password", "WRONGPASS", "auth"][..],
+                &["AuthenticationFailed"][..],
             ),
         ],
         &[&pw, &bad_pw],
@@ -270,17 +269,17 @@ async fn rabbitmq() {
             (
                 "rabbitmq: wrong CA",
                 url(&pw, 5674, "other-ca.pem"),
-                &["certificate", "UnknownIssuer"][..],
+                &["UnknownIssuer"][..],
             ),
             (
                 "rabbitmq: plaintext port",
                 url(&pw, 5673, "ca.pem"),
-                &["TLS", "SSL", "handshake"][..],
+                &["InvalidContentType"][..],
             ),
             (
                 "rabbitmq: wrong password",
                 url(&bad_pw, 5674, "ca.pem"),
-                &["password", "ACCESS_REFUSED"][..],
+                &["ACCESS_REFUSED"][..],
             ),
         ],
         &[&pw, &bad_pw],
@@ -288,7 +287,9 @@ async fn rabbitmq() {
     .await;
 }
 
-/// tansu keeps no SASL users in memory: TLS only, no password case.
+/// tansu keeps no SASL users in memory: TLS only, no password case. The
+/// driver says `BrokerTransportFailure` for a wrong CA and a plaintext port
+/// alike (librdkafka's log line says which).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka() {
     let (dir, pw) = tls();
@@ -304,12 +305,12 @@ async fn kafka() {
             (
                 "kafka: wrong CA",
                 url(9095, "other-ca.pem"),
-                &["certificate", "SSL", "TLS"][..],
+                &["BrokerTransportFailure"][..],
             ),
             (
                 "kafka: plaintext port",
                 url(9092, "ca.pem"),
-                &["SSL", "TLS", "handshake"][..],
+                &["BrokerTransportFailure"][..],
             ),
         ],
         &[&pw],

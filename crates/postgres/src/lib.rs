@@ -189,7 +189,10 @@ impl PgConfig {
                 // The driver's own options, on an allow-list: any other
                 // is refused, never forwarded (the driver logs an option it
                 // does not know at WARN, value and all).
-                k if shared::is_driver_option(k) => driver.push((k.to_owned(), v.into_owned())),
+                k if shared::is_driver_option(k) => {
+                    shared::check_ssl_mode(k, &v)?;
+                    driver.push((k.to_owned(), v.into_owned()))
+                }
                 k => {
                     return Err(Error::Url(format!(
                         "postgres: unknown URL option `{}` (keyorder's: schema, slots, pool, retention_batch, \

@@ -204,11 +204,28 @@ pub fn is_driver_option(key: &str) -> bool {
     DRIVER_OPTIONS.contains(&key) || (key.starts_with("options[") && key.ends_with(']'))
 }
 
+/// Refuses `sslmode=verify-ca`: the driver trusts the public (webpki) roots
+/// beside `sslrootcert=` and checks no host name in that mode, so any
+/// publicly trusted certificate for any name would pass. `verify-full`
+/// checks the name.
+pub fn check_ssl_mode(key: &str, value: &str) -> keyorder_core::Result<()> {
+    if matches!(key, "sslmode" | "ssl-mode") && value.eq_ignore_ascii_case("verify-ca") {
+        return Err(keyorder_core::Error::Url(
+            "postgres: sslmode=verify-ca is refused: the driver trusts the public roots beside sslrootcert= and \
+             checks no host name in that mode, so any publicly trusted certificate would pass; use \
+             sslmode=verify-full (with sslrootcert= for a private CA)"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Refuses a URL handed to the driver with an option not on the
 /// allow-list ([`DRIVER_OPTIONS`]), naming it, never its value: the driver
 /// logs an option it does not know at WARN, value and all (a password).
 pub fn check_driver_url(url: &url::Url) -> keyorder_core::Result<()> {
-    for (k, _) in url.query_pairs() {
+    for (k, v) in url.query_pairs() {
+        check_ssl_mode(&k, &v)?;
         if !is_driver_option(&k) {
             return Err(keyorder_core::Error::Url(format!(
                 "postgres: URL option `{}` is not one the driver takes (it takes: {})",
@@ -218,4 +235,26 @@ pub fn check_driver_url(url: &url::Url) -> keyorder_core::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    /// `sslmode=verify-ca` is refused wherever a URL reaches the driver
+    /// (issue 37: the driver trusts the public roots beside `sslrootcert=`
+    /// and checks no host name in that mode).
+    #[test]
+    fn verify_ca_is_refused() {
+        for raw in [
+            "postgres://u@h/db?sslmode=verify-ca",
+            "postgres://u@h/db?ssl-mode=VERIFY-CA&sslrootcert=/ca.pem",
+        ] {
+            let url = url::Url::parse(raw).unwrap();
+            let err = super::check_driver_url(&url).unwrap_err().to_string();
+            assert!(err.contains("verify-full"), "{err}");
+            let err = crate::PgConfig::from_url(&url).unwrap_err().to_string();
+            assert!(err.contains("verify-full"), "{err}");
+        }
+        let ok = url::Url::parse("postgres://u@h/db?sslmode=verify-full&sslrootcert=/ca.pem").unwrap();
+        assert!(super::check_driver_url(&ok).is_ok() && crate::PgConfig::from_url(&ok).is_ok());
+    }
 }

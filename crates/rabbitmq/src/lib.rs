@@ -7,6 +7,7 @@ mod claims;
 mod config;
 pub mod control;
 mod plan;
+mod presence;
 mod probe;
 mod settle;
 mod source;
@@ -165,13 +166,22 @@ impl fmt::Debug for RabbitTransport {
 pub(crate) async fn connect_uri(uri: &str, cfg: &RabbitConfig) -> Result<Connection> {
     let display = &cfg.display;
     let tls = match &cfg.ca_file {
-        Some(path) => lapin::tcp::OwnedTLSConfig {
-            identity: None,
-            cert_chain: Some(
-                std::fs::read_to_string(path)
-                    .map_err(|e| Error::Config(format!("rabbitmq: cannot read cacertfile {}: {e}", path.display())))?,
-            ),
-        },
+        Some(path) => {
+            let pem = std::fs::read_to_string(path)
+                .map_err(|e| Error::Config(format!("rabbitmq: cannot read cacertfile {}: {e}", path.display())))?;
+            // The TLS library skips what it cannot parse: a file without a
+            // certificate would leave the system's roots alone in charge.
+            if !pem.contains("-----BEGIN CERTIFICATE-----") {
+                return Err(Error::Config(format!(
+                    "rabbitmq: cacertfile {} holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
+                    path.display()
+                )));
+            }
+            lapin::tcp::OwnedTLSConfig {
+                identity: None,
+                cert_chain: Some(pem),
+            }
+        }
         None => lapin::tcp::OwnedTLSConfig::default(),
     };
     let runtime = lapin::runtime::default_runtime()

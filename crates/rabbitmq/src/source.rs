@@ -55,6 +55,7 @@ use crate::attempts::Attempts;
 use crate::claims::Claims;
 use crate::config::Topology;
 use crate::plan::{Plan, PLAN_HEADER};
+use crate::presence::{Announcer, SharedBoard, CONFIRMS_PER_HEARTBEAT, NONCE_HEADER};
 use crate::settle::{AckBarrier, Held, RabbitSettle};
 use crate::topology::{amqp, private_queue, GroupNames};
 use crate::{confirm_channel, connect_uri, short, RabbitTransport, EPOCH_HEADER};
@@ -110,9 +111,6 @@ struct Link {
     presence: Option<(Channel, JoinHandle<()>)>,
 }
 
-/// Announcements confirmed with the broker per maintenance, at most.
-const CONFIRMS_PER_ROUND: usize = 16;
-
 /// Whether the queue `name` is an exclusive queue of another connection
 /// (`Some(true)`), absent or not exclusive (`Some(false)`), or unknown (no
 /// answer, `None`).
@@ -159,26 +157,28 @@ pub(crate) struct Source {
     names: GroupNames,
     queues: Vec<String>,
     link: Option<Link>,
-    /// Live instances: last announcement (local clock) and join claim.
-    seen: Arc<Mutex<HashMap<String, (Instant, u64)>>>,
+    /// What the presence listener heard (announcements and their plans).
+    board: SharedBoard,
+    /// This source's nonce: in its announcements and its live queue's name.
+    nonce: String,
     /// The offset of this source's first join claim on the virtual host's claims
     /// stream: its place in the plan's member order (oldest first).
     joined_at: Option<u64>,
     /// Set by the presence listener when an instance appears or a leader
     /// announces another plan: rebalance now.
     joined: Arc<AtomicBool>,
-    /// Instances that follow plans (their presence carries the plan
-    /// header), with the newest plan each announced (see `plan`).
-    plans: Arc<Mutex<HashMap<String, Option<Plan>>>>,
     /// This instance's own plan, while it is the oldest live one.
     plan: Option<Plan>,
-    /// Announcements the broker confirmed (their member's live queue is
-    /// held by another connection), with when: `(who, started)`.
-    confirmed: HashMap<(String, u64), Instant>,
-    /// Members already reported as unconfirmed (bounded).
+    /// Announcements the broker confirmed (their live queue is held by
+    /// another connection), with when.
+    confirmed: HashMap<Announcer, Instant>,
+    /// Ids already reported as unconfirmed (bounded).
     unconfirmed_reported: HashSet<String>,
-    /// Whether this source holds its own live queue on its connection.
-    live_held: bool,
+    /// Confirmations asked in the current heartbeat interval: since, count.
+    confirm_window: (Instant, usize),
+    /// Whether a refused declaration of this source's live queue was
+    /// reported (once until it succeeds).
+    live_warned: bool,
     owned: HashMap<String, Owned>,
     scopes: HashMap<Arc<str>, String>,
     tx: mpsc::UnboundedSender<Arrival>,
@@ -352,14 +352,15 @@ impl Source {
             spec,
             names,
             link: None,
-            seen: Arc::default(),
+            board: SharedBoard::default(),
+            nonce: crate::presence::nonce(),
             joined_at: None,
             joined: Arc::default(),
-            plans: Arc::default(),
             plan: None,
             confirmed: HashMap::new(),
             unconfirmed_reported: HashSet::new(),
-            live_held: false,
+            confirm_window: (Instant::now(), 0),
+            live_warned: false,
             owned: HashMap::new(),
             scopes: HashMap::new(),
             tx,
@@ -374,6 +375,13 @@ impl Source {
         Ok(source)
     }
 
+    /// How long one presence round trip (declaring the live queue,
+    /// confirming an announcement) may take: a slow broker must not hold
+    /// up the lease confirmations of the next maintenance.
+    fn presence_wait(&self) -> Duration {
+        (self.spec.lease.ttl / 4).clamp(Duration::from_millis(500), Duration::from_secs(2))
+    }
+
     /// Declares this source's live queue on `conn` (exclusive: the broker
     /// deletes it with the connection), so that the others believe its
     /// announcements. Refused while an earlier connection of this source
@@ -381,11 +389,11 @@ impl Source {
     /// again at the next maintenance; until then the others leave this
     /// source out of their plans, and single active consumers keep every
     /// queue consumed once.
-    async fn hold_live(&self, conn: &Connection) -> bool {
+    async fn hold_live(&mut self, conn: &Connection) {
         let Some(started) = self.joined_at else {
-            return false;
+            return;
         };
-        let name = self.names.live(started, &self.spec.instance);
+        let name = self.names.live(started, &self.spec.instance, &self.nonce);
         let declare = async {
             let ch = conn.create_channel().await?;
             ch.queue_declare(
@@ -400,72 +408,74 @@ impl Source {
             let _ = ch.close(200, "declared".into()).await;
             Ok::<_, lapin::Error>(())
         };
-        match tokio::time::timeout(self.spec.lease.ttl, declare).await {
-            Ok(Ok(())) => true,
-            Ok(Err(e)) => {
+        match tokio::time::timeout(self.presence_wait(), declare).await {
+            Ok(Ok(())) => self.live_warned = false,
+            Ok(Err(e)) if !self.live_warned => {
+                self.live_warned = true;
                 tracing::warn!(
                     error = %e,
                     "rabbitmq: cannot declare this instance's live queue yet (an earlier connection may still \
                      hold it); the other instances leave it out of their plans until it is declared"
                 );
-                false
             }
-            Err(_) => false,
+            _ => {}
         }
     }
 
-    /// The announced members (`(started, who)`, this source excluded) that
-    /// the broker confirms: each one's live queue exists and is locked to
-    /// another connection (`RESOURCE_LOCKED` on a passive declaration). An
-    /// announcement anyone could publish on the presence exchange, a forged
-    /// id or a departed member's replayed one, names no held queue and is
-    /// ignored (reported once per id). A confirmation lasts one lease TTL;
-    /// at most [`CONFIRMS_PER_ROUND`] are asked for per maintenance, so a
-    /// flood of forged ids costs the broker a bounded number of round trips.
-    async fn confirm(&mut self, announced: Vec<(u64, String)>) -> Vec<(u64, String)> {
+    /// The announcements (this source's excluded) that the broker
+    /// confirms: each one's live queue exists and is locked to another
+    /// connection (the `presence` module). One not confirmed is ignored for
+    /// a lease TTL and its id reported once; one not yet checked (over the
+    /// budget, or no answer) waits. A confirmation lasts one lease TTL;
+    /// confirmed members are checked again before new ones.
+    async fn confirm(&mut self, fresh: Vec<Announcer>) -> Vec<Announcer> {
         let ttl = self.spec.lease.ttl;
-        self.confirmed.retain(|(who, started), at| {
-            at.elapsed() < ttl * 4 && announced.iter().any(|(s, w)| s == started && w == who)
-        });
+        let current: HashSet<&Announcer> = fresh.iter().collect();
+        self.confirmed
+            .retain(|a, at| at.elapsed() < ttl * 4 && current.contains(a));
         let Some(conn) = self.link.as_ref().map(|l| l.conn.clone()) else {
             return Vec::new();
         };
-        let due: Vec<(u64, String)> = announced
+        if self.confirm_window.0.elapsed() >= self.spec.lease.heartbeat {
+            self.confirm_window = (Instant::now(), 0);
+        }
+        let budget = CONFIRMS_PER_HEARTBEAT.saturating_sub(self.confirm_window.1);
+        let mut due: Vec<Announcer> = fresh
             .iter()
-            .filter(|(s, w)| {
-                self.confirmed
-                    .get(&(w.clone(), *s))
-                    .is_none_or(|at| at.elapsed() >= ttl)
-            })
-            .take(CONFIRMS_PER_ROUND)
+            .filter(|a| self.confirmed.get(*a).is_some_and(|at| at.elapsed() >= ttl))
             .cloned()
             .collect();
-        let checks = due.into_iter().map(|(started, who)| {
-            let name = self.names.live(started, &who);
+        due.extend(fresh.iter().filter(|a| !self.confirmed.contains_key(*a)).cloned());
+        due.truncate(budget);
+        self.confirm_window.1 += due.len();
+        let wait = self.presence_wait();
+        let checks = due.into_iter().map(|a| {
+            let name = self.names.live(a.started, &a.who, &a.nonce);
             let conn = conn.clone();
             async move {
-                let verdict = tokio::time::timeout(ttl, live_elsewhere(&conn, &name))
+                let verdict = tokio::time::timeout(wait, live_elsewhere(&conn, &name))
                     .await
                     .ok()
                     .flatten();
-                (started, who, verdict)
+                (a, verdict)
             }
         });
-        for (started, who, verdict) in futures::future::join_all(checks).await {
+        for (a, verdict) in futures::future::join_all(checks).await {
             match verdict {
                 Some(true) => {
-                    self.confirmed.insert((who, started), Instant::now());
+                    self.confirmed.insert(a, Instant::now());
                 }
                 Some(false) => {
-                    self.confirmed.remove(&(who.clone(), started));
-                    if self.unconfirmed_reported.len() < 1000 && self.unconfirmed_reported.insert(who.clone()) {
-                        metrics::counter!("keyorder_rabbitmq_presence_unconfirmed_total").increment(1);
+                    self.confirmed.remove(&a);
+                    self.board.lock().unwrap_or_else(|e| e.into_inner()).reject(&a);
+                    metrics::counter!("keyorder_rabbitmq_presence_unconfirmed_total").increment(1);
+                    if self.unconfirmed_reported.len() < 1000 && self.unconfirmed_reported.insert(a.who.clone()) {
                         tracing::warn!(
-                            member = who.as_str(),
+                            member = a.who.as_str(),
                             "rabbitmq: an announcement on the presence exchange is not confirmed by the broker (no \
-                             live queue held for it): ignored. A forged or replayed announcement, or an instance of \
-                             an older keyorder; see SECURITY.md for the permissions that keep publishers off the \
-                             presence exchange"
+                             live queue held for it): ignored. A forged or replayed announcement, an instance that \
+                             is reconnecting, or one of an older keyorder; see SECURITY.md for the permissions that \
+                             keep publishers off the presence exchange"
                         );
                     }
                 }
@@ -473,10 +483,7 @@ impl Source {
                 None => {}
             }
         }
-        announced
-            .into_iter()
-            .filter(|(s, w)| self.confirmed.contains_key(&(w.clone(), *s)))
-            .collect()
+        fresh.into_iter().filter(|a| self.confirmed.contains_key(a)).collect()
     }
 
     /// Whether queues are spread over the instances (ordered `hash`): with
@@ -627,9 +634,8 @@ impl Source {
             )
             .await
             .map_err(amqp)?;
-            let seen = self.seen.clone();
+            let board = self.board.clone();
             let joined = self.joined.clone();
-            let plans = self.plans.clone();
             let queues = self.queues.len();
             let task = tokio::spawn(async move {
                 while let Some(Ok(d)) = consumer.next().await {
@@ -637,23 +643,19 @@ impl Source {
                     let Some((started, who)) = text.split_once(':') else {
                         continue;
                     };
-                    let started = started.parse().unwrap_or(0);
-                    let fresh = seen
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .insert(who.to_owned(), (Instant::now(), started))
-                        .is_none();
-                    // No header: an instance that does not follow plans (an
-                    // older version); empty: one that follows but makes none.
-                    let changed = match header_text(&d.properties, PLAN_HEADER) {
-                        Some(text) => {
-                            let plan = Plan::parse(&text, queues);
-                            let mut plans = plans.lock().unwrap_or_else(|e| e.into_inner());
-                            plans.insert(who.to_owned(), plan.clone()) != Some(plan)
-                        }
-                        None => false,
+                    let Ok(started) = started.parse() else {
+                        continue;
                     };
-                    if fresh || changed {
+                    let announcer = Announcer {
+                        started,
+                        who: who.to_owned(),
+                        nonce: header_text(&d.properties, NONCE_HEADER).unwrap_or_default(),
+                    };
+                    // No plan header: an instance that does not follow
+                    // plans (an older version); empty: one that follows but
+                    // makes none.
+                    let plan = header_text(&d.properties, PLAN_HEADER).map(|text| Plan::parse(&text, queues));
+                    if board.lock().unwrap_or_else(|e| e.into_inner()).hear(announcer, plan) {
                         joined.store(true, std::sync::atomic::Ordering::SeqCst);
                     }
                 }
@@ -662,9 +664,8 @@ impl Source {
         } else {
             None
         };
-        self.live_held = false;
         if self.spreads() {
-            self.live_held = self.hold_live(&conn).await;
+            self.hold_live(&conn).await;
         }
         self.link = Some(Link {
             conn,
@@ -884,24 +885,20 @@ impl Source {
         let me = self.spec.instance.clone();
         let mine: HashSet<String> = if self.spreads() {
             let ttl = self.spec.lease.ttl;
-            let live: Vec<(u64, String)> = {
-                let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-                seen.retain(|_, (at, _)| at.elapsed() < ttl * 4);
-                self.plans
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .retain(|m, _| seen.contains_key(m));
-                seen.iter()
-                    .filter(|(m, (at, _))| at.elapsed() < ttl && **m != me)
-                    .map(|(m, (_, started))| (*started, m.clone()))
-                    .collect()
-            };
-            if !self.live_held {
-                if let Some(conn) = self.link.as_ref().map(|l| l.conn.clone()) {
-                    self.live_held = self.hold_live(&conn).await;
+            let fresh = self.board.lock().unwrap_or_else(|e| e.into_inner()).fresh(&me, ttl);
+            // Held again every time: idempotent on this connection, and a
+            // queue deleted by someone else comes back.
+            if let Some(conn) = self.link.as_ref().map(|l| l.conn.clone()) {
+                self.hold_live(&conn).await;
+            }
+            // One announcement per member: a restarted one's newest.
+            let mut by_who: HashMap<String, Announcer> = HashMap::new();
+            for a in self.confirm(fresh).await {
+                if by_who.get(&a.who).is_none_or(|b| b.started < a.started) {
+                    by_who.insert(a.who.clone(), a);
                 }
             }
-            let mut live = self.confirm(live).await;
+            let mut live: Vec<(u64, String)> = by_who.values().map(|a| (a.started, a.who.clone())).collect();
             live.push((self.joined_at.unwrap_or(u64::MAX), me.clone()));
             live.sort();
             let members: Vec<String> = live.into_iter().map(|(_, m)| m).collect();
@@ -913,8 +910,10 @@ impl Source {
                         // needed. With an instance that does not follow
                         // plans, the count share, which it computes too.
                         let follow = {
-                            let plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
-                            members.iter().all(|m| *m == me || plans.contains_key(m))
+                            let board = self.board.lock().unwrap_or_else(|e| e.into_inner());
+                            members
+                                .iter()
+                                .all(|m| *m == me || by_who.get(m).is_some_and(|a| board.follows(a)))
                         };
                         let depths = if members.len() > 1 && follow {
                             self.depths().await
@@ -931,16 +930,17 @@ impl Source {
             } else {
                 self.plan = None;
                 // The leader's plan for this member list, else the count share.
-                let plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
-                plans
+                let board = self.board.lock().unwrap_or_else(|e| e.into_inner());
+                by_who
                     .get(&members[0])
-                    .cloned()
-                    .flatten()
+                    .and_then(|a| board.plan(a))
                     .filter(|p| p.members == members)
                     .unwrap_or_else(|| Plan::make(&members, &self.queues, &[], 0))
             };
             if let Some((ch, _)) = self.link.as_ref().and_then(|l| l.presence.as_ref()) {
-                let props = BasicProperties::default().with_headers(Plan::header(self.plan.as_ref()));
+                let mut headers = Plan::header(self.plan.as_ref());
+                headers.insert(NONCE_HEADER.into(), AMQPValue::LongString(self.nonce.as_str().into()));
+                let props = BasicProperties::default().with_headers(headers);
                 ch.basic_publish(
                     self.names.presence().as_str().into(),
                     "".into(),
@@ -1198,7 +1198,12 @@ impl TransportSource for Source {
         } else {
             self.spec.lease.heartbeat
         };
-        let joined = self.joined.swap(false, std::sync::atomic::Ordering::SeqCst);
+        // An announcement looks again at once, but not more often than every
+        // 100 ms: a flood of them must not turn maintenance into a loop.
+        let early = self
+            .last_maintain
+            .is_none_or(|t| t.elapsed() >= Duration::from_millis(100).min(self.spec.lease.heartbeat));
+        let joined = early && self.joined.swap(false, std::sync::atomic::Ordering::SeqCst);
         if joined || self.last_maintain.is_none_or(|t| t.elapsed() >= every) {
             self.maintain_now().await?;
         }

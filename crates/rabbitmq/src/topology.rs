@@ -218,13 +218,13 @@ impl GroupNames {
         format!("{}.presence", self.base)
     }
     /// The exclusive queue a running source of the group holds for as long
-    /// as its connection lives, named after its join claim's offset and its
-    /// instance id: the broker's proof that a presence announcement
-    /// (`started:who`) comes from a live member (the source module). A
-    /// fixed-length name (`keyorder.live.` and 32 hex digits of a stable
-    /// hash), so a long category, group or instance id still fits.
-    pub fn live(&self, started: u64, who: &str) -> String {
-        let data = format!("{}\0{started}\0{who}", self.base);
+    /// as its connection lives, named after its join claim's offset, its
+    /// instance id and its nonce: the broker's proof that an announcement
+    /// comes from a live member (the `presence` module). A fixed-length
+    /// name (`keyorder.live.` and 32 hex digits of a stable hash), so a long
+    /// category, group or instance id still fits.
+    pub fn live(&self, started: u64, who: &str, nonce: &str) -> String {
+        let data = format!("{}\0{started}\0{who}\0{nonce}", self.base);
         format!(
             "keyorder.live.{:016x}{:016x}",
             fnv1a(0xcbf2_9ce4_8422_2325, data.as_bytes()),
@@ -1099,9 +1099,6 @@ pub(crate) async fn delete_group(conn: &Connection, g: &GroupNames, topology: Op
     Ok(gone)
 }
 
-/// A server-named, exclusive, auto-deleted queue on `ch` and a consumer of
-/// it without acknowledgements (presence announcements, operator requests
-/// and their answers); returns the queue's name and the consumer.
 /// FNV-1a (64 bits) from `seed`: stable across builds and versions, unlike
 /// the standard library's hasher.
 fn fnv1a(seed: u64, bytes: &[u8]) -> u64 {
@@ -1110,6 +1107,9 @@ fn fnv1a(seed: u64, bytes: &[u8]) -> u64 {
         .fold(seed, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3))
 }
 
+/// A server-named, exclusive, auto-deleted queue on `ch` and a consumer of
+/// it without acknowledgements (presence announcements, operator requests
+/// and their answers); returns the queue's name and the consumer.
 pub(crate) async fn private_queue(ch: &Channel) -> Result<(String, Consumer)> {
     let q = ch
         .queue_declare(

@@ -246,6 +246,17 @@ async fn another_process_sees_the_keys_the_consumers_hold() {
     run.await.unwrap().unwrap();
 }
 
+/// Deletes the test's virtual host however the test ends.
+struct DeleteVhost(String);
+
+impl Drop for DeleteVhost {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("rabbitmqctl")
+            .args(["delete_vhost", &self.0])
+            .output();
+    }
+}
+
 /// `rabbitmqctl` on the local node (as `scripts/services` runs it).
 fn rabbitmqctl(args: &[&str]) -> String {
     let out = std::process::Command::new("rabbitmqctl")
@@ -262,12 +273,13 @@ fn rabbitmqctl(args: &[&str]) -> String {
 
 /// Read-only operator commands create nothing on the broker (issue 37):
 /// in a virtual host of its own, nothing but the broker's own exchanges
-/// exists after every one of them ran (the control exchange they ask the
-/// consumers through was declared by the first of them).
+/// exists after every one of them ran (before, the first of them declared
+/// the control exchange they ask the consumers through).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_only_commands_create_nothing() {
     let vhost = format!("keyorder-ro-{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
     rabbitmqctl(&["add_vhost", &vhost]);
+    let _cleanup = DeleteVhost(vhost.clone());
     rabbitmqctl(&["set_permissions", "-p", &vhost, "guest", ".*", ".*", ".*"]);
     let base = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
     let mut url: url::Url = format!("{base}?topology=hash&queues=2&queue_type=classic&consumer_timeout_ms=3600000")
@@ -292,7 +304,6 @@ async fn read_only_commands_create_nothing() {
     };
     let (exchanges, queues) = (list("list_exchanges"), list("list_queues"));
     drop(c);
-    rabbitmqctl(&["delete_vhost", &vhost]);
     assert!(
         exchanges.is_empty() && queues.is_empty(),
         "read-only commands created exchanges {exchanges:?} and queues {queues:?}"

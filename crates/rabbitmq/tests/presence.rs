@@ -13,7 +13,7 @@ use std::time::Duration;
 use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig, Message};
 use keyorder_rabbitmq::{Names, RabbitTransport};
 use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
-use lapin::types::FieldTable;
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 
 const QUEUES: u16 = 4;
@@ -109,20 +109,32 @@ async fn forged_announcements_take_no_queue_and_a_real_member_still_joins() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
-    // The forger: eight ghosts, each claiming to be the oldest member.
+    // The forger, every 100 ms: 24 ghosts never heard before (more than
+    // the 16 confirmations asked per heartbeat), each claiming to be the
+    // oldest member, and the real members' own ids with a made-up join
+    // claim, one of them with a nonce header.
     let forging = Arc::new(std::sync::atomic::AtomicBool::new(true));
     let forger = tokio::spawn({
         let (forging, presence) = (forging.clone(), names.presence());
         let ch = conn.create_channel().await.unwrap();
         async move {
+            let mut round = 0;
             while forging.load(std::sync::atomic::Ordering::SeqCst) {
-                for i in 0..8 {
+                round += 1;
+                let mut bodies: Vec<String> = (0..24).map(|i| format!("0:ghost-{round}-{i}")).collect();
+                bodies.push("0:a".into());
+                bodies.push("0:b".into());
+                for (i, body) in bodies.iter().enumerate() {
+                    let mut headers = FieldTable::default();
+                    if i % 2 == 0 {
+                        headers.insert("x-keyorder-nonce".into(), AMQPValue::LongString("guessed".into()));
+                    }
                     ch.basic_publish(
                         presence.as_str().into(),
                         "".into(),
                         BasicPublishOptions::default(),
-                        format!("0:ghost-{i}").as_bytes(),
-                        BasicProperties::default(),
+                        body.as_bytes(),
+                        BasicProperties::default().with_headers(headers),
                     )
                     .await
                     .unwrap();
@@ -189,7 +201,7 @@ async fn forged_announcements_take_no_queue_and_a_real_member_still_joins() {
     forging.store(false, std::sync::atomic::Ordering::SeqCst);
     forger.await.unwrap();
     let log = keyorder_testkit::logs::text();
-    assert!(log.contains("ghost-0"), "the ignored announcement is named: {log}");
+    assert!(log.contains("ghost-"), "the ignored announcements are named: {log}");
     for (stop, run) in [(stop_a, run_a), (stop_b, run_b)] {
         let _ = stop.send(());
         run.await.unwrap().unwrap();

@@ -133,6 +133,13 @@ impl RedisConfig {
             }
         }
         check_tls(url.scheme(), cfg.ca_file.is_some(), cfg!(feature = "tls"))?;
+        // redis-rs reads `#insecure` as "skip certificate verification" when
+        // any crate of the build enables its insecure feature: refused.
+        if url.fragment().is_some() {
+            return Err(Error::Url(
+                "redis: a URL fragment (`#...`) is refused: `#insecure` would turn certificate verification off".into(),
+            ));
+        }
         let mut server = url.clone();
         server.set_query(None);
         if !rest.is_empty() {
@@ -178,5 +185,13 @@ mod tests {
         let url = url::Url::parse("redis://127.0.0.1:6379/?ca_file=/tmp/ca.pem").unwrap();
         let err = RedisConfig::from_url(&url).unwrap_err().to_string();
         assert!(err.contains("use rediss://"), "{err}");
+    }
+
+    /// `#insecure` (or any fragment) never reaches the client.
+    #[test]
+    fn a_fragment_is_refused() {
+        let url = url::Url::parse("rediss://127.0.0.1:6390/#insecure").unwrap();
+        let err = RedisConfig::from_url(&url).unwrap_err().to_string();
+        assert!(err.contains("#insecure"), "{err}");
     }
 }

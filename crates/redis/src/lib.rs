@@ -247,11 +247,11 @@ impl RedisTransport {
         .await
         .map_err(|_| Error::Broker(format!("redis: no answer from {} ({})", cfg.display, cfg.hint())))?
         .map_err(|e| {
-            Error::Broker(format!(
-                "redis: cannot connect to {}: {e} ({})",
-                cfg.display,
-                cfg.hint()
-            ))
+            let hint = match e.kind() {
+                redis::ErrorKind::AuthenticationFailed => "check the password (and the user name)",
+                _ => cfg.hint(),
+            };
+            Error::Broker(format!("redis: cannot connect to {}: {e} ({hint})", cfg.display))
         })
     }
 
