@@ -55,6 +55,11 @@ pub(crate) struct Announcer {
 /// What the presence listener heard, shared with the source.
 #[derive(Debug, Default)]
 pub(crate) struct Board {
+    /// This source's instance id: announcements naming it are not kept.
+    me: String,
+    /// Announcements the broker confirmed, with when: kept however full
+    /// the board is.
+    confirmed: HashMap<Announcer, Instant>,
     /// Announcements, with when each was first and last heard.
     heard: HashMap<Announcer, (Instant, Instant)>,
     /// The newest plan each announcer that follows plans sent (`None`: it
@@ -69,17 +74,41 @@ pub(crate) struct Board {
 pub(crate) type SharedBoard = Arc<Mutex<Board>>;
 
 impl Board {
+    /// A board for the source whose instance id is `me`.
+    pub(crate) fn new(me: &str) -> Board {
+        Board {
+            me: me.to_owned(),
+            ..Board::default()
+        }
+    }
+
+    /// Whether an announcement is worth keeping at all: not this source's
+    /// own id, an id that fits an AMQP name, a nonce as sources make them
+    /// (or none, from an older version), never one rejected within a TTL.
+    pub(crate) fn admits(&self, a: &Announcer) -> bool {
+        a.who != self.me
+            && !a.who.is_empty()
+            && a.who.len() <= 255
+            && (a.nonce.is_empty() || (a.nonce.len() == 32 && a.nonce.bytes().all(|b| b.is_ascii_hexdigit())))
+            && !self.rejected.contains_key(a)
+    }
+
     /// Records an announcement (and its plan header, if it had one);
     /// whether the group changed (a new announcer, or another plan), so the
     /// source should look again now.
     pub(crate) fn hear(&mut self, a: Announcer, plan: Option<Option<Plan>>) -> bool {
-        if self.rejected.contains_key(&a) {
+        if !self.admits(&a) {
             return false;
         }
         if self.heard.len() >= MAX_ENTRIES && !self.heard.contains_key(&a) {
-            // Full: forget what was not heard again for a while first.
-            let recent = Duration::from_secs(2);
-            self.heard.retain(|_, (_, last)| last.elapsed() < recent);
+            // Full: forget what is unconfirmed and was not heard again for a
+            // while; a confirmed member is never pushed out.
+            let recent = Duration::from_secs(5);
+            let confirmed = &self.confirmed;
+            self.heard
+                .retain(|a, (_, last)| confirmed.contains_key(a) || last.elapsed() < recent);
+            let heard = &self.heard;
+            self.plans.retain(|a, _| heard.contains_key(a));
             if self.heard.len() >= MAX_ENTRIES {
                 return false;
             }
@@ -122,8 +151,15 @@ impl Board {
         out.into_iter().map(|(_, a)| a).collect()
     }
 
-    /// The broker did not confirm `a`: ignored for a lease TTL.
+    /// The announcements confirmed, with when.
+    pub(crate) fn confirmed(&mut self) -> &mut HashMap<Announcer, Instant> {
+        &mut self.confirmed
+    }
+
+    /// The broker did not confirm `a`, never confirmed before: ignored for
+    /// a lease TTL.
     pub(crate) fn reject(&mut self, a: &Announcer) {
+        self.confirmed.remove(a);
         self.heard.remove(a);
         self.plans.remove(a);
         if self.rejected.len() < MAX_ENTRIES {
@@ -164,8 +200,8 @@ mod tests {
     /// not heard again for a TTL.
     #[test]
     fn a_forged_announcement_replaces_nothing() {
-        let mut b = Board::default();
-        let real = a(7, "x", "n1");
+        let mut b = Board::new("me");
+        let real = a(7, "x", "0123456789abcdef0123456789abcdef");
         let plan = Plan::make(&["x".into()], &["q".into()], &[], 0);
         assert!(b.hear(real.clone(), Some(Some(plan.clone()))));
         let forged = a(0, "x", "");
@@ -183,10 +219,19 @@ mod tests {
     /// Made-up ids fill at most MAX_ENTRIES.
     #[test]
     fn a_flood_is_bounded() {
-        let mut b = Board::default();
+        let mut b = Board::new("me");
+        let real = a(9, "real", "0123456789abcdef0123456789abcdef");
+        b.hear(real.clone(), None);
+        b.confirmed().insert(real.clone(), Instant::now());
         for i in 0..(MAX_ENTRIES + 100) {
-            b.hear(a(0, &format!("ghost-{i}"), ""), None);
+            b.hear(a(0, &format!("ghost-{i}"), ""), Some(None));
         }
         assert_eq!(b.heard.len(), MAX_ENTRIES);
+        assert!(b.plans.len() <= MAX_ENTRIES);
+        assert!(b.heard.contains_key(&real), "a confirmed member is never pushed out");
+        // Oversized ids, odd nonces and this source's own id are not kept.
+        assert!(!b.admits(&a(0, &"x".repeat(256), "")));
+        assert!(!b.admits(&a(0, "y", "guessed")));
+        assert!(!b.admits(&a(0, "me", "")));
     }
 }

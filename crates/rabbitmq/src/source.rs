@@ -159,7 +159,9 @@ pub(crate) struct Source {
     link: Option<Link>,
     /// What the presence listener heard (announcements and their plans).
     board: SharedBoard,
-    /// This source's nonce: in its announcements and its live queue's name.
+    /// This connection's nonce: in its announcements and its live queue's
+    /// name (a new one per connection, so a reconnect never waits for the
+    /// old connection's queue to go).
     nonce: String,
     /// The offset of this source's first join claim on the virtual host's claims
     /// stream: its place in the plan's member order (oldest first).
@@ -169,9 +171,6 @@ pub(crate) struct Source {
     joined: Arc<AtomicBool>,
     /// This instance's own plan, while it is the oldest live one.
     plan: Option<Plan>,
-    /// Announcements the broker confirmed (their live queue is held by
-    /// another connection), with when.
-    confirmed: HashMap<Announcer, Instant>,
     /// Ids already reported as unconfirmed (bounded).
     unconfirmed_reported: HashSet<String>,
     /// Confirmations asked in the current heartbeat interval: since, count.
@@ -179,6 +178,9 @@ pub(crate) struct Source {
     /// Whether a refused declaration of this source's live queue was
     /// reported (once until it succeeds).
     live_warned: bool,
+    /// When this connection's live queue was last declared (`None`: not
+    /// held; no announcement goes out then).
+    live_at: Option<Instant>,
     owned: HashMap<String, Owned>,
     scopes: HashMap<Arc<str>, String>,
     tx: mpsc::UnboundedSender<Arrival>,
@@ -343,6 +345,7 @@ impl Source {
         names: GroupNames,
     ) -> Result<Self> {
         let (tx, rx) = mpsc::unbounded_channel();
+        let board = Arc::new(Mutex::new(crate::presence::Board::new(&spec.instance)));
         let mut source = Source {
             timeout_arg,
             warned_invalid: std::sync::Mutex::default(),
@@ -352,15 +355,15 @@ impl Source {
             spec,
             names,
             link: None,
-            board: SharedBoard::default(),
+            board,
             nonce: crate::presence::nonce(),
             joined_at: None,
             joined: Arc::default(),
             plan: None,
-            confirmed: HashMap::new(),
             unconfirmed_reported: HashSet::new(),
             confirm_window: (Instant::now(), 0),
             live_warned: false,
+            live_at: None,
             owned: HashMap::new(),
             scopes: HashMap::new(),
             tx,
@@ -379,7 +382,7 @@ impl Source {
     /// confirming an announcement) may take: a slow broker must not hold
     /// up the lease confirmations of the next maintenance.
     fn presence_wait(&self) -> Duration {
-        (self.spec.lease.ttl / 4).clamp(Duration::from_millis(500), Duration::from_secs(2))
+        (self.spec.lease.heartbeat / 2).clamp(Duration::from_millis(200), Duration::from_secs(1))
     }
 
     /// Declares this source's live queue on `conn` (exclusive: the broker
@@ -409,8 +412,12 @@ impl Source {
             Ok::<_, lapin::Error>(())
         };
         match tokio::time::timeout(self.presence_wait(), declare).await {
-            Ok(Ok(())) => self.live_warned = false,
+            Ok(Ok(())) => {
+                self.live_warned = false;
+                self.live_at = Some(Instant::now());
+            }
             Ok(Err(e)) if !self.live_warned => {
+                self.live_at = None;
                 self.live_warned = true;
                 tracing::warn!(
                     error = %e,
@@ -418,7 +425,9 @@ impl Source {
                      hold it); the other instances leave it out of their plans until it is declared"
                 );
             }
-            _ => {}
+            Ok(Err(_)) => self.live_at = None,
+            // No answer: the last state stands.
+            Err(_) => {}
         }
     }
 
@@ -431,21 +440,27 @@ impl Source {
     async fn confirm(&mut self, fresh: Vec<Announcer>) -> Vec<Announcer> {
         let ttl = self.spec.lease.ttl;
         let current: HashSet<&Announcer> = fresh.iter().collect();
-        self.confirmed
-            .retain(|a, at| at.elapsed() < ttl * 4 && current.contains(a));
+        let confirmed: HashMap<Announcer, Instant> = {
+            let mut board = self.board.lock().unwrap_or_else(|e| e.into_inner());
+            let c = board.confirmed();
+            c.retain(|a, at| at.elapsed() < ttl * 4 && current.contains(a));
+            c.clone()
+        };
         let Some(conn) = self.link.as_ref().map(|l| l.conn.clone()) else {
             return Vec::new();
         };
         if self.confirm_window.0.elapsed() >= self.spec.lease.heartbeat {
             self.confirm_window = (Instant::now(), 0);
         }
-        let budget = CONFIRMS_PER_HEARTBEAT.saturating_sub(self.confirm_window.1);
+        // Enough for every confirmed member's re-check and some news, so a
+        // large group is never starved by its own size.
+        let budget = (CONFIRMS_PER_HEARTBEAT + 2 * confirmed.len()).saturating_sub(self.confirm_window.1);
         let mut due: Vec<Announcer> = fresh
             .iter()
-            .filter(|a| self.confirmed.get(*a).is_some_and(|at| at.elapsed() >= ttl))
+            .filter(|a| confirmed.get(*a).is_some_and(|at| at.elapsed() >= ttl))
             .cloned()
             .collect();
-        due.extend(fresh.iter().filter(|a| !self.confirmed.contains_key(*a)).cloned());
+        due.extend(fresh.iter().filter(|a| !confirmed.contains_key(*a)).cloned());
         due.truncate(budget);
         self.confirm_window.1 += due.len();
         let wait = self.presence_wait();
@@ -460,22 +475,28 @@ impl Source {
                 (a, verdict)
             }
         });
-        for (a, verdict) in futures::future::join_all(checks).await {
+        let verdicts = futures::future::join_all(checks).await;
+        let mut board = self.board.lock().unwrap_or_else(|e| e.into_inner());
+        for (a, verdict) in verdicts {
             match verdict {
                 Some(true) => {
-                    self.confirmed.insert(a, Instant::now());
+                    board.confirmed().insert(a, Instant::now());
+                }
+                // Confirmed before: checked again next round before it is
+                // given up (a member between two connections).
+                Some(false) if confirmed.contains_key(&a) => {
+                    board.confirmed().remove(&a);
                 }
                 Some(false) => {
-                    self.confirmed.remove(&a);
-                    self.board.lock().unwrap_or_else(|e| e.into_inner()).reject(&a);
+                    board.reject(&a);
                     metrics::counter!("keyorder_rabbitmq_presence_unconfirmed_total").increment(1);
                     if self.unconfirmed_reported.len() < 1000 && self.unconfirmed_reported.insert(a.who.clone()) {
                         tracing::warn!(
                             member = a.who.as_str(),
                             "rabbitmq: an announcement on the presence exchange is not confirmed by the broker (no \
-                             live queue held for it): ignored. A forged or replayed announcement, an instance that \
-                             is reconnecting, or one of an older keyorder; see SECURITY.md for the permissions that \
-                             keep publishers off the presence exchange"
+                             live queue held for it): ignored. A forged or replayed announcement, or one of an \
+                             older keyorder; see SECURITY.md for the permissions that keep publishers off the \
+                             presence exchange"
                         );
                     }
                 }
@@ -483,7 +504,8 @@ impl Source {
                 None => {}
             }
         }
-        fresh.into_iter().filter(|a| self.confirmed.contains_key(a)).collect()
+        let confirmed = board.confirmed();
+        fresh.into_iter().filter(|a| confirmed.contains_key(a)).collect()
     }
 
     /// Whether queues are spread over the instances (ordered `hash`): with
@@ -639,6 +661,10 @@ impl Source {
             let queues = self.queues.len();
             let task = tokio::spawn(async move {
                 while let Some(Ok(d)) = consumer.next().await {
+                    // `started:who`: a u64, a colon and an AMQP name at most.
+                    if d.data.len() > 300 {
+                        continue;
+                    }
                     let text = String::from_utf8_lossy(&d.data).into_owned();
                     let Some((started, who)) = text.split_once(':') else {
                         continue;
@@ -654,7 +680,12 @@ impl Source {
                     // No plan header: an instance that does not follow
                     // plans (an older version); empty: one that follows but
                     // makes none.
-                    let plan = header_text(&d.properties, PLAN_HEADER).map(|text| Plan::parse(&text, queues));
+                    if !board.lock().unwrap_or_else(|e| e.into_inner()).admits(&announcer) {
+                        continue;
+                    }
+                    let plan = header_text(&d.properties, PLAN_HEADER)
+                        .filter(|text| text.len() <= 64 * 1024)
+                        .map(|text| Plan::parse(&text, queues));
                     if board.lock().unwrap_or_else(|e| e.into_inner()).hear(announcer, plan) {
                         joined.store(true, std::sync::atomic::Ordering::SeqCst);
                     }
@@ -665,6 +696,8 @@ impl Source {
             None
         };
         if self.spreads() {
+            self.nonce = crate::presence::nonce();
+            self.live_at = None;
             self.hold_live(&conn).await;
         }
         self.link = Some(Link {
@@ -886,15 +919,19 @@ impl Source {
         let mine: HashSet<String> = if self.spreads() {
             let ttl = self.spec.lease.ttl;
             let fresh = self.board.lock().unwrap_or_else(|e| e.into_inner()).fresh(&me, ttl);
-            // Held again every time: idempotent on this connection, and a
+            // Declared again once a TTL (idempotent on this connection), so a
             // queue deleted by someone else comes back.
-            if let Some(conn) = self.link.as_ref().map(|l| l.conn.clone()) {
-                self.hold_live(&conn).await;
+            if self.live_at.is_none_or(|at| at.elapsed() >= ttl) {
+                if let Some(conn) = self.link.as_ref().map(|l| l.conn.clone()) {
+                    self.hold_live(&conn).await;
+                }
             }
-            // One announcement per member: a restarted one's newest.
+            // One announcement per member: a restarted one's newest (the
+            // larger join claim), a reconnected one's newest (heard first
+            // later: `fresh` is in that order).
             let mut by_who: HashMap<String, Announcer> = HashMap::new();
             for a in self.confirm(fresh).await {
-                if by_who.get(&a.who).is_none_or(|b| b.started < a.started) {
+                if by_who.get(&a.who).is_none_or(|b| b.started <= a.started) {
                     by_who.insert(a.who.clone(), a);
                 }
             }
@@ -937,7 +974,12 @@ impl Source {
                     .filter(|p| p.members == members)
                     .unwrap_or_else(|| Plan::make(&members, &self.queues, &[], 0))
             };
-            if let Some((ch, _)) = self.link.as_ref().and_then(|l| l.presence.as_ref()) {
+            if let Some((ch, _)) = self
+                .link
+                .as_ref()
+                .and_then(|l| l.presence.as_ref())
+                .filter(|_| self.live_at.is_some())
+            {
                 let mut headers = Plan::header(self.plan.as_ref());
                 headers.insert(NONCE_HEADER.into(), AMQPValue::LongString(self.nonce.as_str().into()));
                 let props = BasicProperties::default().with_headers(headers);

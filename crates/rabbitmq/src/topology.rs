@@ -221,16 +221,22 @@ impl GroupNames {
     /// as its connection lives, named after its join claim's offset, its
     /// instance id and its nonce: the broker's proof that an announcement
     /// comes from a live member (the `presence` module). A fixed-length
-    /// name (`keyorder.live.` and 32 hex digits of a stable hash), so a long
+    /// name (`keyorder.live.` and 32 hex digits of SHA-256), so a long
     /// category, group or instance id still fits.
     pub fn live(&self, started: u64, who: &str, nonce: &str) -> String {
-        let data = format!("{}\0{started}\0{who}\0{nonce}", self.base);
-        format!(
-            "keyorder.live.{:016x}{:016x}",
-            fnv1a(0xcbf2_9ce4_8422_2325, data.as_bytes()),
-            fnv1a(0x6c62_272e_07bb_0142, data.as_bytes())
-        )
+        use sha2::Digest;
+        let digest = sha2::Sha256::new()
+            .chain_update(self.base.as_bytes())
+            .chain_update([0])
+            .chain_update(started.to_be_bytes())
+            .chain_update(who.as_bytes())
+            .chain_update([0])
+            .chain_update(nonce.as_bytes())
+            .finalize();
+        let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+        format!("keyorder.live.{hex}")
     }
+
     /// The queues a topology consumes.
     pub fn queues(&self, t: Topology) -> Vec<String> {
         match t {
@@ -1097,14 +1103,6 @@ pub(crate) async fn delete_group(conn: &Connection, g: &GroupNames, topology: Op
     }
     let _ = ch.close(200, "deleted".into()).await;
     Ok(gone)
-}
-
-/// FNV-1a (64 bits) from `seed`: stable across builds and versions, unlike
-/// the standard library's hasher.
-fn fnv1a(seed: u64, bytes: &[u8]) -> u64 {
-    bytes
-        .iter()
-        .fold(seed, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3))
 }
 
 /// A server-named, exclusive, auto-deleted queue on `ch` and a consumer of
