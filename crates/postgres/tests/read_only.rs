@@ -2,6 +2,7 @@
 //! PostgreSQL: in a schema of its own, every table holds the same rows,
 //! and the schema the same tables, before and after each of them ran.
 
+#[allow(dead_code)]
 mod common;
 
 use std::sync::Arc;
