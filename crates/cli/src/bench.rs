@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use clap::Args;
-use keyorder_testkit::{check, EventLog, Expectation};
+use keyorder_check::{check, EventLog, Expectation};
 use serde_json::json;
 
 use crate::demo::uuid_like;
@@ -440,7 +440,7 @@ async fn round_trip(a: &BenchArgs, transport: &str, durability: Option<&str>) ->
 /// How long a join took to settle, from the event log: from the joining
 /// instance's subscription being up to its first handler, and to the first
 /// handler of the last key it took over (every key it ran at all).
-fn join_report(events: &[keyorder_testkit::eventlog::Event], who: &str, at: u64) -> String {
+fn join_report(events: &[keyorder_check::eventlog::Event], who: &str, at: u64) -> String {
     let mut first: std::collections::HashMap<&str, u64> = Default::default();
     for e in events.iter().filter(|e| e.instance == who) {
         let t = first.entry(e.key.as_str()).or_insert(u64::MAX);
@@ -461,7 +461,7 @@ fn join_report(events: &[keyorder_testkit::eventlog::Event], who: &str, at: u64)
 /// relative to the run's first start, and how many it applied in each tenth
 /// of the run: shows an instance that idled while the other still worked
 /// (a join, a hand-over, an uneven share of the keys).
-fn timeline(events: &[keyorder_testkit::eventlog::Event]) -> String {
+fn timeline(events: &[keyorder_check::eventlog::Event]) -> String {
     let Some(t0) = events.iter().map(|e| e.start).min() else {
         return "no events".into();
     };

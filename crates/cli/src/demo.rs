@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use keyorder_testkit::{check, EventLog, Expectation};
+use keyorder_check::{check, EventLog, Expectation};
 use rand::Rng;
 
 use crate::run;

@@ -13,10 +13,10 @@ use std::time::Duration;
 
 use clap::Args;
 use keyorder::{KeySource, LeaseConfig};
-use keyorder_testkit::instance::{keys, publish_keys, Instance, Switches};
-use keyorder_testkit::pglog::PgEventLog;
-use keyorder_testkit::worker::{WorkerConfig, WorkerProcess};
-use keyorder_testkit::{check, EventLog, Expectation};
+use keyorder_check::instance::{keys, publish_keys, Instance, Switches};
+use keyorder_check::pglog::PgEventLog;
+use keyorder_check::worker::{WorkerConfig, WorkerProcess};
+use keyorder_check::{check, EventLog, Expectation};
 
 use crate::demo::uuid_like;
 use crate::run;

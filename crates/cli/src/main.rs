@@ -46,7 +46,7 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     // `keyorder failover` re-executes this binary as its worker process.
-    keyorder_testkit::worker::run_if_worker(|url| Box::pin(async move { keyorder::connect(&url).await }));
+    keyorder_check::worker::run_if_worker(|url| Box::pin(async move { keyorder::connect(&url).await }));
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("KEYORDER_LOG")

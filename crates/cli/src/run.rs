@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use keyorder::{Client, Delivery, HandlerError, KeySource, Message, RunReport, SubscriptionBuilder};
-use keyorder_testkit::{EventLog, EventStart, MemoryEventLog, Published};
+use keyorder_check::{EventLog, EventStart, MemoryEventLog, Published};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 

@@ -14,20 +14,17 @@ use async_trait::async_trait;
 use keyorder_core::{Capabilities, Client, LeaseConfig, Result};
 
 pub mod broken;
-pub mod checker;
+pub use keyorder_check::{checker, eventlog, instance, pglog};
+pub mod worker;
 mod crashloop;
-pub mod eventlog;
 mod faults;
 mod groups;
 mod handover;
-pub mod instance;
 pub mod logs;
 pub mod outbox;
-pub mod pglog;
 pub mod proxy;
 pub mod scenarios;
 mod scopecount;
-pub mod worker;
 
 pub use checker::{check, Expectation, Published, Verdict};
 pub use eventlog::{Event, EventLog, EventStart, MemoryEventLog};
