@@ -221,11 +221,7 @@ impl WorkerProcess {
     /// Spawns this executable with `json` in the environment variable `env`
     /// (a consumer worker or an outbox relay); returns once the process
     /// printed `KEYORDER_WORKER_READY`.
-    pub async fn spawn_with(
-        env: &str,
-        json: String,
-        instance: &str,
-    ) -> std::result::Result<WorkerProcess, String> {
+    pub async fn spawn_with(env: &str, json: String, instance: &str) -> std::result::Result<WorkerProcess, String> {
         Self::spawn_launch(env, json, instance, &Launch::default()).await
     }
 

@@ -15,7 +15,6 @@ use keyorder_core::{Capabilities, Client, LeaseConfig, Result};
 
 pub mod broken;
 pub use keyorder_check::{checker, eventlog, instance, pglog};
-pub mod worker;
 mod crashloop;
 mod faults;
 mod groups;
@@ -25,6 +24,7 @@ pub mod outbox;
 pub mod proxy;
 pub mod scenarios;
 mod scopecount;
+pub mod worker;
 
 pub use checker::{check, Expectation, Published, Verdict};
 pub use eventlog::{Event, EventLog, EventStart, MemoryEventLog};
