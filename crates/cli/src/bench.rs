@@ -77,6 +77,34 @@ struct Side {
     violations: usize,
     lost: usize,
     secs: f64,
+    /// A key's cycle, from the event log: the median handler time and the
+    /// median wait from a handler's end to the same key's next start under
+    /// the same owner (ms).
+    cycle: Option<(f64, f64)>,
+}
+
+/// Median handler time and median wait between a key's consecutive
+/// messages run by the same owner (its previous one's settlement, then the
+/// dispatch), in ms; hand-overs are left out. `None` without such pairs.
+fn key_cycle(events: &[keyorder_check::eventlog::Event]) -> Option<(f64, f64)> {
+    let mut by_key: std::collections::HashMap<&str, Vec<&keyorder_check::eventlog::Event>> =
+        std::collections::HashMap::new();
+    for e in events.iter().filter(|e| e.ok && e.end.is_some()) {
+        by_key.entry(e.key.as_str()).or_default().push(e);
+    }
+    let (mut handler, mut wait) = (Vec::new(), Vec::new());
+    for list in by_key.values_mut() {
+        list.sort_by_key(|e| e.seq);
+        for pair in list.windows(2) {
+            let (prev, next) = (pair[0], pair[1]);
+            let end = prev.end.unwrap_or(prev.start);
+            handler.push(end.saturating_sub(prev.start) as f64 / 1000.0);
+            if next.seq == prev.seq + 1 && next.instance == prev.instance && next.generation == prev.generation {
+                wait.push(next.start.saturating_sub(end) as f64 / 1000.0);
+            }
+        }
+    }
+    (!handler.is_empty() && !wait.is_empty()).then(|| (median(&handler), median(&wait)))
 }
 
 /// `x-expires` of a bench side's RabbitMQ queues (30 minutes): the fallback
@@ -306,6 +334,7 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
         violations: verdict.order.len(),
         lost: verdict.lost.len(),
         secs,
+        cycle: key_cycle(&events),
     })
 }
 
@@ -402,6 +431,25 @@ async fn round_trip(a: &BenchArgs, transport: &str, durability: Option<&str>) ->
         );
     }
     println!("  ratio (ordered/baseline) {ratio:.2}");
+    // A key's next message starts only once its previous one is settled, so
+    // with few keys the ordered side cannot beat keys / (handler + wait).
+    let bound = ordered.cycle.map(|(handler, wait)| {
+        let per_s = a.keys as f64 * 1000.0 / (handler + wait).max(1e-3);
+        (handler, wait, per_s)
+    });
+    if let Some((handler, wait, per_s)) = bound {
+        println!(
+            "  per-key bound: {} keys / (handler {handler:.2} ms + settle wait {wait:.2} ms, medians) = {per_s:.0} msg/s, \
+             {:.2} of the baseline{}",
+            a.keys,
+            per_s / baseline.msgs_per_s.max(1e-9),
+            if per_s < baseline.msgs_per_s {
+                ": the bound binds"
+            } else {
+                ": not binding"
+            }
+        );
+    }
     if let Some(p) = &partition {
         println!(
             "  seconds: partition order {:.2}  key order {:.2}  unordered {:.2}",
@@ -427,6 +475,10 @@ async fn round_trip(a: &BenchArgs, transport: &str, durability: Option<&str>) ->
                 "baseline": {"msgs_per_s": baseline.msgs_per_s, "p50_ms": baseline.p50_ms, "p99_ms": baseline.p99_ms,
                              "slept_p50_ms": baseline.slept_p50_ms, "order_violations": baseline.violations},
                 "ratio": ratio,
+                "per_key_bound": bound.map(|(handler, wait, per_s)| json!({
+                    "handler_ms": handler, "settle_wait_ms": wait, "msgs_per_s": per_s,
+                    "of_baseline": per_s / baseline.msgs_per_s.max(1e-9),
+                })),
                 "order_violations": ordered.violations,
                 "lost": ordered.lost + baseline.lost,
             })
