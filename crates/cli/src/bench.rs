@@ -77,34 +77,9 @@ struct Side {
     violations: usize,
     lost: usize,
     secs: f64,
-    /// A key's cycle, from the event log: the median handler time and the
-    /// median wait from a handler's end to the same key's next start under
-    /// the same owner (ms).
+    /// Median handler time and median settle wait (from the handler's
+    /// return to its acknowledgement reported durable), in ms.
     cycle: Option<(f64, f64)>,
-}
-
-/// Median handler time and median wait between a key's consecutive
-/// messages run by the same owner (its previous one's settlement, then the
-/// dispatch), in ms; hand-overs are left out. `None` without such pairs.
-fn key_cycle(events: &[keyorder_check::eventlog::Event]) -> Option<(f64, f64)> {
-    let mut by_key: std::collections::HashMap<&str, Vec<&keyorder_check::eventlog::Event>> =
-        std::collections::HashMap::new();
-    for e in events.iter().filter(|e| e.ok && e.end.is_some()) {
-        by_key.entry(e.key.as_str()).or_default().push(e);
-    }
-    let (mut handler, mut wait) = (Vec::new(), Vec::new());
-    for list in by_key.values_mut() {
-        list.sort_by_key(|e| e.seq);
-        for pair in list.windows(2) {
-            let (prev, next) = (pair[0], pair[1]);
-            let end = prev.end.unwrap_or(prev.start);
-            handler.push(end.saturating_sub(prev.start) as f64 / 1000.0);
-            if next.seq == prev.seq + 1 && next.instance == prev.instance && next.generation == prev.generation {
-                wait.push(next.start.saturating_sub(end) as f64 / 1000.0);
-            }
-        }
-    }
-    (!handler.is_empty() && !wait.is_empty()).then(|| (median(&handler), median(&wait)))
 }
 
 /// `x-expires` of a bench side's RabbitMQ queues (30 minutes): the fallback
@@ -334,7 +309,7 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
         violations: verdict.order.len(),
         lost: verdict.lost.len(),
         secs,
-        cycle: key_cycle(&events),
+        cycle: rec.cycle_ms(),
     })
 }
 
@@ -432,7 +407,7 @@ async fn round_trip(a: &BenchArgs, transport: &str, durability: Option<&str>) ->
     }
     println!("  ratio (ordered/baseline) {ratio:.2}");
     // A key's next message starts only once its previous one is settled, so
-    // with few keys the ordered side cannot beat keys / (handler + wait).
+    // the ordered side cannot beat keys / (handler + settle wait).
     let bound = ordered.cycle.map(|(handler, wait)| {
         let per_s = a.keys as f64 * 1000.0 / (handler + wait).max(1e-3);
         (handler, wait, per_s)

@@ -162,6 +162,14 @@ pub(crate) struct Recorder {
     clock: Clock,
     /// How long the handlers' sleeps took, in µs.
     slept_us: Mutex<hdrhistogram::Histogram<u64>>,
+    /// When each running message's handler returned (message id), until
+    /// its settlement is reported.
+    returned: Mutex<std::collections::HashMap<String, std::time::Instant>>,
+    /// From a handler's return to its acknowledgement being durable (the
+    /// settlement reported by `on_settled`), in µs.
+    settle_us: Mutex<hdrhistogram::Histogram<u64>>,
+    /// How long the handlers took, in µs.
+    handler_us: Mutex<hdrhistogram::Histogram<u64>>,
 }
 
 impl Recorder {
@@ -179,6 +187,21 @@ impl Recorder {
             latency_us: Mutex::new(hdrhistogram::Histogram::new(3).expect("sigfig 3 is valid")),
             clock,
             slept_us: Mutex::new(hdrhistogram::Histogram::new(3).expect("sigfig 3 is valid")),
+            returned: Mutex::default(),
+            settle_us: Mutex::new(hdrhistogram::Histogram::new(3).expect("sigfig 3 is valid")),
+            handler_us: Mutex::new(hdrhistogram::Histogram::new(3).expect("sigfig 3 is valid")),
+        })
+    }
+
+    /// Median handler time and median settle wait (handler return to
+    /// durable acknowledgement), in ms; `None` before any was settled.
+    pub(crate) fn cycle_ms(&self) -> Option<(f64, f64)> {
+        let (h, s) = (self.handler_us.lock().unwrap(), self.settle_us.lock().unwrap());
+        (!h.is_empty() && !s.is_empty()).then(|| {
+            (
+                h.value_at_quantile(0.5) as f64 / 1000.0,
+                s.value_at_quantile(0.5) as f64 / 1000.0,
+            )
         })
     }
 
@@ -245,7 +268,18 @@ pub(crate) struct Built {
 
 /// Builds the subscription of `instance` (see [`Built`]).
 pub(crate) async fn build(builder: SubscriptionBuilder, instance: String, rec: Arc<Recorder>) -> anyhow::Result<Built> {
-    let subscription = builder.instance_id(instance.clone()).build().await?;
+    let settled = rec.clone();
+    let subscription = builder
+        .instance_id(instance.clone())
+        .on_settled(move |s| {
+            let returned = settled.returned.lock().unwrap().remove(&s.id);
+            if let (Some(at), keyorder::Settlement::Acknowledged) = (returned, &s.settlement) {
+                let us = at.elapsed().as_micros() as u64;
+                let _ = settled.settle_us.lock().unwrap().record(us.max(1));
+            }
+        })
+        .build()
+        .await?;
     Ok(Built {
         subscription,
         instance,
@@ -301,6 +335,15 @@ impl Built {
                 if !p.probe {
                     rec.applied.fetch_add(1, Ordering::Relaxed);
                 }
+                let _ = rec
+                    .handler_us
+                    .lock()
+                    .unwrap()
+                    .record((started.elapsed().as_micros() as u64).max(1));
+                rec.returned
+                    .lock()
+                    .unwrap()
+                    .insert(d.id().to_owned(), std::time::Instant::now());
                 Ok(())
             }
         };
