@@ -247,11 +247,7 @@ async fn a_halted_foreign_long_key_is_resolved_by_its_label() {
 async fn read_only_commands_create_nothing() {
     let category = format!("op-none-{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
     let c = client().await;
-    let admin = c.admin();
-    let _ = admin.scopes(&category, "g").await;
-    let _ = admin.halted(&category, "g").await;
-    let _ = admin.hot_keys(&category, "g", 10).await;
-    let _ = admin.dead_letters(&category, "g").await;
+    keyorder_testkit::run_read_only_commands(&*c.admin(), &category).await;
     // Every topic the broker has, without naming one (which could create it).
     let mut cfg = keyorder_kafka::rdkafka::ClientConfig::new();
     cfg.set("bootstrap.servers", common::brokers());

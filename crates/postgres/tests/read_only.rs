@@ -42,12 +42,7 @@ async fn read_only_commands_create_nothing() {
     let before = census(&pool, &schema).await;
     assert!(!before.is_empty(), "the schema was migrated");
     let c = Client::new(Arc::new(t));
-    let admin = c.admin();
-    let _ = admin.scopes("cat", "g").await;
-    let _ = admin.halted("cat", "g").await;
-    let _ = admin.hot_keys("cat", "g", 10).await;
-    let _ = admin.dead_letters("cat", "g").await;
-    let _ = admin.groups("cat").await;
+    keyorder_testkit::run_read_only_commands(&*c.admin(), "cat").await;
     let after = census(&pool, &schema).await;
     sqlx::query(sqlx::AssertSqlSafe(format!("drop schema \"{schema}\" cascade")))
         .execute(&pool)

@@ -205,27 +205,12 @@ impl RabbitTransport {
         stop: impl Fn(&[Value]) -> bool,
     ) -> Result<Vec<Value>> {
         let conn = self.connection().await?;
-        let ch = confirm_channel(&conn).await?;
         // Asking creates nothing: without the exchange (declared by every
         // consumer that answers) nobody could answer.
-        let exists = ch
-            .exchange_declare(
-                CONTROL_EXCHANGE.into(),
-                ExchangeKind::Topic,
-                ExchangeDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await;
-        if let Err(e) = exists {
-            let text = e.to_string();
-            if text.contains("NOT_FOUND") || text.contains("NOT-FOUND") {
-                return Ok(Vec::new());
-            }
-            return Err(amqp(e));
+        if !crate::topology::exchange_exists(&conn, CONTROL_EXCHANGE, ExchangeKind::Topic).await? {
+            return Ok(Vec::new());
         }
+        let ch = confirm_channel(&conn).await?;
         let (queue, mut replies) = private_queue(&ch).await?;
         let correlation = uuid::Uuid::new_v4().to_string();
         let props = BasicProperties::default()

@@ -131,16 +131,9 @@ async fn live_elsewhere(conn: &Connection, name: &str) -> Option<bool> {
             let _ = ch.close(200, "checked".into()).await;
             Some(false)
         }
-        Err(e) => {
-            let text = e.to_string();
-            if text.contains("RESOURCE_LOCKED") || text.contains("RESOURCE-LOCKED") {
-                Some(true)
-            } else if text.contains("NOT_FOUND") || text.contains("NOT-FOUND") {
-                Some(false)
-            } else {
-                None
-            }
-        }
+        Err(e) if e.to_string().contains("RESOURCE_LOCKED") => Some(true),
+        Err(e) if crate::topology::not_found(&e) => Some(false),
+        Err(_) => None,
     }
 }
 

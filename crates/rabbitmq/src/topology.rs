@@ -328,7 +328,7 @@ fn explain(e: lapin::Error, what: &str, fix: &str) -> Error {
     }
 }
 
-fn not_found(e: &lapin::Error) -> bool {
+pub(crate) fn not_found(e: &lapin::Error) -> bool {
     let text = e.to_string();
     text.contains("NOT_FOUND") || text.contains("404")
 }
@@ -352,7 +352,7 @@ pub(crate) async fn queue_state(conn: &Connection, queue: &str) -> Result<Option
     }
 }
 
-async fn exchange_exists(conn: &Connection, exchange: &str, kind: ExchangeKind) -> Result<bool> {
+pub(crate) async fn exchange_exists(conn: &Connection, exchange: &str, kind: ExchangeKind) -> Result<bool> {
     let ch = conn.create_channel().await.map_err(amqp)?;
     let passive = ExchangeDeclareOptions {
         passive: true,

@@ -288,12 +288,7 @@ async fn read_only_commands_create_nothing() {
     url.set_path(&vhost);
     let t = RabbitTransport::from_url(&url).await.unwrap();
     let c = Client::new(Arc::new(t));
-    let admin = c.admin();
-    let _ = admin.scopes("cat", "g").await;
-    let _ = admin.halted("cat", "g").await;
-    let _ = admin.hot_keys("cat", "g", 10).await;
-    let _ = admin.dead_letters("cat", "g").await;
-    let _ = admin.groups("cat").await;
+    keyorder_testkit::run_read_only_commands(&*c.admin(), "cat").await;
     let list = |what: &str| -> Vec<String> {
         rabbitmqctl(&[what, "-p", &vhost, "-q", "--no-table-headers", "name"])
             .lines()

@@ -17,12 +17,7 @@ async fn read_only_commands_create_nothing() {
         .await
         .expect("Redis must be reachable (run scripts/services)");
     let c = Client::new(Arc::new(t));
-    let admin = c.admin();
-    let _ = admin.scopes(&category, "g").await;
-    let _ = admin.halted(&category, "g").await;
-    let _ = admin.hot_keys(&category, "g", 10).await;
-    let _ = admin.dead_letters(&category, "g").await;
-    let _ = admin.groups(&category).await;
+    keyorder_testkit::run_read_only_commands(&*c.admin(), &category).await;
     let mut conn = redis::Client::open(url())
         .unwrap()
         .get_multiplexed_async_connection()

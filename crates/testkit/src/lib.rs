@@ -191,3 +191,14 @@ pub trait Harness: Send + Sync {
         )))
     }
 }
+
+/// Runs every read-only operator command of `admin` on `category` (group
+/// `g`), their answers ignored: the tests that check these commands create
+/// nothing on the broker call it, then look at the broker.
+pub async fn run_read_only_commands(admin: &dyn keyorder_core::Admin, category: &str) {
+    let _ = admin.scopes(category, "g").await;
+    let _ = admin.halted(category, "g").await;
+    let _ = admin.hot_keys(category, "g", 10).await;
+    let _ = admin.dead_letters(category, "g").await;
+    let _ = admin.groups(category).await;
+}
