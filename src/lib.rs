@@ -1,7 +1,20 @@
 #![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 
-pub use keyorder_core::*;
+// The application's face: what a program that publishes, subscribes and
+// operates uses. What an adapter author needs is under `raw`.
+pub use keyorder_core::{
+    async_trait, redact, Admin, Bytes, Capabilities, Client, DeadLetter, Delivery, Error, GlobalBackoff, GroupInfo,
+    HaltedKey, Handler, HandlerError, HandlerResult, HeadAction, HotKey, KeyError, KeyRule, KeyRules, KeySource,
+    KeylessPolicy, LeaseConfig, MemoryTransport, Message, MessageType, OrderingKey, PoisonPolicy, Publisher, Resolved,
+    Result, RetryPolicy, RunReport, ScopeInfo, Settled, SettledHook, Settlement, Stats, StatsSnapshot, Strategy,
+    Subscription, SubscriptionBuilder, KEY_HEADER, MAX_KEY_BYTES, TYPE_HEADER,
+};
+
+/// For adapter authors: the transport traits, the keyed dispatcher, leases
+/// and scope assignment ([`keyorder_core::raw`]). An application does not
+/// need anything in here.
+pub use keyorder_core::raw;
 
 /// The URL schemes this build can connect to.
 pub fn schemes() -> &'static [&'static str] {

@@ -11,7 +11,8 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use keyorder::{Capabilities, Client, MemoryTransport, Result, Transport};
+use keyorder::raw::Transport;
+use keyorder::{Capabilities, Client, MemoryTransport, Result};
 use keyorder_testkit::outbox::OutboxScenario;
 use keyorder_testkit::{Harness, Scenario};
 use libtest_mimic::{Arguments, Completion, Trial};

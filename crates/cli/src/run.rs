@@ -501,7 +501,7 @@ pub(crate) async fn delete_amqp_queues(url: &str, category: &str) -> anyhow::Res
     let t = keyorder::rabbitmq::RabbitTransport::from_url(&url.parse()?).await?;
     // Refused while a group has a live member, as on PostgreSQL: a running
     // subscription would lose its queues under it.
-    let admin = keyorder::Transport::admin(&t);
+    let admin = keyorder::raw::Transport::admin(&t);
     let live: Vec<String> = admin
         .groups(category)
         .await?

@@ -8,7 +8,8 @@ use std::process::Command;
 
 use keyorder::postgres::sqlx::{self, Row};
 use keyorder::postgres::PgTransport;
-use keyorder::{Message, Transport};
+use keyorder::raw::Transport;
+use keyorder::Message;
 
 fn url() -> String {
     std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())

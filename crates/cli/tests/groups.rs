@@ -7,8 +7,9 @@
 use std::process::Command;
 use std::time::Duration;
 
+use keyorder::raw::{SourceSpec, Transport};
 use keyorder::redis::RedisTransport;
-use keyorder::{KeyRules, LeaseConfig, SourceSpec, Transport};
+use keyorder::{KeyRules, LeaseConfig};
 
 fn url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())

@@ -42,5 +42,24 @@ pub use transport::{
     SourceSpec, Transport, TransportPublisher, TransportSource,
 };
 
+/// What an adapter author needs and an application does not: the transport
+/// traits an adapter implements, the keyed dispatcher a subscription drives,
+/// leases, scope assignment and the fetch-room policy.
+///
+/// An application uses the crate root ([`Client`], [`Message`],
+/// [`Handler`], [`Subscription`], [`Admin`] for operator verbs); the
+/// facade crate `keyorder` re-exports only that face, and this module as
+/// `keyorder::raw`. Everything here may change in a minor release while
+/// the application face stays put.
+pub mod raw {
+    pub use crate::assign::assign;
+    pub use crate::dispatch::{DispatchConfig, Dispatcher, Job, Submit, Widening, ISOLATION_WAIT};
+    pub use crate::lease::{lost_epoch, LeaseState, ScopeLease};
+    pub use crate::transport::{
+        fill_levels, share_room, Inbound, PublishFence, Settle, SourceEvent, SourceSpec, Transport, TransportPublisher,
+        TransportSource,
+    };
+}
+
 pub use async_trait::async_trait;
 pub use bytes::Bytes;
