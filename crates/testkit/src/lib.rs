@@ -15,15 +15,10 @@ use keyorder_core::{Capabilities, Client, LeaseConfig, Result};
 
 pub mod broken;
 pub use keyorder_check::{checker, eventlog, instance, pglog};
-mod crashloop;
-mod faults;
-mod groups;
-mod handover;
 pub mod logs;
 pub mod outbox;
 pub mod proxy;
 pub mod scenarios;
-mod scopecount;
 pub mod worker;
 
 pub use checker::{check, Expectation, Published, Verdict};

@@ -41,8 +41,8 @@ use tokio::task::JoinHandle;
 use crate::checker::{check, Expectation, Published};
 use crate::eventlog::{EventLog, EventStart, MemoryEventLog};
 use crate::instance::{wait_until, Instance, Payload};
-use crate::worker::{run_from_env, Connector, WorkerProcess, HOLDING_LINE, RELEASED_LINE};
 use crate::Harness;
+use keyorder_check::worker::{run_from_env, Connector, WorkerProcess, HOLDING_LINE, RELEASED_LINE};
 
 type Outcome = std::result::Result<(), String>;
 

@@ -9,6 +9,6 @@ pub use keyorder_check::worker::*;
 /// `main`.
 pub fn run_if_worker(connect: Connector) {
     crate::outbox::run_if_relay(connect);
-    crate::groups::run_if_operator(connect);
+    crate::scenarios::groups::run_if_operator(connect);
     keyorder_check::worker::run_if_worker(connect);
 }

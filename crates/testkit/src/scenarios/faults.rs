@@ -6,13 +6,13 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::ctx::{ensure, err, Ctx, Outcome};
 use crate::checker::Expectation;
 use crate::eventlog::{Event, EventLog};
 use crate::instance::{keys, publish_range, publish_stream, wait_until};
 use crate::proxy::FaultProxy;
-use crate::scenarios::{ensure, err, Ctx, Outcome};
-use crate::worker::{Launch, WorkerProcess};
 use crate::FaultRoute;
+use keyorder_check::worker::{Launch, WorkerProcess};
 
 /// The loopback address of the `n`th proxy (each proxy of a scenario on an
 /// address of its own, so a broker's advertised port can be reused).

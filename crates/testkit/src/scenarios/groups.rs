@@ -9,12 +9,12 @@ use std::time::Duration;
 use keyorder_core::{Admin, Client, Delivery, HeadAction, Message, OrderingKey, PoisonPolicy};
 use serde::{Deserialize, Serialize};
 
+use super::ctx::{ensure, err, stop_all, Ctx, Outcome};
 use crate::checker::{Expectation, Published};
 use crate::eventlog::{EventLog, MemoryEventLog};
 use crate::instance::{keys, logging_handler, publish_range, publish_stream, wait_until, Instance, Payload};
-use crate::scenarios::{ensure, err, stop_all, Ctx, Outcome};
-use crate::worker::{Connector, WorkerProcess};
 use crate::NewGroupStart;
+use keyorder_check::worker::{Connector, WorkerProcess};
 
 /// Starts an ordered instance of `group` whose handler logs to `log` and
 /// first waits `pace` (groups consume at different paces).
@@ -207,7 +207,7 @@ pub(crate) struct OperatorConfig {
 
 /// If this process was spawned as an operator, runs it and exits.
 pub(crate) fn run_if_operator(connect: Connector) {
-    crate::worker::run_from_env(OPERATOR_ENV, "operator", |cfg: OperatorConfig| async move {
+    keyorder_check::worker::run_from_env(OPERATOR_ENV, "operator", |cfg: OperatorConfig| async move {
         let client = connect(cfg.url.clone()).await?;
         let admin = client.admin();
         println!("KEYORDER_WORKER_READY");

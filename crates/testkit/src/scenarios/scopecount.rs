@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use keyorder_core::{Error, Message};
 
+use super::ctx::{ensure, err, Ctx, Outcome};
 use crate::checker::Published;
 use crate::instance::{keys, publish_keys, Payload};
-use crate::scenarios::{ensure, err, Ctx, Outcome};
 
 /// C23: a category flows (a publisher held open, one subscription); the
 /// harness changes its scope count behind keyorder's back, as an operator

@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use keyorder_core::{HeadAction, Message, OrderingKey};
 
+use super::ctx::{ensure, err, Ctx, Outcome};
 use crate::checker::{Expectation, Published};
 use crate::instance::{keys, Payload};
-use crate::scenarios::{ensure, err, Ctx, Outcome};
-use crate::worker::WorkerProcess;
+use keyorder_check::worker::WorkerProcess;
 
 /// Attempts before the poison policy applies.
 const MAX_ATTEMPTS: u32 = 3;

@@ -5,11 +5,11 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::ctx::{ensure, err, stop_all, Ctx, Outcome};
 use crate::checker::Expectation;
 use crate::eventlog::{Event, EventLog};
 use crate::instance::{keys, publish_range, wait_until, Instance};
-use crate::scenarios::{ensure, err, stop_all, Ctx, Outcome};
-use crate::worker::WorkerProcess;
+use keyorder_check::worker::WorkerProcess;
 
 async fn events(log: &Arc<dyn EventLog>) -> Vec<Event> {
     log.events().await.unwrap_or_default()
