@@ -9,7 +9,6 @@ use crate::capability::Capabilities;
 use crate::error::{Error, Result};
 use crate::key::KeyRules;
 use crate::message::{Message, KEY_HEADER};
-use crate::subscription::SubscriptionBuilder;
 use crate::transport::{Admin, PublishFence, Transport, TransportPublisher};
 
 /// A handle on one transport: publishers, subscriptions, the admin view.
@@ -91,12 +90,6 @@ impl Client {
             inner: self.transport.publisher(category).await?,
             rules: self.rules.clone(),
         })
-    }
-
-    /// Starts building a subscription of `group` to `category`. Nothing is
-    /// checked or opened until [`SubscriptionBuilder::build`].
-    pub fn subscribe(&self, category: &str, group: &str) -> SubscriptionBuilder {
-        SubscriptionBuilder::new(self.clone(), category, group)
     }
 }
 

@@ -18,6 +18,16 @@ use crate::stats::{bump, Stats, StatsSnapshot};
 use crate::strategy::{GlobalBackoff, PoisonPolicy, Resolved, RetryPolicy, Strategy};
 use crate::transport::{Inbound, SourceEvent, SourceSpec, TransportSource};
 
+// `Client::subscribe` lives here, beside what it builds: the client's room
+// then imports nothing of the subscription's.
+impl Client {
+    /// Starts building a subscription of `group` to `category`. Nothing is
+    /// checked or opened until [`SubscriptionBuilder::build`].
+    pub fn subscribe(&self, category: &str, group: &str) -> SubscriptionBuilder {
+        SubscriptionBuilder::new(self.clone(), category, group)
+    }
+}
+
 /// Builds a subscription; every option is checked in [`build`](Self::build),
 /// before any message flows.
 ///
