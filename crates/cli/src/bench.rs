@@ -80,6 +80,42 @@ struct Side {
     /// Median handler time and median settle wait (from the handler's
     /// return to its acknowledgement reported durable), in ms.
     cycle: Option<(f64, f64)>,
+    /// Each applied message's start, in µs after the side's first start,
+    /// sorted, and the last end on the same clock: the steady-state window.
+    starts_us: Vec<u64>,
+    end_us: u64,
+    /// Ordered side: when ownership settled, in µs after the first start
+    /// (the joining instances' last taken-over key started), if any joined.
+    settled_us: Option<u64>,
+}
+
+impl Side {
+    /// Messages per second among those that started at or after `from_us`
+    /// (µs after the side's first start), and the window's length in s.
+    fn rate_from(&self, from_us: u64) -> (f64, f64) {
+        let n = self.starts_us.len() - self.starts_us.partition_point(|&t| t < from_us);
+        let window = self.end_us.saturating_sub(from_us) as f64 / 1e6;
+        (n as f64 / window.max(1e-9), window)
+    }
+}
+
+/// When the joining instance `who` started the first handler of the last key
+/// it took over (store clock, µs): until then ownership was still moving.
+fn last_takeover(events: &[keyorder_check::eventlog::Event], who: &str) -> Option<u64> {
+    first_starts(events, who).into_values().max()
+}
+
+/// Per key that `who` ran: when it started the key's first handler.
+fn first_starts<'a>(
+    events: &'a [keyorder_check::eventlog::Event],
+    who: &str,
+) -> std::collections::HashMap<&'a str, u64> {
+    let mut first: std::collections::HashMap<&str, u64> = Default::default();
+    for e in events.iter().filter(|e| e.instance == who) {
+        let t = first.entry(e.key.as_str()).or_insert(u64::MAX);
+        *t = (*t).min(e.start);
+    }
+    first
 }
 
 /// `x-expires` of a bench side's RabbitMQ queues (30 minutes): the fallback
@@ -300,6 +336,24 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
             }
         }
     }
+    let t0 = events.iter().map(|e| e.start).min().unwrap_or(0);
+    let mut starts_us: Vec<u64> = events.iter().filter(|e| e.ok).map(|e| e.start - t0).collect();
+    starts_us.sort_unstable();
+    let end_us = events
+        .iter()
+        .map(|e| e.end.unwrap_or(e.start))
+        .max()
+        .unwrap_or(t0)
+        .saturating_sub(t0);
+    let settled_us = if ordered {
+        joins
+            .iter()
+            .filter_map(|(who, _)| last_takeover(&events, who))
+            .max()
+            .map(|t| t.saturating_sub(t0))
+    } else {
+        None
+    };
     Ok(Side {
         msgs_per_s: target as f64 / secs.max(1e-9),
         p50_ms: rec.latency_ms(0.5),
@@ -310,6 +364,9 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
         lost: verdict.lost.len(),
         secs,
         cycle: rec.cycle_ms(),
+        starts_us,
+        end_us,
+        settled_us,
     })
 }
 
@@ -406,6 +463,27 @@ async fn round_trip(a: &BenchArgs, transport: &str, durability: Option<&str>) ->
         );
     }
     println!("  ratio (ordered/baseline) {ratio:.2}");
+    // The whole run holds the start-up hand-over (a joining instance takes
+    // its share of the keys over while the first already consumes); the
+    // steady state starts when the last joiner started its last key, and
+    // both sides are timed from that same offset after their first handler.
+    let steady = ordered.settled_us.map(|at| {
+        let (o, window) = ordered.rate_from(at);
+        let (b, _) = baseline.rate_from(at);
+        (at as f64 / 1e6, window, o, b, o / b.max(1e-9))
+    });
+    if let Some((at, window, o, b, r)) = steady {
+        let share = window / (ordered.end_us as f64 / 1e6).max(1e-9);
+        println!(
+            "  hand-over: ownership settled {at:.2} s after the first handler; steady state (from then to the end, {window:.2} s, {:.0}% of the ordered run): ordered {o:.0} msg/s, baseline {b:.0} msg/s, ratio {r:.2}{}",
+            share * 100.0,
+            if share < 0.5 {
+                " (the hand-over is a large share of this run: raise --messages for a steadier figure)"
+            } else {
+                ""
+            }
+        );
+    }
     // A key's next message starts only once its previous one is settled, so
     // the ordered side cannot beat keys / (handler + settle wait).
     let bound = ordered.cycle.map(|(handler, wait)| {
@@ -450,6 +528,10 @@ async fn round_trip(a: &BenchArgs, transport: &str, durability: Option<&str>) ->
                 "baseline": {"msgs_per_s": baseline.msgs_per_s, "p50_ms": baseline.p50_ms, "p99_ms": baseline.p99_ms,
                              "slept_p50_ms": baseline.slept_p50_ms, "order_violations": baseline.violations},
                 "ratio": ratio,
+                "steady": steady.map(|(at, window, o, b, r)| json!({
+                    "settled_s": at, "window_s": window, "ordered_msgs_per_s": o,
+                    "baseline_msgs_per_s": b, "ratio": r,
+                })),
                 "per_key_bound": bound.map(|(handler, wait, per_s)| json!({
                     "handler_ms": handler, "settle_wait_ms": wait, "msgs_per_s": per_s,
                     "of_baseline": per_s / baseline.msgs_per_s.max(1e-9),
@@ -468,11 +550,7 @@ async fn round_trip(a: &BenchArgs, transport: &str, durability: Option<&str>) ->
 /// instance's subscription being up to its first handler, and to the first
 /// handler of the last key it took over (every key it ran at all).
 fn join_report(events: &[keyorder_check::eventlog::Event], who: &str, at: u64) -> String {
-    let mut first: std::collections::HashMap<&str, u64> = Default::default();
-    for e in events.iter().filter(|e| e.instance == who) {
-        let t = first.entry(e.key.as_str()).or_insert(u64::MAX);
-        *t = (*t).min(e.start);
-    }
+    let first = first_starts(events, who);
     let (Some(a), Some(b)) = (first.values().min(), first.values().max()) else {
         return format!("join of {who}: it ran nothing");
     };
