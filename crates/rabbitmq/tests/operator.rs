@@ -1,17 +1,13 @@
-//! Operator actions across processes on the real RabbitMQ: a halt lives in
-//! the consumer that halted the key, and another transport (its own
-//! connection and state, as the `keyorder` command in another process)
-//! lists it and skips it through the control exchange; the owner then runs
-//! the key's later messages.
+//! RabbitMQ's own operator cases across processes on the real broker: hot
+//! keys gathered through the control exchange, read-only commands that
+//! declare nothing. Listing and skipping a halted head from another
+//! transport runs on every adapter as the conformance scenario
+//! `operator_from_another_transport`.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use keyorder_core::{
-    Client, Delivery, Error, HandlerError, HandlerResult, HeadAction, KeySource, LeaseConfig, Message, PoisonPolicy,
-    RetryPolicy,
-};
+use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig, Message};
 use keyorder_rabbitmq::RabbitTransport;
 
 fn url() -> String {
@@ -37,116 +33,6 @@ where
         assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn another_process_lists_and_skips_a_halted_head() {
-    let category = format!("op-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
-    let owner = client().await;
-    let operator = client().await;
-    // Nothing halted anywhere yet: the request is unroutable, the list empty.
-    assert!(operator.admin().halted(&category, "g").await.unwrap().is_empty());
-
-    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
-    let broken = Arc::new(AtomicBool::new(true));
-    let subscription = owner
-        .subscribe(&category, "g")
-        .ordered_by(KeySource::routing_key())
-        .poison(PoisonPolicy::Halt)
-        .retry(RetryPolicy {
-            max_attempts: 2,
-            initial_backoff: Duration::from_millis(20),
-            max_backoff: Duration::from_millis(100),
-        })
-        .lease(LeaseConfig {
-            ttl: Duration::from_secs(4),
-            heartbeat: Duration::from_millis(500),
-            margin: Duration::from_millis(1500),
-        })
-        .build()
-        .await
-        .unwrap();
-    let (log, fail) = (seen.clone(), broken.clone());
-    let handler = move |d: Delivery| {
-        let (log, fail) = (log.clone(), fail.clone());
-        async move {
-            let body = String::from_utf8_lossy(d.payload()).into_owned();
-            if body == "p-2" && fail.load(Ordering::SeqCst) {
-                return Err(HandlerError::retry("poison (test)"));
-            }
-            log.lock().unwrap().push(body);
-            HandlerResult::Ok(())
-        }
-    };
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(subscription.run(handler, async move {
-        let _ = stopped.await;
-    }));
-    let publisher = owner.publisher(&category).await.unwrap();
-    for i in 1..=4 {
-        for key in ["p", "q"] {
-            publisher
-                .publish(Message::new(format!("{key}-{i}")).with_key(key).unwrap())
-                .await
-                .unwrap();
-        }
-    }
-    // q flows; p halts at p-2.
-    until("q to be applied", || async {
-        seen.lock().unwrap().iter().filter(|s| s.starts_with("q-")).count() == 4
-    })
-    .await;
-    let admin = operator.admin();
-    until("the other transport to see the halt", || async {
-        admin
-            .halted(&category, "g")
-            .await
-            .map(|h| h.len() == 1)
-            .unwrap_or(false)
-    })
-    .await;
-    let halted = admin.halted(&category, "g").await.unwrap();
-    assert_eq!(halted[0].label, keyorder_core::key::label("p"));
-    assert!(halted[0].attempts >= 2, "{halted:?}");
-    assert_eq!(
-        seen.lock()
-            .unwrap()
-            .iter()
-            .filter(|s| s.starts_with("p-"))
-            .cloned()
-            .collect::<Vec<_>>(),
-        ["p-1"],
-        "the key stops at its head"
-    );
-
-    // An unknown key: refused with NotFound, nothing changes.
-    let err = admin
-        .resolve(&category, "g", "nope", HeadAction::Skip)
-        .await
-        .unwrap_err();
-    assert!(matches!(err, Error::NotFound(_)), "{err}");
-
-    // Skip from the other transport, by label: the owner acknowledges the
-    // head and runs the key's later messages in order.
-    admin
-        .resolve(&category, "g", &keyorder_core::key::label("p"), HeadAction::Skip)
-        .await
-        .unwrap();
-    until("p's later messages", || async {
-        seen.lock().unwrap().iter().filter(|s| s.starts_with("p-")).count() == 3
-    })
-    .await;
-    let p: Vec<String> = seen
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|s| s.starts_with("p-"))
-        .cloned()
-        .collect();
-    assert_eq!(p, ["p-1", "p-3", "p-4"], "skipped the head, kept the order");
-    assert!(admin.halted(&category, "g").await.unwrap().is_empty(), "no halt left");
-    let _ = stop.send(());
-    run.await.unwrap().unwrap();
 }
 
 /// Hot keys from another process: the consumers count, per key, the

@@ -52,11 +52,14 @@ pub enum Scenario {
     C22,
     /// C23 the scope count changed while publishers and consumers run.
     C23,
+    /// The operator's verbs from another transport (list, refuse an
+    /// unknown label, skip by label).
+    Operator,
 }
 
 impl Scenario {
     /// Every scenario, in order.
-    pub const ALL: [Scenario; 23] = [
+    pub const ALL: [Scenario; 24] = [
         Scenario::C1,
         Scenario::C2,
         Scenario::C3,
@@ -80,6 +83,7 @@ impl Scenario {
         Scenario::C21,
         Scenario::C22,
         Scenario::C23,
+        Scenario::Operator,
     ];
 
     /// The trial name's scenario part, e.g. `c1_per_key_order`.
@@ -108,6 +112,7 @@ impl Scenario {
             Scenario::C21 => "c21_repeated_handover",
             Scenario::C22 => "c22_crash_loop",
             Scenario::C23 => "c23_scope_count_change",
+            Scenario::Operator => "operator_from_another_transport",
         }
     }
 
@@ -120,7 +125,7 @@ impl Scenario {
             (!missing.is_empty()).then(|| format!("transport `{}` lacks {}", harness.name(), missing.join(", ")))
         };
         let by_caps = match self {
-            Scenario::C4 | Scenario::C18 => need(&[("halt_on_poison", caps.halt_on_poison)]),
+            Scenario::C4 | Scenario::C18 | Scenario::Operator => need(&[("halt_on_poison", caps.halt_on_poison)]),
             Scenario::C5 => need(&[("park_and_release", caps.park_and_release)]),
             Scenario::C6 => need(&[
                 ("crash_reclaim", caps.crash_reclaim),
