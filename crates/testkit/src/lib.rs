@@ -197,3 +197,27 @@ pub async fn run_read_only_commands(admin: &dyn keyorder_core::Admin, category: 
     let _ = admin.dead_letters(category, "g").await;
     let _ = admin.groups(category).await;
 }
+
+/// The one poll helper of the workspace's tests: polls `cond` every 20 ms
+/// until it holds, and panics naming `what` once `deadline` passed (a
+/// test's failure). Scenarios use [`instance::wait_until`], which returns
+/// the timeout as an `Err` instead.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let ready = std::sync::atomic::AtomicBool::new(true);
+/// keyorder_testkit::until("ready", std::time::Duration::from_secs(5), || async {
+///     ready.load(std::sync::atomic::Ordering::SeqCst)
+/// })
+/// .await;
+/// # }
+/// ```
+pub async fn until<F, Fut>(what: &str, deadline: std::time::Duration, cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    if let Err(e) = instance::wait_until(what, deadline, cond).await {
+        panic!("{e}");
+    }
+}
