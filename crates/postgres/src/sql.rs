@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use crate::names::channel;
 use crate::shared::{after, after_position, commit_safe, read_order, LeaseSql, TXID_COLUMN};
 
 /// The embedded migrations (`crates/postgres/migrations`), in order: `{s}`
@@ -121,7 +122,7 @@ impl Sql {
             })
             .collect();
         Sql {
-            channel: format!("keyorder_{schema}"),
+            channel: channel(schema),
             migrations,
             ensure_queue: f("insert into {s}.queues (queue, slots) values ($1, $2) on conflict (queue) do nothing"),
             queue_slots: f("select slots from {s}.queues where queue = $1"),
