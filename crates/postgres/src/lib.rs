@@ -7,6 +7,7 @@ mod error;
 mod exec;
 mod names;
 mod plain;
+mod schema;
 pub mod shared;
 mod sql;
 mod track;
@@ -160,14 +161,7 @@ impl PgTransport {
     /// # Ok(()) }
     /// ```
     pub async fn vacuum(&self) -> Result<()> {
-        use sqlx::{Connection, Executor};
-        let s = &self.cfg.schema;
-        let list = TABLES.iter().map(|t| format!("{s}.{t}")).collect::<Vec<_>>().join(", ");
-        let mut conn = sqlx::PgConnection::connect(self.direct_url()).await.map_err(broker)?;
-        let res = conn.execute(AssertSqlSafe(format!("vacuum (analyze) {list}"))).await;
-        let _ = conn.close().await;
-        res.map_err(|e| self.missing_schema(e))?;
-        Ok(())
+        schema::vacuum(self.direct_url(), &self.cfg.schema).await
     }
 
     /// What a commit of this transport's sessions waits for, as the server
@@ -217,38 +211,7 @@ impl PgTransport {
     /// the migrator's lock is a session-level advisory lock, which a
     /// transaction-mode pooler cannot keep.
     pub async fn migrate(&self) -> Result<()> {
-        use sqlx::migrate::{Migration, MigrationType, Migrator};
-        use sqlx::{Connection, SqlSafeStr};
-        let migrations = self
-            .sql
-            .migrations
-            .iter()
-            .map(|(version, description, text)| {
-                Migration::new(
-                    *version,
-                    (*description).into(),
-                    MigrationType::Simple,
-                    AssertSqlSafe(text.clone()).into_sql_str(),
-                    false,
-                )
-            })
-            .collect();
-        let mut migrator = Migrator::with_migrations(migrations);
-        migrator.create_schema(self.cfg.schema.clone());
-        migrator.dangerous_set_table_name(format!("{}._sqlx_migrations", self.cfg.schema));
-        let mut conn = sqlx::PgConnection::connect(self.direct_url()).await.map_err(broker)?;
-        // `run_direct` is what `Migrator::run` calls; taking the connection
-        // directly keeps this future `Send` for every lifetime (`run`'s
-        // `Acquire` bound is not general enough for a spawned task).
-        let run = migrator.run_direct(None, &mut conn, false).await;
-        let _ = conn.close().await;
-        run.map_err(|e| {
-            Error::Config(format!(
-                "postgres: migrating schema `{}` failed: {e} (a changed or unknown migration means this schema \
-                 was migrated by another keyorder version)",
-                self.cfg.schema
-            ))
-        })
+        schema::migrate(self.direct_url(), &self.cfg.schema).await
     }
 
     /// Deletes a queue and everything kept for it (events of both layouts,
