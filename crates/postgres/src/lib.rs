@@ -1,13 +1,17 @@
 #![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 
+mod admin;
 mod batch;
 mod config;
 mod error;
 mod exec;
 mod names;
+mod pg;
 mod plain;
+mod publisher;
 mod schema;
+mod settle;
 pub mod shared;
 mod sql;
 mod track;
@@ -21,21 +25,25 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::FutureExt;
+use keyorder_core::key::from_stored_text;
 use keyorder_core::{
-    Admin, Capabilities, DeadLetter, Error, GroupInfo, HaltedKey, HeadAction, HotKey, Inbound, Message, OrderingKey,
-    PublishFence, Result, ScopeInfo, ScopeLease, Settle, SourceEvent, SourceSpec, Transport, TransportPublisher,
+    Admin, Capabilities, Error, Inbound, Result, ScopeLease, SourceEvent, SourceSpec, Transport, TransportPublisher,
     TransportSource,
 };
 use sqlx::postgres::{PgListener, PgPoolOptions};
-use sqlx::{AssertSqlSafe, Row};
+use sqlx::Row;
 use tokio::time::Instant;
 
-use crate::error::{broker, group_removed, layout_error, removal_error, REMOVAL_LOCK_TIMEOUT};
+use crate::admin::PgAdmin;
+use crate::error::{broker, group_removed, layout_error};
 use crate::exec::{q, Exec};
-use crate::names::{members_payload, parse_scope, published_to, scope_name, GROUP_TABLES, TABLES};
+use crate::names::{members_payload, parse_scope, published_to, scope_name};
+use crate::pg::{ttl_ms, Pg};
+use crate::publisher::PgPublisher;
+use crate::settle::PgSettle;
 use crate::sql::Sql;
 use crate::track::{lock, Pos, Track};
-use crate::wire::{headers_of, row_message, stored_key};
+use crate::wire::row_message;
 
 pub use config::{Layout, PgConfig, DEFAULT_SLOTS};
 pub use names::slot_of;
@@ -59,17 +67,14 @@ pub const CAPABILITIES: Capabilities = Capabilities {
 /// The PostgreSQL transport. Clones share one pool.
 #[derive(Clone)]
 pub struct PgTransport {
-    db: Exec,
-    cfg: Arc<PgConfig>,
-    sql: Arc<Sql>,
-    batcher: batch::Batcher,
+    pg: Pg,
 }
 
 impl fmt::Debug for PgTransport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PgTransport")
-            .field("schema", &self.cfg.schema)
-            .field("slots", &self.cfg.slots)
+            .field("schema", &self.pg.cfg.schema)
+            .field("slots", &self.pg.cfg.slots)
             .finish()
     }
 }
@@ -111,12 +116,14 @@ impl PgTransport {
         let sql = Arc::new(Sql::new(&cfg.schema));
         let batcher = batch::Batcher::spawn(settle_db, sql.attempt_batch.clone(), sql.ack_batch.clone());
         let t = PgTransport {
-            db,
-            sql,
-            cfg: Arc::new(cfg),
-            batcher,
+            pg: Pg {
+                db,
+                sql,
+                cfg: Arc::new(cfg),
+                batcher,
+            },
         };
-        if t.cfg.migrate {
+        if t.pg.cfg.migrate {
             t.migrate().await?;
         }
         t.check_autovacuum().await;
@@ -134,10 +141,10 @@ impl PgTransport {
             return;
         }
         let q = sqlx::query("select current_setting('autovacuum')").persistent(false);
-        if let Ok(row) = self.db.one(q).await {
+        if let Ok(row) = self.pg.db.one(q).await {
             if row.try_get::<String, _>(0).is_ok_and(|v| v == "off") {
                 tracing::warn!(
-                    schema = %self.cfg.schema,
+                    schema = %self.pg.cfg.schema,
                     "postgres: autovacuum is off on this server, so keyorder's tables keep their dead rows and \
                      slow down: turn autovacuum on, or run PgTransport::vacuum() (or `VACUUM`) on a schedule"
                 );
@@ -161,7 +168,7 @@ impl PgTransport {
     /// # Ok(()) }
     /// ```
     pub async fn vacuum(&self) -> Result<()> {
-        schema::vacuum(self.direct_url(), &self.cfg.schema).await
+        schema::vacuum(self.pg.direct_url(), &self.pg.cfg.schema).await
     }
 
     /// What a commit of this transport's sessions waits for, as the server
@@ -184,7 +191,7 @@ impl PgTransport {
     /// ```
     pub async fn durability(&self) -> Result<Vec<(String, String)>> {
         let q = sqlx::query("select current_setting('synchronous_commit'), current_setting('fsync')").persistent(false);
-        let row = self.db.one(q).await.map_err(broker)?;
+        let row = self.pg.db.one(q).await.map_err(broker)?;
         Ok(vec![
             ("synchronous_commit".to_owned(), row.try_get(0).map_err(broker)?),
             ("fsync".to_owned(), row.try_get(1).map_err(broker)?),
@@ -194,11 +201,6 @@ impl PgTransport {
     /// Connects from a `postgres://` URL (see [`PgConfig::from_url`]).
     pub async fn from_url(url: &url::Url) -> Result<Self> {
         Self::connect(PgConfig::from_url(url)?).await
-    }
-
-    /// The direct server URL: `direct=` if given, else the pool's URL.
-    fn direct_url(&self) -> &str {
-        self.cfg.direct.as_deref().unwrap_or(&self.cfg.url)
     }
 
     /// Applies the embedded migrations (`crates/postgres/migrations`) to the
@@ -211,7 +213,7 @@ impl PgTransport {
     /// the migrator's lock is a session-level advisory lock, which a
     /// transaction-mode pooler cannot keep.
     pub async fn migrate(&self) -> Result<()> {
-        schema::migrate(self.direct_url(), &self.cfg.schema).await
+        schema::migrate(self.pg.direct_url(), &self.pg.cfg.schema).await
     }
 
     /// Deletes a queue and everything kept for it (events of both layouts,
@@ -230,112 +232,26 @@ impl PgTransport {
     /// # Ok(()) }
     /// ```
     pub async fn delete_queue(&self, queue: &str) -> Result<u64> {
-        let s = &self.cfg.schema;
-        let what = format!("deleting queue `{queue}`");
-        let mut tx = self.db.pool.begin().await.map_err(broker)?;
-        sqlx::query("select set_config('lock_timeout', $1, true)")
-            .bind(REMOVAL_LOCK_TIMEOUT)
-            .persistent(false)
-            .execute(&mut *tx)
-            .await
-            .map_err(broker)?;
-        // The queue's row first, as a group's creation, its removal and
-        // retention take it (retention then deletes events: taking the
-        // events' rows before the queue's could deadlock with it); then
-        // every slot row `for update`, like a group's removal (the fenced
-        // statements in flight commit first, later ones find nothing).
-        for lock in [&self.sql.lock_queue, &self.sql.lock_queue_group_slots] {
-            q(lock)
-                .bind(queue)
-                .persistent(false)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| match e {
-                    sqlx::Error::Database(_) if e.to_string().contains("does not exist") => self.missing_schema(e),
-                    e => removal_error(e, &what),
-                })?;
-        }
-        let live: i64 = sqlx::query(AssertSqlSafe(format!(
-            "select (select count(*) from {s}.slots where queue = $1 and owner is not null \
-             and lease_expiry > clock_timestamp()) + (select count(*) from {s}.plain_events where queue = $1 \
-             and locked_until > clock_timestamp())"
-        )))
-        .persistent(false)
-        .bind(queue)
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(|e| self.missing_schema(e))?
-        .get(0);
-        if live > 0 {
-            return Err(Error::Config(format!(
-                "postgres: queue `{queue}` is in use ({live} live slot leases or claims): stop its subscriptions \
-                 (or wait for their leases to expire), then delete it"
-            )));
-        }
-        // Generations never go back, should the queue's groups start again.
-        q(&self.sql.raise_floor_queue)
-            .bind(queue)
-            .persistent(false)
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| removal_error(e, &what))?;
-        let mut rows = 0;
-        for table in TABLES {
-            let done = sqlx::query(AssertSqlSafe(format!("delete from {s}.{table} where queue = $1")))
-                .persistent(false)
-                .bind(queue)
-                .execute(&mut *tx)
-                .await
-                .map_err(broker)?;
-            rows += done.rows_affected();
-        }
-        tx.commit().await.map_err(broker)?;
-        Ok(rows)
-    }
-
-    fn missing_schema(&self, e: sqlx::Error) -> Error {
-        crate::error::missing_schema(&self.cfg.schema, e)
-    }
-
-    /// Fails with [`layout_error`] unless `slots` is `queue`'s count and,
-    /// for a publisher (`groups`), every group's (a count edited in the
-    /// table while in use, C23). A consumer group checks only the queue's:
-    /// a new group may start with a count the queue was re-slotted to,
-    /// while publishes wait until the older groups are removed.
-    async fn check_layout(&self, queue: &str, slots: u32, who: &str, groups: bool) -> Result<()> {
-        let row = self
-            .db
-            .one(q(&self.sql.layout).bind(queue).bind(slots as i32))
-            .await
-            .map_err(broker)?;
-        let (recorded, other): (Option<i32>, Option<String>) = (row.get(0), row.get(1));
-        match (recorded, other) {
-            (Some(n), _) if n as u32 != slots => Err(layout_error(queue, n as u32, who, slots)),
-            (Some(_), Some(grp)) if groups => Err(Error::Config(format!(
-                "postgres: queue `{queue}`'s layout changed: its consumer group `{grp}` started with another slot \
-                 count than the queue's {slots}, so keys would move between owners and lose their order; keyorder \
-                 refuses to publish. Fix: set the queue's count in the queues table back to the group's; to change \
-                 it, stop the publishers, drain every group, remove the groups, and publish to a new queue"
-            ))),
-            _ => Ok(()),
-        }
+        admin::delete_queue(&self.pg, queue).await
     }
 
     /// The queue's slot count, created with this transport's count if new;
     /// a different persisted count is refused (keys would move).
     async fn slots_of(&self, queue: &str) -> Result<u32> {
-        self.db
-            .exec(q(&self.sql.ensure_queue).bind(queue).bind(self.cfg.slots as i32))
-            .await
-            .map_err(|e| self.missing_schema(e))?;
-        let n: i32 = self
+        self.pg
             .db
-            .one(q(&self.sql.queue_slots).bind(queue))
+            .exec(q(&self.pg.sql.ensure_queue).bind(queue).bind(self.pg.cfg.slots as i32))
+            .await
+            .map_err(|e| self.pg.missing_schema(e))?;
+        let n: i32 = self
+            .pg
+            .db
+            .one(q(&self.pg.sql.queue_slots).bind(queue))
             .await
             .map_err(broker)?
             .get(0);
-        if n as u32 != self.cfg.slots {
-            return Err(layout_error(queue, n as u32, "this transport", self.cfg.slots));
+        if n as u32 != self.pg.cfg.slots {
+            return Err(layout_error(queue, n as u32, "this transport", self.pg.cfg.slots));
         }
         Ok(n as u32)
     }
@@ -358,21 +274,21 @@ impl PgTransport {
     /// epoch, which the member's heartbeats check.
     async fn join_group(&self, spec: &SourceSpec, slots: u32) -> Result<i64> {
         let (queue, grp) = (spec.category.as_str(), spec.group.as_str());
-        let pooled = self.cfg.pooled;
-        let mut tx = self.db.pool.begin().await.map_err(broker)?;
+        let pooled = self.pg.cfg.pooled;
+        let mut tx = self.pg.db.pool.begin().await.map_err(broker)?;
         // Created if missing, then locked; a deletion that commits in
         // between leaves nothing to lock (the locking read skips the
         // deleted row), so create it again.
         let mut tries = 0;
         let n: i32 = loop {
-            q(&self.sql.ensure_queue)
+            q(&self.pg.sql.ensure_queue)
                 .bind(queue)
                 .bind(slots as i32)
                 .persistent(!pooled)
                 .execute(&mut *tx)
                 .await
-                .map_err(|e| self.missing_schema(e))?;
-            let row = q(&self.sql.lock_queue_slots)
+                .map_err(|e| self.pg.missing_schema(e))?;
+            let row = q(&self.pg.sql.lock_queue_slots)
                 .bind(queue)
                 .persistent(!pooled)
                 .fetch_optional(&mut *tx)
@@ -391,7 +307,7 @@ impl PgTransport {
         if n as u32 != slots {
             return Err(layout_error(queue, n as u32, "this transport", slots));
         }
-        q(&self.sql.ensure_group)
+        q(&self.pg.sql.ensure_group)
             .bind(queue)
             .bind(grp)
             .bind(slots as i32)
@@ -399,7 +315,7 @@ impl PgTransport {
             .execute(&mut *tx)
             .await
             .map_err(broker)?;
-        let row = q(&self.sql.group_slots)
+        let row = q(&self.pg.sql.group_slots)
             .bind(queue)
             .bind(grp)
             .persistent(!pooled)
@@ -414,7 +330,7 @@ impl PgTransport {
                  (and the queue's count in the queues table)"
             )));
         }
-        q(&self.sql.ensure_slots)
+        q(&self.pg.sql.ensure_slots)
             .bind(queue)
             .bind(grp)
             .bind(slots as i32)
@@ -422,7 +338,7 @@ impl PgTransport {
             .execute(&mut *tx)
             .await
             .map_err(broker)?;
-        q(&self.sql.join_member)
+        q(&self.pg.sql.join_member)
             .bind(queue)
             .bind(grp)
             .bind(&spec.instance)
@@ -434,11 +350,6 @@ impl PgTransport {
         tx.commit().await.map_err(broker)?;
         Ok(epoch)
     }
-}
-
-/// A lease TTL in milliseconds, as a member row records it.
-fn ttl_ms(ttl: Duration) -> i64 {
-    i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX)
 }
 
 #[async_trait]
@@ -456,21 +367,16 @@ impl Transport for PgTransport {
     }
 
     async fn publisher(&self, category: &str) -> Result<Arc<dyn TransportPublisher>> {
-        if self.cfg.layout == Layout::Plain {
-            return plain::publisher(self, category).await;
+        if self.pg.cfg.layout == Layout::Plain {
+            return plain::publisher(&self.pg, category).await;
         }
         let slots = self.slots_of(category).await?;
-        Ok(Arc::new(PgPublisher {
-            fences: std::sync::Mutex::default(),
-            t: self.clone(),
-            queue: category.to_owned(),
-            slots,
-        }))
+        Ok(Arc::new(PgPublisher::new(self.pg.clone(), category.to_owned(), slots)))
     }
 
     async fn open(&self, spec: &SourceSpec) -> Result<Box<dyn TransportSource>> {
-        if self.cfg.layout == Layout::Plain {
-            return plain::open(self, spec).await;
+        if self.pg.cfg.layout == Layout::Plain {
+            return plain::open(&self.pg, spec).await;
         }
         let slots = self.slots_of(&spec.category).await?;
         let epoch = self.join_group(spec, slots).await?;
@@ -480,17 +386,17 @@ impl Transport for PgTransport {
             Err(e) => {
                 // Best effort: the member row written by `join_group` goes
                 // (else it would hold off the group's removal for its TTL).
-                let leave = q(&self.sql.leave)
+                let leave = q(&self.pg.sql.leave)
                     .bind(&spec.category)
                     .bind(&spec.group)
                     .bind(&spec.instance);
-                let _ = self.db.exec(leave).await;
+                let _ = self.pg.db.exec(leave).await;
                 return Err(e);
             }
         };
         let kept = Arc::new(Mutex::new(Kept::default()));
         let mut source = PgSource {
-            t: self.clone(),
+            t: self.pg.clone(),
             spec: spec.clone(),
             slots,
             epoch,
@@ -513,7 +419,7 @@ impl Transport for PgTransport {
     }
 
     fn admin(&self) -> Arc<dyn Admin> {
-        Arc::new(PgAdmin { t: self.clone() })
+        Arc::new(PgAdmin { t: self.pg.clone() })
     }
 }
 
@@ -538,13 +444,13 @@ impl PgTransport {
             .max_connections(1)
             .test_before_acquire(false)
             .acquire_timeout(Duration::from_secs(10))
-            .connect_lazy(&self.cfg.url)
+            .connect_lazy(&self.pg.cfg.url)
             .map_err(broker)?;
         let ex = Exec {
             pool,
-            pooled: self.cfg.pooled,
+            pooled: self.pg.cfg.pooled,
         };
-        let sql = self.sql.clone();
+        let sql = self.pg.sql.clone();
         let spec = spec.clone();
         if !keep_round(&ex, &sql, &spec, epoch, &kept).await.map_err(broker)? {
             return Err(group_removed(&spec.category, &spec.group));
@@ -570,118 +476,9 @@ impl PgTransport {
     }
 
     async fn listen(&self) -> Result<PgListener> {
-        let mut listener = PgListener::connect(self.direct_url()).await.map_err(broker)?;
-        listener.listen(&self.sql.channel).await.map_err(broker)?;
+        let mut listener = PgListener::connect(self.pg.direct_url()).await.map_err(broker)?;
+        listener.listen(&self.pg.sql.channel).await.map_err(broker)?;
         Ok(listener)
-    }
-}
-
-struct PgPublisher {
-    t: PgTransport,
-    queue: String,
-    slots: u32,
-    /// scope -> the token this publisher last recorded in `publish_fences`:
-    /// a publish with that token again only share-locks the fence row and
-    /// checks it (no row update, so a scope's publishes do not queue on it).
-    fences: std::sync::Mutex<HashMap<String, u64>>,
-}
-
-impl fmt::Debug for PgPublisher {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PgPublisher").field("queue", &self.queue).finish()
-    }
-}
-
-#[async_trait]
-impl TransportPublisher for PgPublisher {
-    fn fences_publishes(&self) -> bool {
-        true
-    }
-
-    /// One statement records the fence in `publish_fences` and inserts the
-    /// event only where the fence held no higher token.
-    async fn publish_fenced(&self, message: Message, fence: &PublishFence) -> Result<()> {
-        let headers = headers_of(&message)?;
-        let token = i64::try_from(fence.token)
-            .map_err(|_| Error::Config(format!("publish fence token {} exceeds i64", fence.token)))?;
-        let recorded = self.fences.lock().unwrap_or_else(|e| e.into_inner()).get(&fence.scope) == Some(&fence.token);
-        // With the token this publisher recorded last, the cheap statement
-        // first; when it stores nothing (the fence moved, or the row is
-        // gone), the recording statement decides.
-        let statements: &[&Arc<str>] = if recorded {
-            &[&self.t.sql.publish_fence_held, &self.t.sql.publish_fenced]
-        } else {
-            &[&self.t.sql.publish_fenced]
-        };
-        for sql in statements {
-            let rows = self
-                .t
-                .db
-                .all(
-                    self.event(sql, &message, &headers)
-                        .bind(&fence.scope)
-                        .bind(token)
-                        .bind(self.slots as i32),
-                )
-                .await
-                .map_err(|e| self.t.missing_schema(e))?;
-            if !rows.is_empty() {
-                self.fences
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(fence.scope.clone(), fence.token);
-                return Ok(());
-            }
-        }
-        // Nothing inserted: the fence, or the layout.
-        self.t
-            .check_layout(&self.queue, self.slots, "this publisher", true)
-            .await?;
-        Err(Error::Fenced {
-            scope: fence.scope.clone(),
-            generation: fence.token,
-        })
-    }
-
-    async fn publish(&self, message: Message) -> Result<()> {
-        let headers = headers_of(&message)?;
-        let rows = self
-            .t
-            .db
-            .all(
-                self.event(&self.t.sql.publish, &message, &headers)
-                    .bind(self.slots as i32),
-            )
-            .await
-            .map_err(broker)?;
-        if rows.is_empty() {
-            // Nothing inserted: the queue's layout is not this publisher's.
-            self.t
-                .check_layout(&self.queue, self.slots, "this publisher", true)
-                .await?;
-            return Err(Error::NotFound(format!(
-                "postgres: queue `{}` is gone (deleted while publishing)",
-                self.queue
-            )));
-        }
-        Ok(())
-    }
-}
-
-impl PgPublisher {
-    /// `sql` (a publish statement) with the event's parameters `$1`-`$8`
-    /// bound: queue, slot, key, id, correlation id, headers, payload and
-    /// the notification channel.
-    fn event<'q>(&'q self, sql: &Arc<str>, message: &'q Message, headers: &'q str) -> exec::PgQuery<'q> {
-        q(sql)
-            .bind(&self.queue)
-            .bind(slot_of(message.key(), message.id(), self.slots) as i32)
-            .bind(message.key().map(stored_key))
-            .bind(message.id())
-            .bind(message.correlation_id().map(stored_text))
-            .bind(headers)
-            .bind(message.payload().as_ref())
-            .bind(&self.t.sql.channel)
     }
 }
 
@@ -816,7 +613,7 @@ fn lock_kept(kept: &Mutex<Kept>) -> std::sync::MutexGuard<'_, Kept> {
 }
 
 struct PgSource {
-    t: PgTransport,
+    t: Pg,
     spec: SourceSpec,
     slots: u32,
     /// The epoch of the group this member joined (`join_group`).
@@ -1534,429 +1331,6 @@ impl TransportSource for PgSource {
                 .map_err(broker)?;
         }
         self.announce().await;
-        Ok(())
-    }
-}
-
-struct PgSettle {
-    t: PgTransport,
-    queue: String,
-    grp: String,
-    me: String,
-    slot: u32,
-    generation: i64,
-    /// The event's read position (its id is `pos.1`).
-    pos: Pos,
-    /// Attempts made so far, durable ones included.
-    made: AtomicU32,
-    message_id: String,
-    key: Option<OrderingKey>,
-    track: Arc<Mutex<Track>>,
-}
-
-impl fmt::Debug for PgSettle {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PgSettle")
-            .field("slot", &self.slot)
-            .field("event_id", &self.pos.1)
-            .finish()
-    }
-}
-
-impl PgSettle {
-    fn fenced(&self) -> Error {
-        Error::Fenced {
-            scope: scope_name(&self.queue, self.slot).to_string(),
-            generation: self.generation as u64,
-        }
-    }
-
-    fn bind_own<'q>(
-        &'q self,
-        query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
-    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
-        query
-            .bind(&self.queue)
-            .bind(&self.grp)
-            .bind(self.slot as i32)
-            .bind(&self.me)
-            .bind(self.generation)
-            .bind(self.pos.1)
-    }
-
-    /// An attempt record (attempt number `n`) or acknowledgement, batched
-    /// with other deliveries'.
-    async fn batched(&self, kind: batch::Kind, n: u32) -> Result<Option<i32>> {
-        self.t
-            .batcher
-            .ask(|reply| batch::Req {
-                kind,
-                queue: self.queue.clone(),
-                grp: self.grp.clone(),
-                me: self.me.clone(),
-                slot: self.slot as i32,
-                generation: self.generation,
-                event_id: self.pos.1,
-                txid: self.pos.0,
-                n: n as i32,
-                reply,
-            })
-            .await
-    }
-
-    /// Runs a fenced statement that answers how many owner rows matched.
-    async fn fenced_exec(
-        &self,
-        query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
-    ) -> Result<()> {
-        let owned: i64 = self.t.db.one(query).await.map_err(broker)?.get(0);
-        if owned == 0 {
-            Err(self.fenced())
-        } else {
-            Ok(())
-        }
-    }
-
-    /// Acknowledged or parked, durably: no longer in flight, and not to be
-    /// delivered again by a read whose snapshot predates the commit.
-    fn settled(&self) {
-        let mut track = lock(&self.track);
-        track.unsettled.remove(&self.pos);
-        track.settled.insert(self.pos);
-    }
-}
-
-#[async_trait]
-impl Settle for PgSettle {
-    fn delivered_before(&self) -> bool {
-        self.made.load(Ordering::SeqCst) > 0
-    }
-
-    async fn begin_attempt(&self) -> Result<u32> {
-        if lock(&self.track).resumed.remove(&self.pos) {
-            self.made.store(0, Ordering::SeqCst);
-        }
-        let n = self.made.load(Ordering::SeqCst) + 1;
-        if n == 1 {
-            // The read that delivered it moved the slot's read mark first,
-            // durably: a later owner counts this attempt without a write.
-            self.made.store(1, Ordering::SeqCst);
-            return Ok(1);
-        }
-        match self.batched(batch::Kind::Attempt, n).await? {
-            Some(recorded) => {
-                self.made.store(recorded as u32, Ordering::SeqCst);
-                Ok(recorded as u32)
-            }
-            None => Err(self.fenced()),
-        }
-    }
-
-    async fn ack(&self) -> Result<()> {
-        match self.batched(batch::Kind::Ack, 0).await? {
-            Some(_) => {
-                self.settled();
-                Ok(())
-            }
-            None => Err(self.fenced()),
-        }
-    }
-
-    async fn park(&self, reason: &str) -> Result<()> {
-        let query = self
-            .bind_own(q(&self.t.sql.park))
-            .bind(&self.message_id)
-            .bind(self.key.as_ref().map(stored_key))
-            .bind(reason);
-        self.fenced_exec(query).await?;
-        self.settled();
-        Ok(())
-    }
-
-    async fn halt(&self, reason: &str) -> Result<()> {
-        let query = self
-            .bind_own(q(&self.t.sql.halt))
-            .bind(&self.message_id)
-            .bind(self.key.as_ref().map_or(std::borrow::Cow::Borrowed(""), stored_key))
-            .bind(reason)
-            .bind(self.pos.0.to_string());
-        self.fenced_exec(query).await
-    }
-
-    fn unread(&self) -> bool {
-        // Held at the database: the read skips a halted key's later events,
-        // and resolving the halt rewinds the slot's read to the head. The
-        // cursor stays below the head meanwhile, so nothing is passed.
-        lock(&self.track).unsettled.remove(&self.pos);
-        true
-    }
-}
-
-struct PgAdmin {
-    t: PgTransport,
-}
-
-impl fmt::Debug for PgAdmin {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PgAdmin").field("schema", &self.t.cfg.schema).finish()
-    }
-}
-
-use keyorder_core::key::{from_stored_text, label, stored_text};
-
-impl PgAdmin {
-    /// One (category, group) statement's rows; a missing schema names the fix.
-    async fn rows(&self, sql: &Arc<str>, category: &str, group: &str) -> Result<Vec<sqlx::postgres::PgRow>> {
-        self.t
-            .db
-            .all(q(sql).bind(category).bind(group))
-            .await
-            .map_err(|e| self.t.missing_schema(e))
-    }
-}
-
-#[async_trait]
-impl Admin for PgAdmin {
-    async fn scopes(&self, category: &str, group: &str) -> Result<Vec<ScopeInfo>> {
-        // A layout changed under the group is what the operator must see
-        // first (C23): its slots no longer say where keys are.
-        if let Some(row) = self
-            .t
-            .db
-            .all(q(&self.t.sql.group_slots).bind(category).bind(group))
-            .await
-            .map_err(|e| self.t.missing_schema(e))?
-            .first()
-        {
-            let n: i32 = row.get(0);
-            self.t
-                .check_layout(category, n as u32, &format!("consumer group `{group}`"), false)
-                .await?;
-        }
-        let rows = self.rows(&self.t.sql.scopes, category, group).await?;
-        Ok(rows
-            .iter()
-            .map(|r| ScopeInfo {
-                scope: scope_name(category, r.get::<i32, _>(0) as u32).to_string(),
-                owner: r.get(1),
-                generation: r.get::<i64, _>(2) as u64,
-                lag: r.get::<i64, _>(3) as u64,
-                halted: r.get::<i64, _>(4) as usize,
-            })
-            .collect())
-    }
-
-    async fn halted(&self, category: &str, group: &str) -> Result<Vec<HaltedKey>> {
-        let rows = self.rows(&self.t.sql.halted, category, group).await?;
-        Ok(rows
-            .iter()
-            .map(|r| {
-                let stored: String = r.get(0);
-                let key = from_stored_text(&stored);
-                HaltedKey {
-                    label: label(&key),
-                    preview: keyorder_core::key::redact(&key),
-                    scope: scope_name(category, r.get::<i32, _>(1) as u32).to_string(),
-                    head_id: r.get(2),
-                    reason: r.get(3),
-                    attempts: r.get::<i32, _>(4) as u32,
-                    held: Some(r.get::<i64, _>(5) as u64),
-                }
-            })
-            .collect())
-    }
-
-    async fn hot_keys(&self, category: &str, group: &str, limit: usize) -> Result<Vec<HotKey>> {
-        let rows = self
-            .t
-            .db
-            .all(q(&self.t.sql.hot_keys).bind(category).bind(group).bind(limit as i64))
-            .await
-            .map_err(|e| self.t.missing_schema(e))?;
-        Ok(rows
-            .iter()
-            .map(|r| HotKey {
-                label: label(&from_stored_text(&r.get::<String, _>(0))),
-                backlog: r.get::<i64, _>(1) as u64,
-            })
-            .collect())
-    }
-
-    async fn dead_letters(&self, category: &str, group: &str) -> Result<Vec<DeadLetter>> {
-        let rows = self.rows(&self.t.sql.dead, category, group).await?;
-        Ok(rows
-            .iter()
-            .map(|r| DeadLetter {
-                id: r.get(0),
-                label: r
-                    .get::<Option<String>, _>(1)
-                    .map_or_else(|| "keyless".into(), |k| label(&from_stored_text(&k))),
-                reason: r.get(2),
-            })
-            .collect())
-    }
-
-    async fn resolve(&self, category: &str, group: &str, key: &str, action: HeadAction) -> Result<()> {
-        let halted = self.rows(&self.t.sql.halted, category, group).await?;
-        // `found` is the stored form (what the statements below match);
-        // the operator names the key by its value or its label.
-        let Some(found) = halted.iter().map(|r| r.get::<String, _>(0)).find(|stored| {
-            let k = from_stored_text(stored);
-            k == key || label(&k) == key
-        }) else {
-            return Err(Error::NotFound(format!(
-                "no halted key {}",
-                keyorder_core::key::redact(key)
-            )));
-        };
-        // One transaction (a transaction-mode pooler keeps it on one server
-        // connection), unnamed statements behind a pooler.
-        let pooled = self.t.cfg.pooled;
-        let mut tx = self.t.db.pool.begin().await.map_err(broker)?;
-        let (stmt, mark) = match action {
-            HeadAction::Skip => (&self.t.sql.op_ack, "skip"),
-            HeadAction::DeadLetter => (&self.t.sql.op_dead, "dlq"),
-            HeadAction::Resume => (&self.t.sql.op_resume, "resume"),
-        };
-        q(stmt)
-            .bind(category)
-            .bind(group)
-            .bind(&found)
-            .persistent(!pooled)
-            .execute(&mut *tx)
-            .await
-            .map_err(broker)?;
-        if action == HeadAction::DeadLetter {
-            q(&self.t.sql.op_ack)
-                .bind(category)
-                .bind(group)
-                .bind(&found)
-                .persistent(!pooled)
-                .execute(&mut *tx)
-                .await
-                .map_err(broker)?;
-        }
-        q(&self.t.sql.op_mark)
-            .bind(category)
-            .bind(group)
-            .bind(&found)
-            .bind(mark)
-            .persistent(!pooled)
-            .execute(&mut *tx)
-            .await
-            .map_err(broker)?;
-        tx.commit().await.map_err(broker)?;
-        if action == HeadAction::Skip {
-            tracing::warn!(key = %label(&from_stored_text(&found)), "operator skipped a halted head");
-        }
-        Ok(())
-    }
-
-    /// Every group recorded for the queue (created at its first start, kept
-    /// while stopped, until removed), with the members seen within their
-    /// lease TTL.
-    async fn groups(&self, category: &str) -> Result<Vec<GroupInfo>> {
-        let rows = self
-            .t
-            .db
-            .all(q(&self.t.sql.groups).bind(category))
-            .await
-            .map_err(|e| self.t.missing_schema(e))?;
-        Ok(rows
-            .iter()
-            .map(|r| GroupInfo {
-                name: r.get(0),
-                live_members: r.get::<i64, _>(1) as usize,
-            })
-            .collect())
-    }
-
-    /// Deletes what the queue keeps for the group (its slot rows with their
-    /// cursors and leases, acknowledgements, attempt counts, read marks,
-    /// halted heads, dead letters, members), in one transaction holding the
-    /// queue's row like a group's creation does; retention then no longer
-    /// waits for it. The events stay (other groups may need them). A
-    /// subscription started with the group's name later creates it afresh,
-    /// at the oldest retained event, with generations above the removed
-    /// group's.
-    ///
-    /// The group's row and slot rows are taken `for update` before anything
-    /// is checked or deleted: a heartbeat, settlement or read in flight
-    /// commits first (and is seen: a live member or lease refuses the
-    /// removal), one that comes after finds nothing (its member stops with
-    /// an error naming the removal). The slot rows go before the tables
-    /// that hang off them. A lock held longer than ten seconds fails the
-    /// removal (nothing deleted) rather than hold the queue's row, which
-    /// retention and new groups wait for.
-    async fn remove_group(&self, category: &str, group: &str) -> Result<()> {
-        let what = format!("removing consumer group `{group}` of queue `{category}`");
-        let pooled = self.t.cfg.pooled;
-        let mut tx = self.t.db.pool.begin().await.map_err(broker)?;
-        sqlx::query("select set_config('lock_timeout', $1, true)")
-            .bind(REMOVAL_LOCK_TIMEOUT)
-            .persistent(false)
-            .execute(&mut *tx)
-            .await
-            .map_err(broker)?;
-        q(&self.t.sql.lock_queue)
-            .bind(category)
-            .persistent(!pooled)
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| match e {
-                sqlx::Error::Database(_) if e.to_string().contains("does not exist") => self.t.missing_schema(e),
-                e => removal_error(e, &what),
-            })?;
-        for lock in [&self.t.sql.lock_group, &self.t.sql.lock_group_slots] {
-            q(lock)
-                .bind(category)
-                .bind(group)
-                .persistent(!pooled)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| removal_error(e, &what))?;
-        }
-        let row = q(&self.t.sql.group_live)
-            .bind(category)
-            .bind(group)
-            .persistent(!pooled)
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(broker)?;
-        let (known, members, leases): (bool, i64, i64) = (row.get(0), row.get(1), row.get(2));
-        if !known {
-            return Err(Error::NotFound(format!(
-                "consumer group `{group}` of queue `{category}`"
-            )));
-        }
-        if members > 0 || leases > 0 {
-            return Err(Error::Config(format!(
-                "postgres: consumer group `{group}` of queue `{category}` is running ({members} live members, \
-                 {leases} live slot leases): stop its subscriptions (or wait for their leases to expire), then \
-                 remove it"
-            )));
-        }
-        q(&self.t.sql.raise_floor)
-            .bind(category)
-            .bind(group)
-            .persistent(!pooled)
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| removal_error(e, &what))?;
-        let s = &self.t.cfg.schema;
-        for table in GROUP_TABLES {
-            sqlx::query(AssertSqlSafe(format!(
-                "delete from {s}.{table} where queue = $1 and grp = $2"
-            )))
-            .persistent(false)
-            .bind(category)
-            .bind(group)
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| removal_error(e, &what))?;
-        }
-        tx.commit().await.map_err(broker)?;
-        tracing::info!(queue = category, group, "postgres: consumer group removed");
         Ok(())
     }
 }

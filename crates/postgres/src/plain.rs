@@ -30,8 +30,8 @@ use tokio::time::Instant;
 
 use crate::error::broker;
 use crate::exec::{q, Exec};
+use crate::pg::Pg;
 use crate::wire::{headers_of, row_message, stored_key};
-use crate::PgTransport;
 
 /// The most acknowledgements one statement carries.
 const MAX_BATCH: usize = 256;
@@ -120,7 +120,7 @@ pub(crate) fn ordered_refused() -> Error {
 }
 
 /// A publisher of the plain layout.
-pub(crate) async fn publisher(t: &PgTransport, queue: &str) -> Result<Arc<dyn TransportPublisher>> {
+pub(crate) async fn publisher(t: &Pg, queue: &str) -> Result<Arc<dyn TransportPublisher>> {
     Ok(Arc::new(PlainPublisher {
         t: t.clone(),
         queue: queue.to_owned(),
@@ -129,7 +129,7 @@ pub(crate) async fn publisher(t: &PgTransport, queue: &str) -> Result<Arc<dyn Tr
 }
 
 /// A source of the plain layout (unordered only).
-pub(crate) async fn open(t: &PgTransport, spec: &SourceSpec) -> Result<Box<dyn TransportSource>> {
+pub(crate) async fn open(t: &Pg, spec: &SourceSpec) -> Result<Box<dyn TransportSource>> {
     if spec.ordered {
         return Err(ordered_refused());
     }
@@ -137,7 +137,7 @@ pub(crate) async fn open(t: &PgTransport, spec: &SourceSpec) -> Result<Box<dyn T
 }
 
 struct PlainPublisher {
-    t: PgTransport,
+    t: Pg,
     queue: String,
     sql: Arc<PlainSql>,
 }
@@ -246,7 +246,7 @@ impl Acker {
 /// The unordered source: claims with `FOR UPDATE SKIP LOCKED`, woken by
 /// `LISTEN/NOTIFY` with a polling fallback.
 pub(crate) struct PlainSource {
-    t: PgTransport,
+    t: Pg,
     spec: SourceSpec,
     sql: Arc<PlainSql>,
     scope: Arc<str>,
@@ -270,7 +270,7 @@ fn ms(d: Duration) -> f64 {
 }
 
 impl PlainSource {
-    async fn open(t: PgTransport, spec: SourceSpec) -> Result<Self> {
+    async fn open(t: Pg, spec: SourceSpec) -> Result<Self> {
         let sql = Arc::new(PlainSql::new(&t.cfg.schema));
         // LISTEN keeps session state: its own direct connection.
         let mut listener = PgListener::connect(t.direct_url()).await.map_err(broker)?;
@@ -454,7 +454,7 @@ impl TransportSource for PlainSource {
 }
 
 struct PlainSettle {
-    t: PgTransport,
+    t: Pg,
     sql: Arc<PlainSql>,
     acker: Acker,
     holdings: Shared,
