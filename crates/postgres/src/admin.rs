@@ -15,6 +15,7 @@ use crate::exec::q;
 use crate::names::{scope_name, GROUP_TABLES, TABLES};
 use crate::pg::Pg;
 
+/// The operator's verbs on one schema.
 pub(crate) struct PgAdmin {
     pub(crate) t: Pg,
 }

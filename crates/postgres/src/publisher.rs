@@ -16,6 +16,7 @@ use crate::names::slot_of;
 use crate::pg::Pg;
 use crate::wire::{headers_of, stored_key};
 
+/// A publisher to one queue of the slot layout.
 pub(crate) struct PgPublisher {
     t: Pg,
     queue: String,

@@ -19,6 +19,8 @@ use crate::pg::Pg;
 use crate::track::{lock, Pos, Track};
 use crate::wire::stored_key;
 
+/// The settlement of one delivery: its slot, the generation it was read
+/// under, and its read position.
 pub(crate) struct PgSettle {
     pub(crate) t: Pg,
     pub(crate) queue: String,

@@ -35,9 +35,13 @@ use crate::track::{lock, Pos};
 pub(crate) struct Source {
     /// The slots this member owns, and their keeper.
     own: Ownership,
+    /// Where the next read's ties start.
     reader: Reader,
+    /// What the next `maintain` reports (revoked scopes, resolved heads).
     events: Vec<SourceEvent>,
+    /// The LISTEN connection: publishes and membership changes.
     listener: PgListener,
+    /// When the last heartbeat (`maintain_now`) started.
     last_maintain: Option<Instant>,
     /// The acknowledgement sweep and retention in flight (`housekeep`).
     housekeeping: Option<tokio::task::JoinHandle<()>>,

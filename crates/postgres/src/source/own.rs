@@ -20,6 +20,7 @@ use crate::pg::{ttl_ms, Pg};
 use crate::sql::Sql;
 use crate::track::{lock, Pos, Track};
 
+/// A slot this member owns: its lease and where its reads and cursor are.
 pub(super) struct Owned {
     pub(super) generation: i64,
     pub(super) lease: Arc<ScopeLease>,
