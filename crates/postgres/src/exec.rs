@@ -11,10 +11,19 @@
 //! two more round trips per statement (`BEGIN`, `COMMIT`); nothing else on
 //! the pooled path keeps session state (no advisory locks, no `SET`).
 
+use std::sync::Arc;
+
 use sqlx::postgres::{PgPool, PgQueryResult, PgRow};
+use sqlx::AssertSqlSafe;
 
 /// One statement with its parameters bound.
 pub(crate) type PgQuery<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
+
+/// A statement text (the schema validated before it was formatted in), to
+/// bind its parameters to.
+pub(crate) fn q(sql: &Arc<str>) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(AssertSqlSafe(sql.clone()))
+}
 
 /// The pool and how to run a statement on it.
 #[derive(Debug, Clone)]

@@ -28,8 +28,10 @@ use sqlx::{AssertSqlSafe, Row};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
-use crate::exec::Exec;
-use crate::{db, q, PgTransport};
+use crate::error::broker;
+use crate::exec::{q, Exec};
+use crate::pg::Pg;
+use crate::wire::{headers_of, row_message, stored_key};
 
 /// The most acknowledgements one statement carries.
 const MAX_BATCH: usize = 256;
@@ -118,7 +120,7 @@ pub(crate) fn ordered_refused() -> Error {
 }
 
 /// A publisher of the plain layout.
-pub(crate) async fn publisher(t: &PgTransport, queue: &str) -> Result<Arc<dyn TransportPublisher>> {
+pub(crate) async fn publisher(t: &Pg, queue: &str) -> Result<Arc<dyn TransportPublisher>> {
     Ok(Arc::new(PlainPublisher {
         t: t.clone(),
         queue: queue.to_owned(),
@@ -127,7 +129,7 @@ pub(crate) async fn publisher(t: &PgTransport, queue: &str) -> Result<Arc<dyn Tr
 }
 
 /// A source of the plain layout (unordered only).
-pub(crate) async fn open(t: &PgTransport, spec: &SourceSpec) -> Result<Box<dyn TransportSource>> {
+pub(crate) async fn open(t: &Pg, spec: &SourceSpec) -> Result<Box<dyn TransportSource>> {
     if spec.ordered {
         return Err(ordered_refused());
     }
@@ -135,7 +137,7 @@ pub(crate) async fn open(t: &PgTransport, spec: &SourceSpec) -> Result<Box<dyn T
 }
 
 struct PlainPublisher {
-    t: PgTransport,
+    t: Pg,
     queue: String,
     sql: Arc<PlainSql>,
 }
@@ -149,10 +151,10 @@ impl fmt::Debug for PlainPublisher {
 #[async_trait]
 impl TransportPublisher for PlainPublisher {
     async fn publish(&self, message: Message) -> Result<()> {
-        let headers = crate::headers_of(&message)?;
+        let headers = headers_of(&message)?;
         let query = q(&self.sql.publish)
             .bind(&self.queue)
-            .bind(message.key().map(crate::stored_key))
+            .bind(message.key().map(stored_key))
             .bind(message.id())
             .bind(message.correlation_id().map(keyorder_core::key::stored_text))
             .bind(headers)
@@ -244,7 +246,7 @@ impl Acker {
 /// The unordered source: claims with `FOR UPDATE SKIP LOCKED`, woken by
 /// `LISTEN/NOTIFY` with a polling fallback.
 pub(crate) struct PlainSource {
-    t: PgTransport,
+    t: Pg,
     spec: SourceSpec,
     sql: Arc<PlainSql>,
     scope: Arc<str>,
@@ -268,11 +270,11 @@ fn ms(d: Duration) -> f64 {
 }
 
 impl PlainSource {
-    async fn open(t: PgTransport, spec: SourceSpec) -> Result<Self> {
+    async fn open(t: Pg, spec: SourceSpec) -> Result<Self> {
         let sql = Arc::new(PlainSql::new(&t.cfg.schema));
         // LISTEN keeps session state: its own direct connection.
-        let mut listener = PgListener::connect(t.direct_url()).await.map_err(db)?;
-        listener.listen(&t.sql.channel).await.map_err(db)?;
+        let mut listener = PgListener::connect(t.direct_url()).await.map_err(broker)?;
+        listener.listen(&t.sql.channel).await.map_err(broker)?;
         let acker = Acker::spawn(t.db.clone(), sql.ack.clone(), spec.instance.clone());
         Ok(PlainSource {
             scope: Arc::from(format!("{}/all", spec.category)),
@@ -301,7 +303,7 @@ impl PlainSource {
         for r in rows {
             let id: i64 = r.get(0);
             let token: i32 = r.get(1);
-            let (msg, _) = crate::row_message(&r, 2, &self.spec.key_rules);
+            let (msg, _) = row_message(&r, 2, &self.spec.key_rules);
             // Each row is its own lease: fresh from the claim's send time.
             let lease = ScopeLease::new(self.scope.clone(), token as u64, &self.spec.lease, sent);
             let held = Arc::new(Held {
@@ -352,7 +354,7 @@ impl PlainSource {
             .db
             .all(query)
             .await
-            .map_err(db)?
+            .map_err(broker)?
             .iter()
             .map(|r| (r.get::<i64, _>(0), r.get::<i32, _>(1)))
             .collect();
@@ -387,7 +389,7 @@ impl PlainSource {
             .bind(&ids)
             .bind(&tokens)
             .bind(&started);
-        self.t.db.exec(query).await.map_err(db)?;
+        self.t.db.exec(query).await.map_err(broker)?;
         Ok(())
     }
 
@@ -452,7 +454,7 @@ impl TransportSource for PlainSource {
 }
 
 struct PlainSettle {
-    t: PgTransport,
+    t: Pg,
     sql: Arc<PlainSql>,
     acker: Acker,
     holdings: Shared,
@@ -540,7 +542,7 @@ impl Settle for PlainSettle {
             .bind(self.token)
             .bind(&self.grp)
             .bind(reason);
-        let row = self.t.db.opt(query).await.map_err(db)?;
+        let row = self.t.db.opt(query).await.map_err(broker)?;
         self.outcome(row.is_some())
     }
 

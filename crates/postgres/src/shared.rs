@@ -236,25 +236,3 @@ pub fn check_driver_url(url: &url::Url) -> keyorder_core::Result<()> {
     }
     Ok(())
 }
-
-#[cfg(test)]
-mod tests {
-    /// `sslmode=verify-ca` is refused wherever a URL reaches the driver
-    /// (issue 37: the driver trusts the public roots beside `sslrootcert=`
-    /// and checks no host name in that mode).
-    #[test]
-    fn verify_ca_is_refused() {
-        for raw in [
-            "postgres://u@h/db?sslmode=verify-ca",
-            "postgres://u@h/db?ssl-mode=VERIFY-CA&sslrootcert=/ca.pem",
-        ] {
-            let url = url::Url::parse(raw).unwrap();
-            let err = super::check_driver_url(&url).unwrap_err().to_string();
-            assert!(err.contains("verify-full"), "{err}");
-            let err = crate::PgConfig::from_url(&url).unwrap_err().to_string();
-            assert!(err.contains("verify-full"), "{err}");
-        }
-        let ok = url::Url::parse("postgres://u@h/db?sslmode=verify-full&sslrootcert=/ca.pem").unwrap();
-        assert!(super::check_driver_url(&ok).is_ok() && crate::PgConfig::from_url(&ok).is_ok());
-    }
-}

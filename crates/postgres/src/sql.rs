@@ -1,39 +1,13 @@
-//! Every statement, built once per schema.
+//! The SQL text of the slot layout: every statement the transport, its
+//! publishers, sources, settlements and operator verbs run, built once per
+//! schema. The plain layout's statements are in `plain.rs`, the migrations
+//! (the tables themselves) in `schema.rs`, and the pieces other crates share
+//! (commit-safe reads, fenced leases) in `shared.rs`.
 
 use std::sync::Arc;
 
+use crate::names::channel;
 use crate::shared::{after, after_position, commit_safe, read_order, LeaseSql, TXID_COLUMN};
-
-/// The embedded migrations (`crates/postgres/migrations`), in order: `{s}`
-/// stands for the schema.
-const MIGRATIONS: [(i64, &str, &str); 10] = [
-    (1, "init", include_str!("../migrations/0001_init.sql")),
-    (
-        2,
-        "groups and held keys",
-        include_str!("../migrations/0002_groups_and_held.sql"),
-    ),
-    (3, "plain baseline", include_str!("../migrations/0003_plain.sql")),
-    (
-        4,
-        "acknowledgement positions",
-        include_str!("../migrations/0004_acked_position.sql"),
-    ),
-    (5, "read marks", include_str!("../migrations/0005_read_marks.sql")),
-    (
-        6,
-        "publish fences",
-        include_str!("../migrations/0006_publish_fences.sql"),
-    ),
-    (7, "dead letters once", include_str!("../migrations/0007_dead_once.sql")),
-    (
-        8,
-        "dead letters unique",
-        include_str!("../migrations/0008_dead_unique.sql"),
-    ),
-    (9, "member lease ttl", include_str!("../migrations/0009_member_ttl.sql")),
-    (10, "group epochs", include_str!("../migrations/0010_group_epochs.sql")),
-];
 
 /// The longest member lease TTL the liveness checks compute with (ten
 /// years, in ms): a recorded TTL near `i64::MAX` ms would overflow the
@@ -45,8 +19,6 @@ const TTL_CAP_MS: &str = "315360000000";
 #[derive(Debug)]
 pub(crate) struct Sql {
     pub(crate) channel: String,
-    /// `(version, description, SQL)` of each embedded migration, for this schema.
-    pub(crate) migrations: Vec<(i64, &'static str, String)>,
     pub(crate) ensure_queue: Arc<str>,
     pub(crate) queue_slots: Arc<str>,
     pub(crate) ensure_group: Arc<str>,
@@ -109,20 +81,8 @@ impl Sql {
                     .replace("{s}", schema),
             )
         };
-        let migrations = MIGRATIONS
-            .iter()
-            .map(|(version, description, text)| {
-                let text = text
-                    .replace("{create_slots}", &lease.create_slots)
-                    .replace("{create_members}", &lease.create_members)
-                    .replace("{txid}", TXID_COLUMN)
-                    .replace("{s}", schema);
-                (*version, *description, text)
-            })
-            .collect();
         Sql {
-            channel: format!("keyorder_{schema}"),
-            migrations,
+            channel: channel(schema),
             ensure_queue: f("insert into {s}.queues (queue, slots) values ($1, $2) on conflict (queue) do nothing"),
             queue_slots: f("select slots from {s}.queues where queue = $1"),
             ensure_group: f("insert into {s}.groups (queue, grp, slots) values ($1, $2, $3) on conflict do nothing"),
