@@ -10,11 +10,14 @@ use keyorder_core::key::{label, redact};
 use keyorder_core::{Admin, DeadLetter, Error, GroupInfo, HaltedKey, HeadAction, HotKey, Result, ScopeInfo};
 use redis::Value;
 
+use crate::conn::Conn;
+use crate::error::broker;
 use crate::names::Names;
-use crate::{broker, entries, scripts, text, RedisTransport};
+use crate::scripts;
+use crate::wire::{entries, text, text_pairs, texts};
 
 pub(crate) struct RedisAdmin {
-    pub(crate) t: RedisTransport,
+    pub(crate) t: Conn,
 }
 
 impl fmt::Debug for RedisAdmin {
@@ -86,7 +89,7 @@ impl RedisAdmin {
             .query_async(&mut self.t.conn.clone())
             .await
             .map_err(broker)?;
-        let all = crate::text_pairs(all, "halted field");
+        let all = text_pairs(all, "halted field");
         Ok(all
             .into_iter()
             .filter_map(|(k, v)| {
@@ -156,7 +159,7 @@ impl Admin for RedisAdmin {
             .query_async(&mut conn)
             .await
             .map_err(broker)?;
-        let members = crate::texts(members, "dead-letter index member");
+        let members = texts(members, "dead-letter index member");
         // Members are key segments, or `__keyless__` (no key's segment) for
         // the keyless stream's dead letters.
         let mut keys: Vec<Option<String>> = members

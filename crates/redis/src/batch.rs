@@ -109,7 +109,7 @@ async fn settle(mut conn: ConnectionManager, ops: Vec<Op>) {
         }
         Err(e) => {
             for op in ops {
-                let _ = op.reply.send(Err(crate::broker(e.clone())));
+                let _ = op.reply.send(Err(crate::error::broker(e.clone())));
             }
         }
     }

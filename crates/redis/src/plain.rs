@@ -14,15 +14,19 @@ use redis::aio::ConnectionManager;
 use redis::Value;
 use tokio::time::Instant;
 
+use crate::config::Layout;
+use crate::conn::{manager, register_group, Conn};
+use crate::error::broker;
 use crate::names::Names;
+use crate::scripts;
 use crate::settle::{Mode, RedisSettle};
 use crate::wake::{listen, Wake};
-use crate::{broker, entries, message, Entry, RedisTransport};
+use crate::wire::{entries, message, text, texts, Entry};
 use tokio::task::JoinHandle;
 
 /// One consumer of one stream in a plain group.
 pub(crate) struct GroupReader {
-    t: RedisTransport,
+    t: Conn,
     names: Arc<Names>,
     group: Arc<str>,
     consumer: String,
@@ -39,7 +43,7 @@ pub(crate) struct GroupReader {
 
 impl GroupReader {
     pub(crate) async fn new(
-        t: &RedisTransport,
+        t: &Conn,
         names: Arc<Names>,
         spec: &SourceSpec,
         stream: String,
@@ -203,7 +207,7 @@ pub(crate) struct PlainSource {
     /// connection) with a response timeout above the block time.
     blocking: Option<ConnectionManager>,
     block_timeout: Duration,
-    t: RedisTransport,
+    t: Conn,
     spec: SourceSpec,
     names: Arc<Names>,
     /// Partition streams with the group created (partitioned layout).
@@ -231,11 +235,11 @@ impl Drop for PlainSource {
 }
 
 impl PlainSource {
-    pub(crate) async fn open(t: RedisTransport, spec: SourceSpec) -> Result<Self> {
+    pub(crate) async fn open(t: Conn, spec: SourceSpec) -> Result<Self> {
         let names = Arc::new(Names::new(&spec.category)?);
         let (stream, mode, wake) = match t.cfg.layout {
-            crate::Layout::Single => (names.single(), Mode::Plain, None),
-            crate::Layout::Partitioned => {
+            Layout::Single => (names.single(), Mode::Plain, None),
+            Layout::Partitioned => {
                 let wake = Arc::new(Wake::default());
                 let h = listen(t.client.clone(), names.wake(), wake.clone());
                 (names.keyless(), Mode::Unfenced, Some((wake, h)))
@@ -247,7 +251,7 @@ impl PlainSource {
         // not read (the single layout has no key streams: nothing to keep).
         if wake.is_some() {
             let members = names.members(&spec.group);
-            crate::register_group(&t, &names, &spec.group, &members, &spec.instance, spec.lease.ttl).await?;
+            register_group(&t, &names, &spec.group, &members, &spec.instance, spec.lease.ttl).await?;
         }
         let reader = GroupReader::new(&t, names.clone(), &spec, stream, scope, mode).await?;
         let mut source = PlainSource {
@@ -273,7 +277,7 @@ impl PlainSource {
     async fn rejoin(&mut self, keys: &[String]) -> Result<()> {
         let mut conn = self.t.conn.clone();
         for k in keys {
-            let joined: i64 = crate::scripts::JOIN_PLAIN
+            let joined: i64 = scripts::JOIN_PLAIN
                 .key(self.names.groups())
                 .key(self.names.stream(k))
                 .arg(&self.spec.group)
@@ -303,7 +307,7 @@ impl PlainSource {
             .query_async(&mut conn)
             .await
             .map_err(broker)?;
-        let index = crate::texts(index, "index member");
+        let index = texts(index, "index member");
         // Members are key segments: decoded, and anything that is no key's
         // segment is skipped.
         for k in index
@@ -314,7 +318,7 @@ impl PlainSource {
             if self.streams.contains(&k) || OrderingKey::with_rules(&k, &self.spec.key_rules).is_err() {
                 continue;
             }
-            let _: i64 = crate::scripts::JOIN_PLAIN
+            let _: i64 = scripts::JOIN_PLAIN
                 .key(self.names.groups())
                 .key(self.names.stream(&k))
                 .arg(&self.spec.group)
@@ -372,7 +376,7 @@ impl PlainSource {
             let Value::Array(streams) = r else { continue };
             for s in streams {
                 let Value::Array(pair) = s else { continue };
-                let (Some(name), Some(v)) = (pair.first().and_then(crate::text), pair.get(1)) else {
+                let (Some(name), Some(v)) = (pair.first().and_then(text), pair.get(1)) else {
                     continue;
                 };
                 let Some(key_text) = by_stream.get(&name).map(|k| (*k).clone()) else {
@@ -441,7 +445,7 @@ impl TransportSource for PlainSource {
         if self.wake.is_none() {
             if self.blocking.is_none() {
                 let timeout = wait + self.block_timeout;
-                self.blocking = Some(RedisTransport::manager(&self.t.client, &self.t.cfg, Some(timeout)).await?);
+                self.blocking = Some(manager(&self.t.client, &self.t.cfg, Some(timeout)).await?);
             }
             let conn = self.blocking.as_mut().expect("set above");
             return self.reader.read(conn, max, Some(wait)).await;
@@ -477,7 +481,7 @@ impl TransportSource for PlainSource {
             // A heartbeat in the group's members (no leases): the operator
             // sees the group as live and will not remove it.
             if self.wake.is_some() {
-                let _: Value = crate::scripts::RENEW
+                let _: Value = scripts::RENEW
                     .key(self.names.members(&self.spec.group))
                     .key(self.names.groups())
                     .arg(&self.spec.instance)

@@ -9,8 +9,10 @@ use keyorder_core::{Error, Result, Settle};
 use redis::Value;
 
 use crate::batch::{Kind, Op};
+use crate::conn::Conn;
+use crate::error::broker;
 use crate::names::Names;
-use crate::{broker, scripts, RedisTransport};
+use crate::scripts;
 
 /// How a delivery is settled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,7 +27,7 @@ pub(crate) enum Mode {
 }
 
 pub(crate) struct RedisSettle {
-    pub(crate) t: RedisTransport,
+    pub(crate) t: Conn,
     /// The names of the delivery's category (stream, dead letters).
     pub(crate) names: Arc<Names>,
     /// The names the lease and the halted record live under (the category's
