@@ -12,14 +12,17 @@ use keyorder_core::{
 };
 use lapin::options::BasicGetOptions;
 
+use crate::channel::confirm_channel;
 use crate::config::Topology;
-use crate::settle::{Held, ACK_WAIT, REASON_HEADER};
-use crate::source::header_text;
-use crate::topology::{self, amqp, parse_topology, queue_state, GroupNames, Names, Registry};
-use crate::{confirm_channel, RabbitTransport};
+use crate::conn::Conn;
+use crate::error::broker;
+use crate::held::{Held, ACK_WAIT, REASON_HEADER};
+use crate::names::{GroupNames, Names};
+use crate::topology::{self, parse_topology, queue_state, Registry};
+use crate::wire::header_text;
 
 pub(crate) struct RabbitAdmin {
-    pub(crate) t: RabbitTransport,
+    pub(crate) t: Conn,
 }
 
 impl fmt::Debug for RabbitAdmin {
@@ -97,13 +100,13 @@ impl Admin for RabbitAdmin {
         if queue_state(&*self.t.connection().await?, &n.dlq()).await?.is_none() {
             return Ok(Vec::new());
         }
-        let ch = self.t.connection().await?.create_channel().await.map_err(amqp)?;
+        let ch = self.t.connection().await?.create_channel().await.map_err(broker)?;
         let mut out = Vec::new();
         while out.len() < 1000 {
             let Some(m) = ch
                 .basic_get(n.dlq().as_str().into(), BasicGetOptions::default())
                 .await
-                .map_err(amqp)?
+                .map_err(broker)?
             else {
                 break;
             };
@@ -331,7 +334,7 @@ async fn operator_ack(held: &Held) -> Result<()> {
              or it was settled already); retry once its owner holds it again (`keyorder head show`)"
                 .into(),
         )),
-        Some(Err(e)) => Err(amqp(e)),
+        Some(Err(e)) => Err(broker(e)),
         None => Err(Error::Broker(format!(
             "rabbitmq: the head's acknowledgement was not written or not confirmed within {} s (the connection \
              looks dead); retry once the owner reconnected",

@@ -57,7 +57,7 @@ use lapin::{BasicProperties, Channel, Connection};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::topology::amqp;
+use crate::error::broker;
 
 /// The virtual host's attempts stream.
 pub(crate) const STREAM: &str = "keyorder.attempts";
@@ -181,11 +181,11 @@ impl Drop for Attempts {
 impl Attempts {
     /// Starts reading `stream` from its first entry on a channel of its own.
     pub(crate) async fn open(conn: &Connection, stream: &str, tag: lapin::types::ShortString) -> Result<Attempts> {
-        let channel = conn.create_channel().await.map_err(amqp)?;
+        let channel = conn.create_channel().await.map_err(broker)?;
         channel
             .basic_qos(CREDIT, BasicQosOptions::default())
             .await
-            .map_err(amqp)?;
+            .map_err(broker)?;
         let mut args = FieldTable::default();
         args.insert(
             "x-stream-offset".into(),
@@ -194,7 +194,7 @@ impl Attempts {
         let mut consumer = channel
             .basic_consume(stream.into(), tag, BasicConsumeOptions::default(), args)
             .await
-            .map_err(amqp)?;
+            .map_err(broker)?;
         let waiters: Waiters = Arc::default();
         let w = waiters.clone();
         let task = tokio::spawn(async move {

@@ -54,7 +54,7 @@ use lapin::{BasicProperties, Channel, Connection};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::topology::amqp;
+use crate::error::broker;
 
 /// The virtual host's claims stream.
 pub(crate) const STREAM: &str = "keyorder.claims";
@@ -111,11 +111,11 @@ fn offset_of(props: &BasicProperties) -> Option<u64> {
 impl Claims {
     /// Starts reading `stream` from its end on a channel of its own.
     pub(crate) async fn open(conn: &Connection, stream: &str, tag: lapin::types::ShortString) -> Result<Claims> {
-        let channel = conn.create_channel().await.map_err(amqp)?;
+        let channel = conn.create_channel().await.map_err(broker)?;
         channel
             .basic_qos(CREDIT, BasicQosOptions::default())
             .await
-            .map_err(amqp)?;
+            .map_err(broker)?;
         let mut args = FieldTable::default();
         args.insert(
             "x-stream-offset".into(),
@@ -124,7 +124,7 @@ impl Claims {
         let mut consumer = channel
             .basic_consume(stream.into(), tag, BasicConsumeOptions::default(), args)
             .await
-            .map_err(amqp)?;
+            .map_err(broker)?;
         let waiters: Waiters = Arc::default();
         let w = waiters.clone();
         let task = tokio::spawn(async move {

@@ -5,7 +5,7 @@
 //! with a random **nonce** in a header ([`NONCE_HEADER`]), made once per
 //! source. It also holds, on its own connection, an exclusive queue named
 //! after the group, the join claim, the id and the nonce
-//! ([`crate::topology::GroupNames::live`]); the broker deletes it with the
+//! ([`crate::names::GroupNames::live`]); the broker deletes it with the
 //! connection. An announcement counts only while the broker says that queue
 //! is locked to another connection (a passive declaration answered
 //! `RESOURCE_LOCKED`).

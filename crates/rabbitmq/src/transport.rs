@@ -1,0 +1,325 @@
+//! [`RabbitTransport`]: connecting (`from_url`), declaring a category and
+//! a group's topology once per transport, deleting a category, what it can
+//! do with each topology, and `impl Transport`, which opens publishers,
+//! sources and the operator's admin over one shared [`Conn`].
+
+use std::fmt;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use keyorder_core::{Admin, Capabilities, Error, Result, SourceSpec, Transport, TransportPublisher, TransportSource};
+use lapin::Connection;
+
+use crate::admin::RabbitAdmin;
+use crate::config::{ConsumerTimeout, RabbitConfig, Topology};
+use crate::conn::{connect_uri, Conn};
+use crate::error::broker;
+use crate::names::{GroupNames, Names};
+use crate::probe;
+use crate::publisher::RabbitPublisher;
+use crate::shared::Shared;
+use crate::source::Source;
+use crate::topology::{self, delete_group, parse_topology, queue_state, Registry};
+
+/// What the RabbitMQ transport can do with an affinity topology (`hash`, `sac`).
+pub const CAPABILITIES: Capabilities = Capabilities {
+    cross_instance_affinity: true,
+    fencing: true,
+    self_fencing: true,
+    crash_reclaim: true,
+    halt_on_poison: true,
+    park_and_release: true,
+    correlated_ownership: false,
+    dynamic_partitions: false,
+    remap_window: false,
+    multi_process: true,
+    persistent: false,
+};
+
+/// What it can do with the `plain` topology (competing consumers).
+pub const PLAIN_CAPABILITIES: Capabilities = Capabilities {
+    cross_instance_affinity: false,
+    fencing: false,
+    self_fencing: false,
+    crash_reclaim: true,
+    halt_on_poison: false,
+    park_and_release: true,
+    correlated_ownership: false,
+    dynamic_partitions: false,
+    remap_window: false,
+    multi_process: true,
+    persistent: false,
+};
+
+/// The RabbitMQ transport (`amqp://`).
+#[derive(Clone)]
+pub struct RabbitTransport {
+    c: Conn,
+    /// What ordered consumers do about `consumer_timeout`, decided once.
+    timeout_arg: Arc<tokio::sync::OnceCell<Option<i64>>>,
+}
+
+impl fmt::Debug for RabbitTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitTransport")
+            .field("topology", &self.c.cfg.topology)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RabbitTransport {
+    /// Connects with `cfg`.
+    pub async fn connect(cfg: RabbitConfig) -> Result<Self> {
+        let conn = connect_uri(&cfg.uri, &cfg).await?;
+        Ok(RabbitTransport {
+            c: Conn {
+                cfg: Arc::new(cfg),
+                conn: Arc::new(tokio::sync::Mutex::new(Arc::new(conn))),
+                shared: Arc::new(Shared::new()),
+                declared: Arc::default(),
+            },
+            timeout_arg: Arc::default(),
+        })
+    }
+
+    /// Connects to the broker an `amqp://` URL names (options in its query
+    /// string; see [`RabbitConfig`]).
+    pub async fn from_url(url: &url::Url) -> Result<Self> {
+        Self::connect(RabbitConfig::from_url(url)?).await
+    }
+
+    /// The configuration in use.
+    pub fn config(&self) -> &RabbitConfig {
+        &self.c.cfg
+    }
+
+    /// Deletes `category` with everything kept for it on the broker, for
+    /// every group: each recorded group's queues (backlogs and dead letters
+    /// with them) and exchanges, the entry exchange, the group registry,
+    /// and the queues and exchanges of the layout before consumer groups
+    /// (`{c}.hash`, `{c}.hash.N`, `{c}.sac`, `{c}.plain`, `{c}.dlq`).
+    /// Returns the queues deleted. Stop the category's subscriptions first:
+    /// a running one loses its queues.
+    pub async fn delete_category(&self, category: &str) -> Result<Vec<String>> {
+        let n = Names::new(category)?;
+        let conn = self.c.connection().await?;
+        // Everything is deleted while the registry's lock is held, the
+        // lock queue last: a group declared meanwhile by another process
+        // waits, then finds no registry and declares the category anew.
+        let registry = Registry::lock(&conn, &n, true).await?;
+        let res = async {
+            let mut gone = Vec::new();
+            for (group, recorded) in registry.records() {
+                let g = n.group(&group)?;
+                gone.extend(delete_group(&conn, &g, parse_topology(&recorded)).await?);
+                self.c.forget(g.base());
+            }
+            gone.extend(self.delete_category_names(&conn, &n).await?);
+            Ok::<_, Error>(gone)
+        }
+        .await;
+        match res {
+            Ok(mut gone) => {
+                registry.delete(&n.registry_lock()).await?;
+                gone.push(n.registry_lock());
+                self.c.forget(category);
+                Ok(gone)
+            }
+            Err(e) => {
+                let _ = registry.release().await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Deletes the category-level names (registry, entry exchange, the
+    /// layout before consumer groups) that exist; returns the queues.
+    async fn delete_category_names(&self, conn: &Connection, n: &Names) -> Result<Vec<String>> {
+        use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+        let mut gone = Vec::new();
+        let mut queues = vec![n.registry()];
+        queues.extend(n.legacy_queues());
+        for i in 1..1024 {
+            if queue_state(conn, &n.legacy_hash_queue(i)).await?.is_none() {
+                break;
+            }
+            queues.push(n.legacy_hash_queue(i));
+        }
+        let ch = conn.create_channel().await.map_err(broker)?;
+        for q in queues {
+            if queue_state(conn, &q).await?.is_some() {
+                ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                    .await
+                    .map_err(broker)?;
+                gone.push(q);
+            }
+        }
+        for x in [
+            n.entry(),
+            n.legacy_hash_exchange(),
+            format!("{}.presence", n.category()),
+        ] {
+            ch.exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
+                .await
+                .map_err(broker)?;
+        }
+        let _ = ch.close(200, "deleted".into()).await;
+        Ok(gone)
+    }
+
+    /// Refuses a category with queues of the layout before consumer groups,
+    /// and declares (or verifies) its entry exchange; once per transport.
+    pub(crate) async fn ensure_category(&self, names: &Names) -> Result<()> {
+        if self.c.was_declared(names.category()) {
+            return Ok(());
+        }
+        topology::ensure_category(&*self.c.connection().await?, &self.c.cfg, names).await?;
+        self.c.declared_now(names.category());
+        Ok(())
+    }
+
+    /// Declares (or verifies) one group's topology behind the category's
+    /// entry exchange and records the group; once per transport.
+    /// With `recheck` (a subscription's build), a group declared here
+    /// before is checked to be still there (two passive declarations; not
+    /// on every publisher's creation).
+    pub(crate) async fn ensure_group(&self, names: &Names, group: &GroupNames, recheck: bool) -> Result<()> {
+        self.ensure_category(names).await?;
+        let conn = self.c.connection().await?;
+        if self.c.was_declared(group.base()) {
+            if !recheck {
+                return Ok(());
+            }
+            // Declared here before: still there, unless another process
+            // removed the group (or deleted the category) since.
+            let mut there = true;
+            for q in [&group.queues(self.c.cfg.topology)[0], &group.members()] {
+                there = there && queue_state(&conn, q).await?.is_some();
+            }
+            if there {
+                return Ok(());
+            }
+            tracing::info!(group = %group.base(), "rabbitmq: the group was removed since this process declared it; declaring it again");
+            self.c.forget(group.base());
+            self.c.forget(names.category());
+            self.ensure_category(names).await?;
+        }
+        topology::ensure_group(&conn, &self.c.cfg, names, group).await?;
+        self.c.declared_now(group.base());
+        Ok(())
+    }
+
+    /// The broker's version from its `connection.start` (plain `amqp://`
+    /// only; `None` over TLS or when it does not answer in 5 s).
+    pub async fn broker_version(&self) -> Option<String> {
+        let (host, port) = self.c.cfg.probe.as_ref()?;
+        probe::server_version(host, *port).await
+    }
+
+    /// What an ordered consumer does about RabbitMQ's `consumer_timeout`,
+    /// which would redeliver a halted head (it stays unacknowledged):
+    /// `Some(ms)` to set on each consumer (`x-consumer-timeout`, RabbitMQ
+    /// 3.11.15 and later), `None` when the broker cannot take it but the URL
+    /// states its setting; otherwise an error that names the fix.
+    pub(crate) async fn consumer_timeout_arg(&self) -> Result<Option<i64>> {
+        self.timeout_arg
+            .get_or_try_init(|| async {
+                let version = self.broker_version().await;
+                if let Some(v) = version.as_deref().filter(|v| probe::per_consumer_timeout(v)) {
+                    let t = self.c.cfg.consumer_timeout.unwrap_or(ConsumerTimeout::Off);
+                    tracing::debug!(broker = %self.c.cfg.display, version = v, timeout = %t,
+                        "rabbitmq: ordered consumers set x-consumer-timeout");
+                    return Ok(Some(t.consumer_arg_ms()));
+                }
+                let runs = match &version {
+                    Some(v) => format!("runs RabbitMQ {v}, which"),
+                    None => {
+                        "did not tell its version (TLS, or no answer to a plain handshake); before 3.11.15 RabbitMQ"
+                            .to_owned()
+                    }
+                };
+                match self.c.cfg.consumer_timeout {
+                    Some(t) => {
+                        tracing::info!(broker = %self.c.cfg.display, timeout = %t,
+                            "rabbitmq: the broker's consumer_timeout as stated in the URL: a head halted longer \
+                             is redelivered (and halts again on its next consumer)");
+                        Ok(None)
+                    }
+                    None => Err(Error::Config(format!(
+                        "rabbitmq: {} {runs} closes the channel of a delivery left unacknowledged past its \
+                         `consumer_timeout` (30 min by default) and redelivers it, and lets no client set or read \
+                         that timeout: a halted head (kept unacknowledged) would be redelivered. Set \
+                         `consumer_timeout = <ms>` in rabbitmq.conf above the longest halt you tolerate (or disable \
+                         it: `{{rabbit, [{{consumer_timeout, undefined}}]}}` in advanced.config) and state it in the \
+                         URL with `consumer_timeout_ms=<ms>` (or `consumer_timeout_ms=off`), or upgrade to RabbitMQ \
+                         3.11.15 or later, where each ordered consumer sets its own",
+                        self.c.cfg.display
+                    ))),
+                }
+            })
+            .await
+            .copied()
+    }
+}
+
+#[async_trait]
+impl Transport for RabbitTransport {
+    fn name(&self) -> &str {
+        "rabbitmq"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        match self.c.cfg.topology {
+            Topology::Plain => PLAIN_CAPABILITIES,
+            _ => CAPABILITIES,
+        }
+    }
+
+    fn affinity_fix(&self) -> String {
+        "declare an affinity topology in the amqp:// URL: `?topology=hash&queues=8` (a consistent-hash exchange \
+         over 8 single-active-consumer queues, spread over the instances) or `?topology=sac` (one \
+         single-active-consumer queue)"
+            .into()
+    }
+
+    async fn publisher(&self, category: &str) -> Result<Arc<dyn TransportPublisher>> {
+        let names = Names::new(category)?;
+        self.ensure_category(&names).await?;
+        // The groups the URL names keep what is published from now on.
+        for g in &self.c.cfg.groups {
+            self.ensure_group(&names, &names.group(g)?, false).await?;
+        }
+        Ok(Arc::new(RabbitPublisher {
+            t: self.c.clone(),
+            names,
+            channel: tokio::sync::Mutex::new(None),
+        }))
+    }
+
+    async fn open(&self, spec: &SourceSpec) -> Result<Box<dyn TransportSource>> {
+        if spec.ordered && self.c.cfg.topology == Topology::Plain {
+            return Err(Error::Config(format!(
+                "an ordered subscription needs cross-instance affinity: {}",
+                self.affinity_fix()
+            )));
+        }
+        let timeout_arg = if spec.ordered {
+            self.consumer_timeout_arg().await?
+        } else {
+            None
+        };
+        let names = Names::new(&spec.category)?;
+        let group = names.group(&spec.group)?;
+        self.ensure_group(&names, &group, true).await?;
+        // Operators in other processes ask the consumers themselves for
+        // their hot keys and halted heads (see `control`).
+        self.c.answer_for(group.base());
+        Ok(Box::new(
+            Source::open(timeout_arg, self.c.clone(), spec.clone(), group).await?,
+        ))
+    }
+
+    fn admin(&self) -> Arc<dyn Admin> {
+        Arc::new(RabbitAdmin { t: self.c.clone() })
+    }
+}
