@@ -34,21 +34,22 @@ use std::sync::{mpsc as std_mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use keyorder_core::{Inbound, Message, OrderingKey, Result, ScopeLease, SourceEvent, SourceSpec, TransportSource};
+use keyorder_core::{Inbound, OrderingKey, Result, ScopeLease, SourceEvent, SourceSpec, TransportSource};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext};
-use rdkafka::message::{Headers, OwnedMessage};
+use rdkafka::message::OwnedMessage;
 use rdkafka::types::{RDKafkaErrorCode, RDKafkaRespErr};
 use rdkafka::{ClientContext, Message as _, Offset, TopicPartitionList};
 use tokio::sync::{mpsc, watch, Notify};
 use tokio::time::Instant;
 
+use crate::broker::KafkaTransport;
+use crate::config::{base_config, Assignor, StartAt};
+use crate::error::{create_err, fenced, kafka_err, layout_changed};
+use crate::names::Names;
 use crate::settle::KafkaSettle;
 use crate::state;
 use crate::track::{decode, Admit, Track};
-use crate::{
-    base_config, kafka_err, KafkaTransport, Names, CORRELATION_HEADER, GROUP_HEADER, ID_HEADER, ORIGIN_HEADER,
-    REASON_HEADER,
-};
+use crate::wire::{message_of, partition_for};
 
 /// What the poll thread tells the async side, in order.
 pub(crate) enum Ev {
@@ -125,8 +126,8 @@ impl Ctx {
                 .map_err(|e| e.to_string())
         };
         match &shared.t.cfg.start {
-            crate::StartAt::Earliest => {}
-            crate::StartAt::Group(_) => {
+            StartAt::Earliest => {}
+            StartAt::Group(_) => {
                 for p in fresh {
                     if let Some(o) = shared.start_offsets.get(p) {
                         // Within what the partition holds: an offset past
@@ -140,7 +141,7 @@ impl Ctx {
                     }
                 }
             }
-            crate::StartAt::Latest => {
+            StartAt::Latest => {
                 for p in fresh {
                     out.insert(*p, watermarks(*p)?.1);
                 }
@@ -606,10 +607,7 @@ impl Shared {
         let lease = &part.lease;
         let r = rx.wait_for(|done| *done >= seq || lease.is_lost()).await;
         if r.is_err() || lease.is_lost() {
-            return Err(keyorder_core::Error::Fenced {
-                scope: lease.scope().to_string(),
-                generation: lease.generation(),
-            });
+            return Err(fenced(lease));
         }
         Ok(())
     }
@@ -1017,7 +1015,7 @@ impl Shared {
         if let Some(p) = prober.as_ref() {
             return Ok(p.clone());
         }
-        let mut c = crate::base_config(&self.t.cfg);
+        let mut c = base_config(&self.t.cfg);
         c.set("group.id", self.names.group_id(&self.group))
             .set("client.id", format!("keyorder-{}-probe", self.instance))
             .set("enable.auto.commit", "false");
@@ -1372,7 +1370,7 @@ fn check_static_member(t: &KafkaTransport, shared: &Arc<Shared>) -> Result<()> {
         );
     }
     let group_id = shared.names.group_id(&shared.group);
-    let taken = t.registry.live().iter().any(|o| {
+    let taken = t.registry.live::<Shared>().iter().any(|o| {
         !Arc::ptr_eq(o, shared)
             && o.static_member
             && !o.closed.load(Ordering::SeqCst)
@@ -1464,7 +1462,7 @@ impl Source {
         // them (that group's offsets may expire once it is gone).
         let fresh = check_partition_count(&t, &names, &spec.group, partitions).await?;
         let start_offsets = match &t.cfg.start {
-            crate::StartAt::Group(g) if !fresh.is_empty() => group_offsets(&t, &names, g, partitions).await?,
+            StartAt::Group(g) if !fresh.is_empty() => group_offsets(&t, &names, g, partitions).await?,
             _ => HashMap::new(),
         };
         let (completed, _) = watch::channel(0);
@@ -1529,11 +1527,7 @@ impl Source {
         source
             .tasks
             .push(tokio::spawn(shared.clone().heartbeat(source.spec.lease.heartbeat)));
-        t.registry
-            .sources
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(Arc::downgrade(&shared));
+        t.registry.add(&shared);
         Ok(source)
     }
 
@@ -1600,15 +1594,15 @@ impl Source {
             topic: self.shared.names.topic().to_owned(),
             names: self.shared.names.clone(),
             group_id: self.shared.names.group_id(&self.spec.group),
-            reader: rc.create().map_err(crate::create_err)?,
+            reader: rc.create().map_err(create_err)?,
             producer: self.shared.t.state_producer.clone(),
             instance: self.spec.instance.to_string(),
             revoke_wait,
             load_wait,
             shared: Arc::downgrade(&self.shared),
-            cooperative: cfg.assignor == crate::Assignor::CooperativeSticky,
+            cooperative: cfg.assignor == Assignor::CooperativeSticky,
         };
-        let member: Member = c.create_with_context(ctx).map_err(crate::create_err)?;
+        let member: Member = c.create_with_context(ctx).map_err(create_err)?;
         member.subscribe(&[self.shared.names.topic()]).map_err(kafka_err)?;
         let member = Arc::new(member);
         *self.shared.member.lock().unwrap_or_else(|e| e.into_inner()) = Some(member.clone());
@@ -1706,7 +1700,7 @@ impl Source {
     }
 
     fn scope_of(&self, partition: i32) -> Arc<str> {
-        Arc::from(format!("{}/{partition}", self.shared.names.topic()))
+        Arc::from(self.shared.names.scope(partition))
     }
 
     /// Applies what the poll thread sent, up to `limit` messages.
@@ -1845,26 +1839,13 @@ impl Source {
             Admit::Deliver { attempts, halted } => (attempts, halted),
         };
         let payload = keyorder_core::Bytes::copy_from_slice(m.payload().unwrap_or_default());
-        let mut msg = Message::new(payload.clone());
-        let mut id = None;
-        if let Some(h) = m.headers() {
-            for hd in h.iter() {
-                let Some(v) = hd.value.and_then(|v| std::str::from_utf8(v).ok()) else {
-                    continue;
-                };
-                match hd.key {
-                    ID_HEADER => id = Some(v.to_owned()),
-                    CORRELATION_HEADER => msg = msg.with_correlation_id(v),
-                    // The routing key comes from the record key below; a
-                    // dead letter's bookkeeping stays with the dead letter.
-                    // Every other header (the message type, an outbox
-                    // record's sequence, the user's) reaches the handler.
-                    keyorder_core::KEY_HEADER | REASON_HEADER | ORIGIN_HEADER | GROUP_HEADER => {}
-                    k => msg = msg.with_header(k, v),
-                }
-            }
-        }
-        msg = msg.with_id(id.unwrap_or_else(|| format!("{}-{partition}-{offset}", self.shared.names.topic())));
+        let mut msg = message_of(
+            payload.clone(),
+            m.headers(),
+            self.shared.names.topic(),
+            partition,
+            offset,
+        );
         let key_bytes = m.key().map(<[u8]>::to_vec);
         // A key on another partition than Java's default partitioner gives
         // it (a producer on librdkafka's `consistent_random`, say): its
@@ -1872,7 +1853,7 @@ impl Source {
         // on different partitions, which order nothing between them.
         // Counted, and said once with the fix.
         if let Some(raw) = key_bytes.as_deref().filter(|k| !k.is_empty()) {
-            if crate::partition_for(raw, self.shared.partitions) != partition {
+            if partition_for(raw, self.shared.partitions) != partition {
                 metrics::counter!("keyorder_kafka_misplaced_keys_total").increment(1);
                 if !self.shared.misplaced_key_reported.swap(true, Ordering::SeqCst) {
                     tracing::warn!(
@@ -2097,7 +2078,7 @@ fn poll_loop(member: Arc<Member>, tx: mpsc::UnboundedSender<Ev>, stop: Arc<Atomi
 async fn group_offsets(t: &KafkaTransport, names: &Names, group: &str, partitions: i32) -> Result<HashMap<i32, i64>> {
     let mut c = base_config(&t.cfg);
     c.set("group.id", group).set("enable.auto.commit", "false");
-    let probe: BaseConsumer = c.create().map_err(crate::create_err)?;
+    let probe: BaseConsumer = c.create().map_err(create_err)?;
     let topic = names.topic().to_owned();
     let committed = tokio::task::spawn_blocking(move || {
         let mut tpl = TopicPartitionList::new();
@@ -2138,7 +2119,7 @@ async fn check_partition_count(t: &KafkaTransport, names: &Names, group: &str, p
     let mut c = base_config(&t.cfg);
     c.set("group.id", names.group_id(group))
         .set("enable.auto.commit", "false");
-    let probe: BaseConsumer = c.create().map_err(crate::create_err)?;
+    let probe: BaseConsumer = c.create().map_err(create_err)?;
     let reader = state::reader(&t.cfg).map_err(kafka_err)?;
     let producer = t.state_producer.clone();
     let (n2, g2) = (names.clone(), names.group_id(group));
@@ -2197,14 +2178,10 @@ impl TransportSource for Source {
         // `LAYOUT_CHECK`, and at once when a partition beyond it came.
         let outside = self.shared.outside_layout.load(Ordering::SeqCst);
         if let Some(p) = self.outside_layout {
-            return Err(crate::layout_changed(&self.shared.names, self.shared.partitions, p + 1));
+            return Err(layout_changed(&self.shared.names, self.shared.partitions, p + 1));
         }
         if outside > 0 {
-            return Err(crate::layout_changed(
-                &self.shared.names,
-                self.shared.partitions,
-                outside,
-            ));
+            return Err(layout_changed(&self.shared.names, self.shared.partitions, outside));
         }
         self.shared.t.check_layout(&self.shared.names).await?;
         if self.shared.replace.load(Ordering::SeqCst)
@@ -2327,7 +2304,7 @@ impl TransportSource for Source {
 #[cfg(test)]
 mod broker_tests {
     use super::*;
-    use crate::{KafkaConfig, KafkaTransport};
+    use crate::config::KafkaConfig;
 
     /// A member the group expelled (its poll held past
     /// `max.poll.interval.ms`) still gets its offset fetch answered: that
