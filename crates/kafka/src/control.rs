@@ -23,7 +23,7 @@ use crate::broker::KafkaTransport;
 use crate::config::base_config;
 use crate::error::{create_err, kafka_err};
 use crate::names::Names;
-use crate::source::Shared;
+use crate::owned::Shared;
 
 /// The longest an operator waits for the owner's answer.
 const ANSWER: Duration = Duration::from_secs(15);

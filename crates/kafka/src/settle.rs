@@ -12,7 +12,7 @@ use keyorder_core::{Error, Result, Settle};
 use rdkafka::message::OwnedHeaders;
 
 use crate::error::fenced;
-use crate::source::{HeldHead, Part, Shared};
+use crate::owned::{HeldHead, Part, Shared};
 use crate::wire::{dead_letter_headers, key_text};
 
 pub(crate) struct KafkaSettle {
