@@ -18,11 +18,15 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Headers;
 use rdkafka::{Message as _, Offset, TopicPartitionList};
 
+use crate::broker::KafkaTransport;
+use crate::config::base_config;
+use crate::error::{create_err, kafka_err, layout_changed};
+use crate::names::Names;
+use crate::owned::Shared;
 use crate::settle::dead_letter;
-use crate::source::Shared;
 use crate::state;
 use crate::track::decode;
-use crate::{base_config, kafka_err, partition_for, KafkaTransport, Names, ID_HEADER, REASON_HEADER};
+use crate::wire::{key_text, partition_for, GROUP_HEADER, ID_HEADER, REASON_HEADER};
 
 /// The most messages a hot-key or dead-letter scan reads.
 const SCAN_LIMIT: usize = 100_000;
@@ -84,7 +88,7 @@ impl KafkaAdmin {
         c.set("group.id", group)
             .set("enable.auto.commit", "false")
             .set("enable.partition.eof", "false");
-        c.create().map_err(crate::create_err)
+        c.create().map_err(create_err)
     }
 
     /// The partition count of `topic`, which must exist: an operator's
@@ -105,7 +109,7 @@ impl KafkaAdmin {
         let mut rc = base_config(&self.t.cfg);
         rc.set("group.id", "keyorder-state-reader")
             .set("enable.auto.commit", "false");
-        let reader: state::Reader = rc.create().map_err(crate::create_err)?;
+        let reader: state::Reader = rc.create().map_err(create_err)?;
         let producer = self.t.state_producer.clone();
         let (n2, g2) = (names.clone(), names.group_id(group));
         let saved = tokio::task::spawn_blocking(move || {
@@ -147,7 +151,7 @@ impl KafkaAdmin {
         let mut rc = base_config(&self.t.cfg);
         rc.set("group.id", "keyorder-admin-scan")
             .set("enable.auto.commit", "false");
-        let c: state::Reader = rc.create().map_err(crate::create_err)?;
+        let c: state::Reader = rc.create().map_err(create_err)?;
         let topic = topic.to_owned();
         tokio::task::spawn_blocking(move || -> Result<()> {
             let mut each = each;
@@ -199,7 +203,7 @@ impl KafkaAdmin {
     fn local(&self, names: &Names, group: &str) -> Vec<Arc<Shared>> {
         self.t
             .registry
-            .live()
+            .live::<Shared>()
             .into_iter()
             .filter(|s| s.names == *names && s.group == group)
             .collect()
@@ -217,7 +221,7 @@ impl Admin for KafkaAdmin {
             self.t.topic_count(&names.state()).await?,
         ) {
             if now != layout {
-                return Err(crate::layout_changed(&names, layout, now));
+                return Err(layout_changed(&names, layout, now));
             }
         }
         let (n, committed) = self.committed(&names, group).await?;
@@ -266,7 +270,7 @@ impl Admin for KafkaAdmin {
                 let high = highs.get(c.partition as usize).copied().unwrap_or(0);
                 let r = decode(c.offset.max(0), &c.meta);
                 ScopeInfo {
-                    scope: format!("{}/{}", names.topic(), c.partition),
+                    scope: names.scope(c.partition),
                     owner: owners.get(&c.partition).cloned(),
                     generation: local.get(&c.partition).copied().unwrap_or(0),
                     lag: (high - c.offset.max(0)).max(0) as u64,
@@ -308,7 +312,7 @@ impl Admin for KafkaAdmin {
                 let Some((attempts, reason)) = wanted.get(&(p, o)) else {
                     return;
                 };
-                let key = key.map(crate::key_text).unwrap_or_default();
+                let key = key.map(key_text).unwrap_or_default();
                 let id = headers
                     .and_then(|h| {
                         h.iter()
@@ -346,7 +350,7 @@ impl Admin for KafkaAdmin {
                     *sink
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
-                        .entry(crate::key_text(k))
+                        .entry(key_text(k))
                         .or_default() += 1;
                 }
             },
@@ -375,10 +379,10 @@ impl Admin for KafkaAdmin {
                             .and_then(|x| x.value.map(|v| String::from_utf8_lossy(v).into_owned()))
                     })
                 };
-                if get(crate::GROUP_HEADER).as_deref() != Some(g.as_str()) {
+                if get(GROUP_HEADER).as_deref() != Some(g.as_str()) {
                     return;
                 }
-                let key = key.map(crate::key_text).unwrap_or_default();
+                let key = key.map(key_text).unwrap_or_default();
                 sink.lock().unwrap_or_else(|e| e.into_inner()).push(DeadLetter {
                     id: get(ID_HEADER).unwrap_or_default(),
                     label: label(&key),
@@ -439,7 +443,7 @@ impl Admin for KafkaAdmin {
             )));
         }
         let names = Names::new(category)?;
-        let admin: AdminClient<DefaultClientContext> = base_config(&self.t.cfg).create().map_err(crate::create_err)?;
+        let admin: AdminClient<DefaultClientContext> = base_config(&self.t.cfg).create().map_err(create_err)?;
         let id = names.group_id(group);
         let results = admin
             .delete_groups(

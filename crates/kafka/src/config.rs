@@ -1,4 +1,5 @@
-//! Configuration from a `kafka://` URL, decided without a broker round trip.
+//! Configuration from a `kafka://` URL, decided without a broker round trip,
+//! and the librdkafka client configuration every client starts from.
 
 use std::collections::BTreeMap;
 
@@ -58,7 +59,7 @@ pub enum StartAt {
 /// | `create` | `true` | create missing topics; `false` requires them to exist |
 /// | `assignor` | `cooperative-sticky` | `cooperative-sticky` or `range` (eager) |
 /// | `fetch_wait_ms` | `10` | librdkafka `fetch.wait.max.ms`: the broker may hold every fetch this long |
-/// | `max_unfinished` | `512` | unfinished messages per partition before it is paused (bounds memory and commit metadata) |
+/// | `max_unfinished` | `512` | unfinished messages per partition before it is paused (bounds memory and the state record, which lists every unfinished offset) |
 /// | `start` | `earliest` | where a partition this group never consumed starts: `earliest`, `latest`, or `group:<group id>` (another group's committed offsets); see [`StartAt`] |
 /// | `reset_layout` | `false` | when the category's `.keyorder-state` topic holds no records and its partition count is not the topic's (left by an earlier attempt), delete it and create it again with the topic's count; never when it holds records. Use it once: partitions added to a topic that holds messages of the same keys break their order (drain first) |
 /// | `static_membership` | `false` | join as a static member (`group.instance.id` = the subscription's instance id): a restart does not move the other members' partitions (see below) |
@@ -286,6 +287,30 @@ pub(crate) fn check_extra(extra: &BTreeMap<String, String>) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The librdkafka configuration every client of `cfg` starts from: the
+/// brokers, quiet logs, no topic auto-creation, and the pass-through
+/// settings.
+pub(crate) fn base_config(cfg: &KafkaConfig) -> rdkafka::ClientConfig {
+    let mut c = rdkafka::ClientConfig::new();
+    // Topics are created only where keyorder means to (`ensure`, with
+    // `create=true`): a producer's metadata request for a named topic
+    // would otherwise let the broker create it, so that an operator's
+    // read-only command created a category's topics (issue 37).
+    c.set("bootstrap.servers", &cfg.brokers)
+        .set("log_level", "3")
+        .set("allow.auto.create.topics", "false");
+    apply_extra(&mut c, cfg);
+    c
+}
+
+/// Sets `cfg`'s pass-through settings on `c` (again, over settings made
+/// since [`base_config`]).
+pub(crate) fn apply_extra(c: &mut rdkafka::ClientConfig, cfg: &KafkaConfig) {
+    for (k, v) in &cfg.extra {
+        c.set(k, v);
+    }
 }
 
 #[cfg(test)]

@@ -9,8 +9,6 @@
 //! returns on the answer (or fails with `NotFound` after a while: no live
 //! owner holds that head).
 
-use std::collections::HashSet;
-use std::sync::Mutex;
 use std::time::Duration;
 
 use keyorder_core::key::redact;
@@ -20,20 +18,15 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Message as _, Offset, TopicPartitionList};
 use serde_json::{json, Value};
 
-use crate::{base_config, kafka_err, KafkaTransport, Names};
+use crate::admin::KafkaAdmin;
+use crate::broker::KafkaTransport;
+use crate::config::base_config;
+use crate::error::{create_err, kafka_err};
+use crate::names::Names;
+use crate::owned::Shared;
 
 /// The longest an operator waits for the owner's answer.
 const ANSWER: Duration = Duration::from_secs(15);
-
-/// The categories this transport already listens on.
-#[derive(Default)]
-pub(crate) struct Listening {
-    topics: Mutex<HashSet<String>>,
-}
-
-fn control_topic(names: &Names) -> String {
-    format!("{}.keyorder-control", names.topic())
-}
 
 /// A consumer of the control topic from its current end; returns it with
 /// the position it starts at.
@@ -42,7 +35,7 @@ fn tail(t: &KafkaTransport, topic: &str) -> Result<BaseConsumer> {
     rc.set("group.id", "keyorder-control-reader")
         .set("enable.auto.commit", "false")
         .set("fetch.wait.max.ms", "50");
-    let c: BaseConsumer = rc.create().map_err(crate::create_err)?;
+    let c: BaseConsumer = rc.create().map_err(create_err)?;
     let (_, high) = c
         .fetch_watermarks(topic, 0, Duration::from_secs(10))
         .map_err(kafka_err)?;
@@ -56,7 +49,7 @@ fn tail(t: &KafkaTransport, topic: &str) -> Result<BaseConsumer> {
 impl KafkaTransport {
     /// Creates the control topic when missing (and allowed).
     async fn ensure_control(&self, names: &Names) -> Result<String> {
-        let topic = control_topic(names);
+        let topic = names.control();
         if self.cfg.create {
             self.create_topics(&[NewTopic::new(&topic, 1, TopicReplication::Fixed(self.cfg.replication))])
                 .await?;
@@ -148,10 +141,10 @@ fn listen(t: KafkaTransport, names: Names, topic: String, handle: tokio::runtime
             return;
         }
     };
-    let admin = crate::admin::KafkaAdmin { t: t.clone() };
+    let admin = KafkaAdmin { t: t.clone() };
     let mut idle_checks = 0u32;
     loop {
-        let live = t.registry.live().iter().any(|s| s.names == names);
+        let live = t.registry.live::<Shared>().iter().any(|s| s.names == names);
         idle_checks = if live { 0 } else { idle_checks + 1 };
         // No source of this category left for a while: stop listening.
         if idle_checks > 50 {

@@ -9,10 +9,11 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use keyorder_core::{Error, Result, Settle};
-use rdkafka::message::{Header, Headers, OwnedHeaders};
+use rdkafka::message::OwnedHeaders;
 
-use crate::source::{HeldHead, Part, Shared};
-use crate::{GROUP_HEADER, ORIGIN_HEADER, REASON_HEADER};
+use crate::error::fenced;
+use crate::owned::{HeldHead, Part, Shared};
+use crate::wire::{dead_letter_headers, key_text};
 
 pub(crate) struct KafkaSettle {
     pub(crate) shared: Arc<Shared>,
@@ -38,10 +39,7 @@ impl fmt::Debug for KafkaSettle {
 
 impl KafkaSettle {
     fn fenced(&self) -> Error {
-        Error::Fenced {
-            scope: self.part.lease.scope().to_string(),
-            generation: self.part.lease.generation(),
-        }
+        fenced(&self.part.lease)
     }
 
     fn live(&self) -> Result<()> {
@@ -72,29 +70,8 @@ pub(crate) async fn dead_letter(
     headers: Option<&OwnedHeaders>,
     reason: &str,
 ) -> Result<()> {
-    let mut h = OwnedHeaders::new();
-    if let Some(orig) = headers {
-        for hd in orig.iter() {
-            h = h.insert(Header {
-                key: hd.key,
-                value: hd.value,
-            });
-        }
-    }
     let origin = format!("{}/{partition}@{offset}", shared.names.topic());
-    h = h
-        .insert(Header {
-            key: REASON_HEADER,
-            value: Some(reason),
-        })
-        .insert(Header {
-            key: ORIGIN_HEADER,
-            value: Some(origin.as_str()),
-        })
-        .insert(Header {
-            key: GROUP_HEADER,
-            value: Some(shared.group.as_str()),
-        });
+    let h = dead_letter_headers(headers, reason, &origin, &shared.group);
     shared.t.produce(&shared.names.dlq(), key, payload, h).await?;
     metrics::counter!("keyorder_kafka_dead_letters_total").increment(1);
     Ok(())
@@ -151,7 +128,7 @@ impl Settle for KafkaSettle {
         if let Some(key) = self.key.as_deref().filter(|k| !k.is_empty()) {
             self.part.hold_head(HeldHead {
                 offset: self.offset,
-                key: crate::key_text(key),
+                key: key_text(key),
                 payload: self.payload.clone(),
                 headers: self.headers.clone(),
             });

@@ -47,7 +47,8 @@ use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Message as _, Offset, TopicPartitionList};
 
-use crate::Names;
+use crate::config::{base_config, KafkaConfig};
+use crate::names::Names;
 
 /// The key of the marker records a state read appends to find the end.
 const MARKER_KEY: &[u8] = b"keyorder-marker";
@@ -57,8 +58,8 @@ pub(crate) type Reader = BaseConsumer;
 
 /// A reader of the state topic: a consumer outside every group (assigned,
 /// never subscribed).
-pub(crate) fn reader(cfg: &crate::KafkaConfig) -> KafkaResult<Reader> {
-    let mut r = crate::base_config(cfg);
+pub(crate) fn reader(cfg: &KafkaConfig) -> KafkaResult<Reader> {
+    let mut r = base_config(cfg);
     r.set("group.id", "keyorder-state-reader")
         .set("enable.auto.commit", "false");
     r.create()
@@ -768,7 +769,7 @@ mod tests {
 #[cfg(test)]
 mod broker_tests {
     use super::*;
-    use crate::{KafkaConfig, KafkaTransport};
+    use crate::broker::KafkaTransport;
 
     struct Bench {
         t: KafkaTransport,
@@ -794,7 +795,7 @@ mod broker_tests {
             let names = Names::new(&format!("ko-state-{what}-{nonce}")).unwrap();
             t.ensure(&names).await.unwrap();
             let group_id = names.group_id("g");
-            let mut c = crate::base_config(&t.cfg);
+            let mut c = base_config(&t.cfg);
             c.set("group.id", &group_id).set("enable.auto.commit", "false");
             let member: BaseConsumer = c.create().unwrap();
             let reader = reader(&t.cfg).unwrap();
