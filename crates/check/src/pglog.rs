@@ -11,7 +11,7 @@ use sqlx::Row;
 use crate::eventlog::{Event, EventLog, EventStart};
 
 fn db(e: sqlx::Error) -> Error {
-    Error::Broker(format!("event log: {e}"))
+    Error::broker(format!("event log: {e}"))
 }
 
 /// A scenario's event log in table `keyorder_test.events`, one `run` id per

@@ -137,7 +137,14 @@ async fn refused(what: &str, url: &str, hint: &[&str], secrets: &[&str]) {
         }
         Ok(Err(e)) => e,
     };
-    let text = format!("{err} / {err:?}");
+    // The whole chain: the driver's error kept as the source (issue 38)
+    // must hold no secret either.
+    let mut text = format!("{err} / {err:?}");
+    let mut cause = std::error::Error::source(&err);
+    while let Some(c) = cause {
+        text.push_str(&format!(" / caused by: {c} / {c:?}"));
+        cause = c.source();
+    }
     let lower = text.to_lowercase();
     assert!(
         hint.iter().any(|h| lower.contains(&h.to_lowercase())),

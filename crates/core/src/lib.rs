@@ -28,7 +28,7 @@ pub use rt::plant_bug;
 pub use capability::Capabilities;
 pub use client::{Client, Publisher};
 pub use dispatch::{DispatchConfig, Dispatcher, Job, Submit, Widening};
-pub use error::{Error, Result};
+pub use error::{BrokerError, Error, Result};
 pub use handler::{Handler, HandlerError, HandlerResult, Settled, SettledHook, Settlement};
 pub use key::{KeyError, KeyRule, KeyRules, OrderingKey, MAX_KEY_BYTES};
 pub use lease::{LeaseConfig, LeaseState, ScopeLease};

@@ -433,8 +433,8 @@ impl Subscription {
             match stepped {
                 None => break Ok(()),
                 Some(Ok(())) => loop_state.backoff = Duration::ZERO,
-                Some(Err(Error::Broker(msg))) => {
-                    tracing::warn!(error = %msg, "transport error; retrying");
+                Some(Err(Error::Broker(b))) => {
+                    tracing::warn!(error = %b.message(), temporary = b.is_temporary(), "transport error; retrying");
                     loop_state.backoff =
                         (loop_state.backoff * 2).clamp(Duration::from_millis(50), Duration::from_secs(5));
                     tokio::select! {

@@ -20,7 +20,7 @@ use rdkafka::{Message as _, Offset, TopicPartitionList};
 
 use crate::broker::KafkaTransport;
 use crate::config::base_config;
-use crate::error::{create_err, kafka_err, layout_changed};
+use crate::error::{broker, create_err, layout_changed};
 use crate::names::Names;
 use crate::owned::Shared;
 use crate::settle::dead_letter;
@@ -126,8 +126,8 @@ impl KafkaAdmin {
             )
         })
         .await
-        .map_err(kafka_err)?
-        .map_err(kafka_err)?;
+        .map_err(broker)?
+        .map_err(broker)?;
         let out = saved
             .into_iter()
             .map(|s| Committed {
@@ -158,29 +158,27 @@ impl KafkaAdmin {
             let mut tpl = TopicPartitionList::new();
             let mut ends = HashMap::new();
             for (p, o, min_end) in from {
-                let (low, high) = c
-                    .fetch_watermarks(&topic, p, Duration::from_secs(10))
-                    .map_err(kafka_err)?;
+                let (low, high) = c.fetch_watermarks(&topic, p, Duration::from_secs(10)).map_err(broker)?;
                 // At least `min_end`: a broker's high watermark may lag (tansu 0.6).
                 let high = high.max(min_end);
                 let start = o.max(low);
                 if start < high {
                     tpl.add_partition_offset(&topic, p, Offset::Offset(start))
-                        .map_err(kafka_err)?;
+                        .map_err(broker)?;
                     ends.insert(p, high);
                 }
             }
             if ends.is_empty() {
                 return Ok(());
             }
-            c.assign(&tpl).map_err(kafka_err)?;
+            c.assign(&tpl).map_err(broker)?;
             let deadline = std::time::Instant::now() + Duration::from_secs(30);
             let mut read = 0;
             while !ends.is_empty() && read < limit && std::time::Instant::now() < deadline {
                 let Some(r) = c.poll(Duration::from_millis(200)) else {
                     continue;
                 };
-                let m = r.map_err(kafka_err)?;
+                let m = r.map_err(broker)?;
                 let p = m.partition();
                 let Some(end) = ends.get(&p).copied() else { continue };
                 if m.offset() >= end {
@@ -196,7 +194,7 @@ impl KafkaAdmin {
             Ok(())
         })
         .await
-        .map_err(kafka_err)?
+        .map_err(broker)?
     }
 
     /// The live sources of this process for (topic, group).
@@ -233,7 +231,7 @@ impl Admin for KafkaAdmin {
             for p in 0..n {
                 highs.push(
                     c.fetch_watermarks(&topic, p, Duration::from_secs(10))
-                        .map_err(kafka_err)?
+                        .map_err(broker)?
                         .1,
                 );
             }
@@ -251,7 +249,7 @@ impl Admin for KafkaAdmin {
             Ok((highs, owners))
         })
         .await
-        .map_err(kafka_err)??;
+        .map_err(broker)??;
         let local: HashMap<i32, u64> = self
             .local(&names, group)
             .iter()
@@ -424,8 +422,8 @@ impl Admin for KafkaAdmin {
             )
         })
         .await
-        .map_err(kafka_err)?
-        .map_err(kafka_err)?;
+        .map_err(broker)?
+        .map_err(broker)?;
         out.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(out)
     }
@@ -451,10 +449,10 @@ impl Admin for KafkaAdmin {
                 &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
             )
             .await
-            .map_err(kafka_err)?;
+            .map_err(broker)?;
         for r in results {
             if let Err((_, code)) = r {
-                return Err(Error::Broker(format!(
+                return Err(Error::broker(format!(
                     "kafka: deleting consumer group `{id}`: {code} (the broker must support DeleteGroups)"
                 )));
             }

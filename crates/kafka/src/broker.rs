@@ -16,7 +16,7 @@ use rdkafka::message::OwnedHeaders;
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
 use crate::config::{base_config, KafkaConfig};
-use crate::error::{create_err, kafka_err, layout_changed};
+use crate::error::{broker, create_err, layout_changed};
 use crate::names::Names;
 
 /// `min.compaction.lag.ms` of the state topic (an hour): see the README's
@@ -276,8 +276,8 @@ impl KafkaTransport {
                 .map(|md| md.topics().first().map(|t| (t.partitions().len(), t.error())))
         })
         .await
-        .map_err(kafka_err)?
-        .map_err(kafka_err)?;
+        .map_err(broker)?
+        .map_err(broker)?;
         Ok(match md {
             Some((n, None)) if n > 0 => Some(n as i32),
             _ => None,
@@ -290,7 +290,7 @@ impl KafkaTransport {
         // Unreadable is not empty: a reset must never follow a transient
         // metadata error.
         let Some(n) = self.topic_count(topic).await? else {
-            return Err(Error::Broker(format!(
+            return Err(Error::broker(format!(
                 "kafka: topic `{topic}` has no readable partitions now; retrying"
             )));
         };
@@ -306,8 +306,8 @@ impl KafkaTransport {
             Ok(true)
         })
         .await
-        .map_err(kafka_err)?
-        .map_err(kafka_err)
+        .map_err(broker)?
+        .map_err(broker)
     }
 
     /// Waits until the state producer's metadata shows `state` with
@@ -336,9 +336,9 @@ impl KafkaTransport {
             false
         })
         .await
-        .map_err(kafka_err)?;
+        .map_err(broker)?;
         if !learned {
-            return Err(Error::Broker(format!(
+            return Err(Error::broker(format!(
                 "kafka: the state topic `{state}` was recreated with {count} partitions, but the producer did not see them in 30 s; retrying"
             )));
         }
@@ -355,16 +355,16 @@ impl KafkaTransport {
             return self.await_state_count(&state, count).await;
         }
         if !self.topic_empty(&state).await? {
-            return Err(Error::Broker(format!(
+            return Err(Error::broker(format!(
                 "kafka: the state topic `{state}` is in use now (another process reset it or wrote to it); retrying"
             )));
         }
         let admin: AdminClient<DefaultClientContext> = base_config(&self.cfg).create().map_err(create_err)?;
         let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
-        for r in admin.delete_topics(&[&state], &opts).await.map_err(kafka_err)? {
+        for r in admin.delete_topics(&[&state], &opts).await.map_err(broker)? {
             if let Err((topic, code)) = r {
                 if code != RDKafkaErrorCode::UnknownTopicOrPartition {
-                    return Err(Error::Broker(format!(
+                    return Err(Error::broker(format!(
                         "kafka: deleting the empty state topic `{topic}`: {code}"
                     )));
                 }
@@ -384,7 +384,7 @@ impl KafkaTransport {
                 break;
             }
             if tokio::time::Instant::now() > deadline {
-                return Err(Error::Broker(format!(
+                return Err(Error::broker(format!(
                     "kafka: the state topic `{state}` was deleted but not recreated with {count} partitions in 30 s"
                 )));
             }
@@ -404,11 +404,11 @@ impl KafkaTransport {
                 &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
             )
             .await
-            .map_err(kafka_err)?;
+            .map_err(broker)?;
         for r in results {
             if let Err((topic, code)) = r {
                 if code != RDKafkaErrorCode::TopicAlreadyExists {
-                    return Err(Error::Broker(format!("kafka: creating topic `{topic}`: {code}")));
+                    return Err(Error::broker(format!("kafka: creating topic `{topic}`: {code}")));
                 }
             }
         }
@@ -456,7 +456,7 @@ impl KafkaTransport {
             FutureRecord::to(topic).payload(payload).key(key).partition(partition);
         match self.state_producer.send(record, Duration::from_secs(30)).await {
             Ok(d) => Ok((d.partition, d.offset)),
-            Err((e, _)) => Err(Error::Broker(format!("kafka: producing to `{topic}`: {e}"))),
+            Err((e, _)) => Err(Error::broker(format!("kafka: producing to `{topic}`: {e}"))),
         }
     }
 
@@ -481,7 +481,7 @@ impl KafkaTransport {
         }
         match self.producer.send(record, Duration::from_secs(30)).await {
             Ok(d) => Ok((d.partition, d.offset)),
-            Err((e, _)) => Err(Error::Broker(format!("kafka: producing to `{topic}`: {e}"))),
+            Err((e, _)) => Err(Error::broker(format!("kafka: producing to `{topic}`: {e}"))),
         }
     }
 }

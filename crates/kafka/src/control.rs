@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 use crate::admin::KafkaAdmin;
 use crate::broker::KafkaTransport;
 use crate::config::base_config;
-use crate::error::{create_err, kafka_err};
+use crate::error::{broker, create_err};
 use crate::names::Names;
 use crate::owned::Shared;
 
@@ -36,13 +36,11 @@ fn tail(t: &KafkaTransport, topic: &str) -> Result<BaseConsumer> {
         .set("enable.auto.commit", "false")
         .set("fetch.wait.max.ms", "50");
     let c: BaseConsumer = rc.create().map_err(create_err)?;
-    let (_, high) = c
-        .fetch_watermarks(topic, 0, Duration::from_secs(10))
-        .map_err(kafka_err)?;
+    let (_, high) = c.fetch_watermarks(topic, 0, Duration::from_secs(10)).map_err(broker)?;
     let mut tpl = TopicPartitionList::new();
     tpl.add_partition_offset(topic, 0, Offset::Offset(high))
-        .map_err(kafka_err)?;
-    c.assign(&tpl).map_err(kafka_err)?;
+        .map_err(broker)?;
+    c.assign(&tpl).map_err(broker)?;
     Ok(c)
 }
 
@@ -93,7 +91,7 @@ impl KafkaTransport {
         let t2 = topic.clone();
         let reader = tokio::task::spawn_blocking(move || tail(&t, &t2))
             .await
-            .map_err(kafka_err)??;
+            .map_err(broker)??;
         let request = json!({"op": "act", "id": id, "group": group, "key": key, "action": action.name()});
         self.produce_to(&topic, Some(0), None, request.to_string().as_bytes(), None)
             .await?;
@@ -113,10 +111,10 @@ impl KafkaTransport {
             None
         })
         .await
-        .map_err(kafka_err)?;
+        .map_err(broker)?;
         match answer {
             Some(v) if v.get("done").and_then(Value::as_bool) == Some(true) => Ok(()),
-            Some(v) => Err(Error::Broker(format!(
+            Some(v) => Err(Error::broker(format!(
                 "kafka: the owning process failed the action: {}",
                 v.get("error").and_then(Value::as_str).unwrap_or("unknown error")
             ))),

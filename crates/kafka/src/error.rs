@@ -1,26 +1,70 @@
-//! librdkafka's errors as `keyorder_core::Error`, and the adapter's named
+//! librdkafka's errors as `keyorder_core::Error` ([`broker`], keeping the
+//! error as the source and saying whether retrying can help), and the adapter's named
 //! errors (a fenced settlement, a topic whose partition count changed).
 
-use std::fmt;
-
-use keyorder_core::{Error, ScopeLease};
+use keyorder_core::{BrokerError, Error, ScopeLease};
+use rdkafka::error::KafkaError;
 
 use crate::names::Names;
 
-/// A broker (or client) error: `Error::Broker`, which is retried.
-pub(crate) fn kafka_err(e: impl fmt::Display) -> Error {
-    Error::Broker(format!("kafka: {e}"))
+/// The one conversion of a client error (librdkafka's, or a blocking task's
+/// that ran it) into `Error::Broker`: the error is kept as the source, and
+/// whether retrying can help is [`is_temporary`]'s answer for librdkafka's
+/// errors (a task that failed to run is temporary). The orphan rule rules
+/// out a `From` impl here, both types being foreign.
+pub(crate) fn broker<E: std::error::Error + Send + Sync + 'static>(e: E) -> Error {
+    let temporary = (&e as &dyn std::any::Any)
+        .downcast_ref::<KafkaError>()
+        .is_none_or(is_temporary);
+    Error::Broker(
+        BrokerError::new(format!("kafka: {e}"))
+            .with_temporary(temporary)
+            .caused_by(e),
+    )
+}
+
+/// Whether retrying may succeed: the broker could not be reached or timed
+/// out, a partition's leader or the group's coordinator is moving, a
+/// rebalance is under way, too few replicas are in sync for now, or the
+/// local queue is full. A refused configuration, a missing topic, an
+/// authorization failure or a bad message fail again.
+pub(crate) fn is_temporary(e: &KafkaError) -> bool {
+    use rdkafka::types::RDKafkaErrorCode as C;
+    matches!(
+        e.rdkafka_error_code(),
+        Some(
+            C::BrokerTransportFailure
+                | C::AllBrokersDown
+                | C::OperationTimedOut
+                | C::MessageTimedOut
+                | C::QueueFull
+                | C::Resolve
+                | C::LeaderNotAvailable
+                | C::NotLeaderForPartition
+                | C::RequestTimedOut
+                | C::BrokerNotAvailable
+                | C::NetworkException
+                | C::CoordinatorLoadInProgress
+                | C::CoordinatorNotAvailable
+                | C::NotCoordinator
+                | C::NotEnoughReplicas
+                | C::NotEnoughReplicasAfterAppend
+                | C::RebalanceInProgress
+                | C::KafkaStorageError
+                | C::PreferredLeaderNotAvailable
+        )
+    )
 }
 
 /// A client's creation failed: librdkafka's configuration error names the
 /// value it refused (a password, say), so only the setting is shown.
-pub(crate) fn create_err(e: rdkafka::error::KafkaError) -> Error {
+pub(crate) fn create_err(e: KafkaError) -> Error {
     match e {
-        rdkafka::error::KafkaError::ClientConfig(_, _, key, _) => Error::Config(format!(
+        KafkaError::ClientConfig(_, _, key, _) => Error::Config(format!(
             "kafka: librdkafka refused the setting `{}` (the value is not shown)",
             keyorder_core::redact::text(&key)
         )),
-        other => kafka_err(other),
+        other => broker(other),
     }
 }
 
@@ -44,4 +88,27 @@ pub(crate) fn layout_changed(names: &Names, layout: i32, now: i32) -> Error {
         names.topic(),
         names.state()
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use rdkafka::error::KafkaError;
+    use rdkafka::types::RDKafkaErrorCode as C;
+
+    #[test]
+    fn a_broker_error_keeps_the_client_error_and_says_if_retrying_helps() {
+        let down = super::broker(KafkaError::MetadataFetch(C::AllBrokersDown));
+        assert!(down.is_temporary(), "{down}");
+        let source = down.source().expect("the client's error is the source");
+        assert!(source.downcast_ref::<KafkaError>().is_some(), "{source:?}");
+        assert!(down.to_string().starts_with("broker: kafka: "), "{down}");
+        let denied = super::broker(KafkaError::MetadataFetch(C::TopicAuthorizationFailed));
+        assert!(!denied.is_temporary(), "{denied}");
+        let moving = super::broker(KafkaError::MessageProduction(C::NotLeaderForPartition));
+        assert!(moving.is_temporary(), "{moving}");
+        let too_big = super::broker(KafkaError::MessageProduction(C::MessageSizeTooLarge));
+        assert!(!too_big.is_temporary(), "{too_big}");
+    }
 }

@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use crate::config::{base_config, Assignor, StartAt};
-use crate::error::{create_err, kafka_err};
+use crate::error::{broker, create_err};
 use crate::owned::{Ctx, Ev, Member, Shared};
 use crate::state;
 
@@ -372,7 +372,7 @@ pub(crate) fn start(shared: &Arc<Shared>, spec: &SourceSpec) -> Result<Started> 
         cooperative: cfg.assignor == Assignor::CooperativeSticky,
     };
     let member: Member = c.create_with_context(ctx).map_err(create_err)?;
-    member.subscribe(&[shared.names.topic()]).map_err(kafka_err)?;
+    member.subscribe(&[shared.names.topic()]).map_err(broker)?;
     let member = Arc::new(member);
     *shared.member.lock().unwrap_or_else(|e| e.into_inner()) = Some(member.clone());
     *shared.last_confirm.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
@@ -384,7 +384,7 @@ pub(crate) fn start(shared: &Arc<Shared>, spec: &SourceSpec) -> Result<Started> 
             poll_loop(member, tx, thread_stop);
             let _ = left_tx.send(());
         })
-        .map_err(|e| keyorder_core::Error::Broker(format!("kafka: cannot start the poll thread: {e}")))?;
+        .map_err(|e| keyorder_core::Error::broker(format!("kafka: cannot start the poll thread: {e}")))?;
     Ok(Started { rx, stop, left })
 }
 

@@ -11,7 +11,7 @@ use rdkafka::producer::{FutureProducer, Producer};
 use crate::admin::KafkaAdmin;
 use crate::broker::KafkaTransport;
 use crate::config::{apply_extra, base_config, check_extra, KafkaConfig};
-use crate::error::{create_err, kafka_err};
+use crate::error::{broker, create_err};
 use crate::names::Names;
 use crate::publisher::KafkaPublisher;
 use crate::source::Source;
@@ -59,8 +59,15 @@ impl KafkaTransport {
         };
         tokio::task::spawn_blocking(move || probe.client().fetch_metadata(None, Duration::from_secs(10)))
             .await
-            .map_err(kafka_err)?
-            .map_err(|e| Error::Broker(format!("kafka: no answer from {brokers}: {e} ({tls})")))?;
+            .map_err(broker)?
+            .map_err(|e| {
+                let temporary = crate::error::is_temporary(&e);
+                Error::Broker(
+                    keyorder_core::BrokerError::new(format!("kafka: no answer from {brokers}: {e} ({tls})"))
+                        .with_temporary(temporary)
+                        .caused_by(e),
+                )
+            })?;
         Ok(KafkaTransport::with_producers(cfg, producer, state_producer))
     }
 

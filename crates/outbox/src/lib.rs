@@ -41,7 +41,7 @@ pub fn sequence_of(message: &keyorder_core::Message) -> Option<u64> {
 }
 
 pub(crate) fn db(e: sqlx::Error) -> Error {
-    Error::Broker(format!("postgres (outbox): {e}"))
+    Error::broker(format!("postgres (outbox): {e}"))
 }
 
 pub(crate) fn q(sql: &str) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
@@ -355,7 +355,7 @@ impl Outbox {
         // `stored_text`; itself unless it holds NUL or starts with U+0001).
         let stored: BTreeMap<&String, std::borrow::Cow<'_, str>> =
             message.headers.iter().map(|(k, v)| (k, stored_text(v))).collect();
-        let headers = serde_json::to_string(&stored).map_err(|e| Error::Broker(e.to_string()))?;
+        let headers = serde_json::to_string(&stored).map_err(|e| Error::broker(e.to_string()))?;
         let row = q(&self.sql.stage)
             .bind(&message.category)
             .bind(stored_text(key.as_str()))

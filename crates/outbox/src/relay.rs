@@ -337,8 +337,8 @@ impl Relay {
             let mut pause = Duration::ZERO;
             match self.step().await {
                 Ok(()) => backoff = Duration::ZERO,
-                Err(Error::Broker(msg)) => {
-                    tracing::warn!(error = %msg, "outbox relay: database error; retrying");
+                Err(Error::Broker(b)) => {
+                    tracing::warn!(error = %b.message(), temporary = b.is_temporary(), "outbox relay: database error; retrying");
                     backoff = (backoff * 2).clamp(Duration::from_millis(50), Duration::from_secs(5));
                     pause = backoff;
                 }

@@ -136,7 +136,7 @@ struct FailingPublisher {
 impl TransportPublisher for FailingPublisher {
     async fn publish(&self, message: Message) -> Result<()> {
         if self.fail.lock().unwrap().contains(message.id()) {
-            return Err(Error::Broker("test broker refuses this message".into()));
+            return Err(Error::broker("test broker refuses this message"));
         }
         if message.key().is_some_and(|k| self.refuse.contains(k.as_str())) {
             // A key error as the broker's stricter rules would give it.

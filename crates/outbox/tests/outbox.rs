@@ -390,7 +390,7 @@ impl TransportPublisher for WrapPublisher {
             }
         }
         if self.wrap.fail.lock().unwrap().contains(message.id()) {
-            return Err(Error::Broker("test broker refuses this message".into()));
+            return Err(Error::broker("test broker refuses this message"));
         }
         let key = message.key().map(|k| k.as_str().to_owned()).unwrap_or_default();
         let seq = keyorder_outbox::sequence_of(&message).unwrap_or(0);

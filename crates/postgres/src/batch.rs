@@ -128,9 +128,9 @@ impl Batcher {
         let (reply, rx) = oneshot::channel();
         self.tx
             .send(make(reply))
-            .map_err(|_| Error::Broker("postgres: the settlement batcher stopped".into()))?;
+            .map_err(|_| Error::broker("postgres: the settlement batcher stopped"))?;
         rx.await
-            .map_err(|_| Error::Broker("postgres: the settlement batcher dropped a request".into()))?
+            .map_err(|_| Error::broker("postgres: the settlement batcher dropped a request"))?
     }
 }
 
@@ -171,8 +171,11 @@ async fn settle(db: &Exec, sql: Arc<str>, lane: &Lane, reqs: Vec<Req>) {
         }
         Err(e) => {
             let msg = format!("postgres: {e}");
+            let temporary = crate::error::is_temporary(&e);
             for req in reqs {
-                let _ = req.reply.send(Err(Error::Broker(msg.clone())));
+                let _ = req.reply.send(Err(Error::Broker(
+                    keyorder_core::BrokerError::new(msg.clone()).with_temporary(temporary),
+                )));
             }
         }
     }

@@ -1,13 +1,38 @@
 //! The one conversion of the driver's (sqlx) error into keyorder's
-//! [`Error`] ([`broker`]), and the adapter's named errors: a schema with
+//! [`Error`] ([`broker`]: the sqlx error kept as the source, classified
+//! temporary or not by [`is_temporary`]; the orphan rule rules out a `From`
+//! impl here, both types being foreign), and the adapter's named errors: a schema with
 //! no keyorder tables, a removed group, a removal that waited too long for
 //! a lock, a queue whose layout is not the one in use.
 
-use keyorder_core::Error;
+use keyorder_core::{BrokerError, Error};
 
 /// A driver error, as keyorder's.
 pub(crate) fn broker(e: sqlx::Error) -> Error {
-    Error::Broker(format!("postgres: {e}"))
+    let temporary = is_temporary(&e);
+    Error::Broker(
+        BrokerError::new(format!("postgres: {e}"))
+            .with_temporary(temporary)
+            .caused_by(e),
+    )
+}
+
+/// Whether retrying may succeed: the connection failed or was cut (I/O,
+/// SQLSTATE class 08, the server shutting down or starting, 57P01-57P03),
+/// the pool had no connection in time, or the server refused for now
+/// (serialization failure, deadlock, a lock not available, class 53: out
+/// of resources). A statement's own error (a constraint, a missing table,
+/// bad SQL), TLS and configuration errors, and a closed pool fail again.
+pub(crate) fn is_temporary(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(d) => d.code().is_some_and(|c| {
+            c.starts_with("08")
+                || c.starts_with("53")
+                || matches!(&*c, "40001" | "40P01" | "55P03" | "57P01" | "57P02" | "57P03")
+        }),
+        _ => false,
+    }
 }
 
 /// A statement's error where `schema` has no keyorder tables names the fix

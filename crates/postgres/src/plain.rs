@@ -223,8 +223,11 @@ impl Acker {
                     }
                     Err(e) => {
                         let msg = format!("postgres: {e}");
+                        let temporary = crate::error::is_temporary(&e);
                         for req in batch {
-                            let _ = req.reply.send(Err(Error::Broker(msg.clone())));
+                            let _ = req.reply.send(Err(Error::Broker(
+                                keyorder_core::BrokerError::new(msg.clone()).with_temporary(temporary),
+                            )));
                         }
                     }
                 }
@@ -237,9 +240,9 @@ impl Acker {
         let (reply, rx) = oneshot::channel();
         self.tx
             .send(AckReq { id, token, reply })
-            .map_err(|_| Error::Broker("postgres: the acknowledgement batcher stopped".into()))?;
+            .map_err(|_| Error::broker("postgres: the acknowledgement batcher stopped"))?;
         rx.await
-            .map_err(|_| Error::Broker("postgres: the acknowledgement batcher dropped a request".into()))?
+            .map_err(|_| Error::broker("postgres: the acknowledgement batcher dropped a request"))?
     }
 }
 

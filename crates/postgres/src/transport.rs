@@ -274,7 +274,7 @@ impl PgTransport {
                 Some(r) => break r.get(0),
                 None if tries < 5 => tries += 1,
                 None => {
-                    return Err(Error::Broker(format!(
+                    return Err(Error::broker(format!(
                         "postgres: queue `{queue}` was deleted again and again while this member joined it; retrying"
                     )))
                 }

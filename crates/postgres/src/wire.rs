@@ -29,7 +29,7 @@ pub(crate) fn headers_of(message: &Message) -> Result<String> {
     // the `keyorder-key` header alike.
     let stored: BTreeMap<&String, std::borrow::Cow<'_, str>> =
         headers.iter().map(|(k, v)| (k, stored_text(v))).collect();
-    serde_json::to_string(&stored).map_err(|e| Error::Broker(e.to_string()))
+    serde_json::to_string(&stored).map_err(|e| Error::broker(e.to_string()))
 }
 
 /// The message of a log row whose columns from `at` on are key, message id,

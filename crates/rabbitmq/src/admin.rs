@@ -295,7 +295,7 @@ impl RabbitAdmin {
                 // Durable before the resume returns: an owner that takes
                 // the head over next counts from 1 too.
                 if !held.ledger.reset(&held.subject, Some(held.ledger_wait)).await {
-                    return Err(Error::Broker(format!(
+                    return Err(Error::broker(format!(
                         "rabbitmq: the head's attempts could not be reset (its record on `{}` was not read back \
                          within {} s); retry",
                         crate::attempts::STREAM,
@@ -329,13 +329,12 @@ impl RabbitAdmin {
 async fn operator_ack(held: &Held) -> Result<()> {
     match held.ack().await {
         Some(Ok(true)) => Ok(()),
-        Some(Ok(false)) => Err(Error::Broker(
+        Some(Ok(false)) => Err(Error::broker(
             "rabbitmq: the head is no longer held on its channel (the channel closed and the broker requeued it, \
-             or it was settled already); retry once its owner holds it again (`keyorder head show`)"
-                .into(),
+             or it was settled already); retry once its owner holds it again (`keyorder head show`)",
         )),
         Some(Err(e)) => Err(broker(e)),
-        None => Err(Error::Broker(format!(
+        None => Err(Error::broker(format!(
             "rabbitmq: the head's acknowledgement was not written or not confirmed within {} s (the connection \
              looks dead); retry once the owner reconnected",
             ACK_WAIT.as_secs()

@@ -46,7 +46,7 @@ pub(crate) async fn publish_confirmed(
         Confirmation::Ack(Some(_)) => Err(Error::NotFound(format!(
             "rabbitmq: message unroutable through exchange `{exchange}` (no queue bound: declare the topology)"
         ))),
-        Confirmation::Nack(_) => Err(Error::Broker("rabbitmq: the broker refused the message (nack)".into())),
-        Confirmation::NotRequested => Err(Error::Broker("rabbitmq: publisher confirms are off".into())),
+        Confirmation::Nack(_) => Err(Error::broker("rabbitmq: the broker refused the message (nack)")),
+        Confirmation::NotRequested => Err(Error::broker("rabbitmq: publisher confirms are off")),
     }
 }

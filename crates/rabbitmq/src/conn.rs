@@ -7,7 +7,7 @@
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
-use keyorder_core::{Error, Result};
+use keyorder_core::{BrokerError, Error, Result};
 use lapin::{Connection, ConnectionProperties};
 
 use crate::config::RabbitConfig;
@@ -46,21 +46,26 @@ pub(crate) async fn connect_uri(uri: &str, cfg: &RabbitConfig) -> Result<Connect
         None => lapin::tcp::OwnedTLSConfig::default(),
     };
     let runtime = lapin::runtime::default_runtime()
-        .map_err(|e| Error::Broker(format!("rabbitmq: no runtime to connect with: {e}")))?;
+        .map_err(|e| Error::broker(format!("rabbitmq: no runtime to connect with: {e}")))?;
     tokio::time::timeout(
         std::time::Duration::from_secs(10),
         Connection::connect_with_config(uri, ConnectionProperties::default(), tls, runtime),
     )
     .await
-    .map_err(|_| Error::Broker(format!("rabbitmq: no answer from {display} ({})", hint(uri))))?
+    .map_err(|_| Error::broker(format!("rabbitmq: no answer from {display} ({})", hint(uri))))?
     .map_err(|e| {
-        let e = e.to_string();
-        let hint = if e.contains("ACCESS_REFUSED") {
+        let text = e.to_string();
+        let hint = if text.contains("ACCESS_REFUSED") {
             "check the user name and password, and that the user may use this virtual host"
         } else {
             hint(uri)
         };
-        Error::Broker(format!("rabbitmq: cannot connect to {display}: {e} ({hint})"))
+        let temporary = crate::error::is_temporary(&e);
+        Error::Broker(
+            BrokerError::new(format!("rabbitmq: cannot connect to {display}: {text} ({hint})"))
+                .with_temporary(temporary)
+                .caused_by(e),
+        )
     })
 }
 

@@ -1,12 +1,45 @@
 //! The one conversion of a lapin (AMQP) error into
-//! [`keyorder_core::Error`] ([`broker`]), and how the broker's refusals
+//! [`keyorder_core::Error`] ([`broker`]: the lapin error kept as the
+//! source, temporary or not by [`is_temporary`]; the orphan rule rules out
+//! a `From` impl here, both types being foreign), and how the broker's refusals
 //! read: a declaration refused for other arguments or a missing name
 //! ([`explain`]), a name that does not exist ([`not_found`]).
 
-use keyorder_core::Error;
+use keyorder_core::{BrokerError, Error};
 
 pub(crate) fn broker(e: lapin::Error) -> Error {
-    Error::Broker(format!("rabbitmq: {e}"))
+    let temporary = is_temporary(&e);
+    Error::Broker(
+        BrokerError::new(format!("rabbitmq: {e}"))
+            .with_temporary(temporary)
+            .caused_by(e),
+    )
+}
+
+/// Whether retrying may succeed: the connection or channel failed (I/O, a
+/// missed heartbeat, a closed channel or connection, no channel left), or
+/// the broker refused for now (`CONNECTION_FORCED` while it shuts down,
+/// `RESOURCE_LOCKED`, `RESOURCE_ERROR`, `INTERNAL_ERROR`, a queue whose home
+/// node is down). A declaration refused for other arguments, a name that
+/// does not exist, refused access and protocol errors fail again.
+pub(crate) fn is_temporary(e: &lapin::Error) -> bool {
+    use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
+    match e.kind() {
+        lapin::ErrorKind::IOError(_)
+        | lapin::ErrorKind::MissingHeartbeatError
+        | lapin::ErrorKind::InvalidConnectionState(_)
+        | lapin::ErrorKind::InvalidChannelState(..)
+        | lapin::ErrorKind::ChannelsLimitReached => true,
+        lapin::ErrorKind::ProtocolError(amqp) => match amqp.kind() {
+            AMQPErrorKind::Soft(AMQPSoftError::RESOURCELOCKED) => true,
+            AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND) => amqp.get_message().as_str().contains("is down"),
+            AMQPErrorKind::Hard(
+                AMQPHardError::CONNECTIONFORCED | AMQPHardError::RESOURCEERROR | AMQPHardError::INTERNALERROR,
+            ) => true,
+            _ => false,
+        },
+        _ => false,
+    }
 }
 
 pub(crate) fn explain(e: lapin::Error, what: &str, fix: &str) -> Error {

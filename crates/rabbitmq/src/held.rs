@@ -206,7 +206,7 @@ impl Held {
         tokio::time::timeout(ACK_WAIT, publish_confirmed(ch, "", dlq, &self.payload, props))
             .await
             .unwrap_or_else(|_| {
-                Err(keyorder_core::Error::Broker(format!(
+                Err(keyorder_core::Error::broker(format!(
                     "rabbitmq: dead letter not confirmed within {} s; retrying",
                     ACK_WAIT.as_secs()
                 )))

@@ -66,7 +66,7 @@ impl RabbitSettle {
     }
 
     fn unrecorded(&self) -> Error {
-        Error::Broker(format!(
+        Error::broker(format!(
             "rabbitmq: an attempt's record on `{}` was not read back within {} s",
             crate::attempts::STREAM,
             self.held.ledger_wait.as_secs()

@@ -50,9 +50,9 @@ impl Batcher {
         self.tx
             .send(make(reply))
             .await
-            .map_err(|_| Error::Broker("redis: the settlement task stopped".into()))?;
+            .map_err(|_| Error::broker("redis: the settlement task stopped"))?;
         rx.await
-            .map_err(|_| Error::Broker("redis: the settlement task stopped".into()))?
+            .map_err(|_| Error::broker("redis: the settlement task stopped"))?
     }
 }
 
@@ -95,7 +95,7 @@ async fn settle(mut conn: ConnectionManager, ops: Vec<Op>) {
             {
                 let n = match r {
                     Value::Int(n) => Ok(n),
-                    other => Err(Error::Broker(format!("redis: unexpected settle reply {other:?}"))),
+                    other => Err(Error::broker(format!("redis: unexpected settle reply {other:?}"))),
                 };
                 let _ = op.reply.send(n);
             }
@@ -104,7 +104,7 @@ async fn settle(mut conn: ConnectionManager, ops: Vec<Op>) {
             for op in ops {
                 let _ = op
                     .reply
-                    .send(Err(Error::Broker(format!("redis: unexpected settle reply {other:?}"))));
+                    .send(Err(Error::broker(format!("redis: unexpected settle reply {other:?}"))));
             }
         }
         Err(e) => {

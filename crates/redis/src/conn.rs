@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use keyorder_core::{Error, Result};
+use keyorder_core::{BrokerError, Error, Result};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
 use crate::batch;
@@ -41,13 +41,14 @@ pub(crate) async fn manager(
         ConnectionManager::new_with_config(client.clone(), config),
     )
     .await
-    .map_err(|_| Error::Broker(format!("redis: no answer from {} ({})", cfg.display, cfg.hint())))?
+    .map_err(|_| Error::broker(format!("redis: no answer from {} ({})", cfg.display, cfg.hint())))?
     .map_err(|e| {
         let hint = match e.kind() {
             redis::ErrorKind::AuthenticationFailed => "check the password (and the user name)",
             _ => cfg.hint(),
         };
-        Error::Broker(format!("redis: cannot connect to {}: {e} ({hint})", cfg.display))
+        let b = BrokerError::new(format!("redis: cannot connect to {}: {e} ({hint})", cfg.display));
+        Error::Broker(crate::error::with_cause(b, e))
     })
 }
 

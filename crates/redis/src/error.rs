@@ -1,8 +1,13 @@
 //! The one conversion of a Redis error into [`keyorder_core::Error`]
-//! ([`broker`]), which names a group removed under a running member and
-//! keeps ordering keys out of the text ([`scrub`]).
+//! ([`broker`]), which names a group removed under a running member, says
+//! whether retrying can help (the driver's own retry advice: a dropped
+//! connection, a timeout, `LOADING`, `TRYAGAIN` are temporary; a script's
+//! refusal, a wrong type or a failed authentication are not), keeps the
+//! driver's error as the source, and keeps ordering keys out of the text
+//! and the source ([`scrub`]). The orphan rule rules out `impl From<RedisError>
+//! for Error` here (both are foreign), so this function is the one conversion.
 
-use keyorder_core::Error;
+use keyorder_core::{BrokerError, Error};
 
 use crate::scripts;
 
@@ -15,8 +20,41 @@ pub(crate) fn broker(e: redis::RedisError) -> Error {
                 .into(),
         );
     }
-    Error::Broker(format!("redis: {}", scrub(&text)))
+    Error::Broker(with_cause(BrokerError::new(format!("redis: {}", scrub(&text))), e))
 }
+
+/// `b` with the driver's error `e` as its source and `e`'s answer to
+/// whether retrying can help (the driver's own retry advice: a dropped
+/// connection, a timeout, `LOADING`, `TRYAGAIN` are temporary; a script's
+/// refusal, a wrong type, a failed authentication are not). Where `e`'s
+/// text names a key (user data), the source is the scrubbed text instead,
+/// never the driver's error, whose text and `Debug` carry the key.
+pub(crate) fn with_cause(b: BrokerError, e: redis::RedisError) -> BrokerError {
+    let temporary = !matches!(e.retry_method(), redis::RetryMethod::NoRetry)
+        && !matches!(e.kind(), redis::ErrorKind::AuthenticationFailed);
+    let text = e.to_string();
+    let scrubbed = scrub(&text);
+    let b = b.with_temporary(temporary);
+    if scrubbed == text {
+        b.caused_by(e)
+    } else {
+        b.caused_by(Scrubbed(scrubbed))
+    }
+}
+
+/// A Redis error whose text named a key, with the key replaced by its label
+/// ([`scrub`]): what [`broker`] keeps as the source instead of the driver's
+/// error.
+#[derive(Debug)]
+struct Scrubbed(String);
+
+impl std::fmt::Display for Scrubbed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Scrubbed {}
 
 /// Redis names keys in its error texts in single quotes (`No such key
 /// '{c}:{k}'`); a key name carries an ordering key, which is user data and

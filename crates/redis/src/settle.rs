@@ -126,7 +126,7 @@ impl Settle for RedisSettle {
         }
         match self.batched(Kind::Attempt).await? {
             0 => Err(self.fenced()),
-            n if n < 0 => Err(Error::Broker(format!(
+            n if n < 0 => Err(Error::broker(format!(
                 "redis: entry {} of {} is no longer pending (settled by an operator?)",
                 self.entry, self.scope
             ))),

@@ -9,7 +9,7 @@ use redis::Value;
 /// The stream fields of a message (the key is the partition, or the `k`
 /// field in the single layout).
 pub(crate) fn fields(message: &Message, with_key: bool) -> Result<Vec<Vec<u8>>> {
-    let headers = serde_json::to_string(message.headers()).map_err(|e| Error::Broker(e.to_string()))?;
+    let headers = serde_json::to_string(message.headers()).map_err(|e| Error::broker(e.to_string()))?;
     let mut out: Vec<Vec<u8>> = vec![
         b"id".to_vec(),
         message.id().as_bytes().to_vec(),

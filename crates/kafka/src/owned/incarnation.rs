@@ -11,7 +11,7 @@ use tokio::time::Instant;
 
 use super::shared::{Incarnation, Shared};
 use crate::broker::KafkaTransport;
-use crate::error::kafka_err;
+use crate::error::broker;
 use crate::state;
 
 /// How long a static member may fail to check for a newer incarnation
@@ -41,9 +41,9 @@ impl Shared {
             )
         })
         .await
-        .map_err(kafka_err)?
+        .map_err(broker)?
         .map_err(|e| {
-            keyorder_core::Error::Broker(format!("kafka: registering the static member's incarnation: {e}"))
+            keyorder_core::Error::broker(format!("kafka: registering the static member's incarnation: {e}"))
         })?;
         *self.incarnation.lock().unwrap_or_else(|e| e.into_inner()) = Some(Incarnation {
             token,

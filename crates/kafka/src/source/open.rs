@@ -10,7 +10,7 @@ use rdkafka::{Offset, TopicPartitionList};
 
 use crate::broker::KafkaTransport;
 use crate::config::base_config;
-use crate::error::{create_err, kafka_err};
+use crate::error::{broker, create_err};
 use crate::names::Names;
 use crate::state;
 use crate::track::decode;
@@ -39,9 +39,9 @@ pub(super) async fn group_offsets(
         probe.committed_offsets(tpl, Duration::from_secs(10))
     })
     .await
-    .map_err(kafka_err)?
+    .map_err(broker)?
     .map_err(|e| {
-        keyorder_core::Error::Broker(format!(
+        keyorder_core::Error::broker(format!(
             "kafka: reading the committed offsets of group `{group}` (start=group:{group}): {e}"
         ))
     })?;
@@ -76,7 +76,7 @@ pub(super) async fn check_partition_count(
     c.set("group.id", names.group_id(group))
         .set("enable.auto.commit", "false");
     let probe: BaseConsumer = c.create().map_err(create_err)?;
-    let reader = state::reader(&t.cfg).map_err(kafka_err)?;
+    let reader = state::reader(&t.cfg).map_err(broker)?;
     let producer = t.state_producer.clone();
     let (n2, g2) = (names.clone(), names.group_id(group));
     let saved = tokio::task::spawn_blocking(move || {
@@ -93,8 +93,8 @@ pub(super) async fn check_partition_count(
         )
     })
     .await
-    .map_err(kafka_err)?
-    .map_err(kafka_err)?;
+    .map_err(broker)?
+    .map_err(broker)?;
     let fresh = saved.iter().filter(|s| !s.known).map(|s| s.partition).collect();
     for s in saved {
         if let Some(n) = decode(s.committed, &s.meta).partitions {

@@ -156,7 +156,7 @@ impl Conn {
         }
         if let Some(e) = answers.iter().find_map(|a| a.get("error").and_then(Value::as_str)) {
             // Another process's words, read off the broker: escaped.
-            return Err(Error::Broker(format!(
+            return Err(Error::broker(format!(
                 "rabbitmq: the process holding the head failed: {}",
                 keyorder_core::redact::text(e)
             )));

@@ -92,7 +92,7 @@ impl Conn {
                 }
                 next = consumer.next() => {
                     let Some(Ok(d)) = next else {
-                        return Err(Error::Broker("rabbitmq: the control queue's consumer ended".into()));
+                        return Err(Error::broker("rabbitmq: the control queue's consumer ended"));
                     };
                     let Some(reply_to) = d.properties.reply_to().clone() else { continue };
                     let correlation = d.properties.correlation_id().clone();

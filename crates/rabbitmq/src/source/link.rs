@@ -38,7 +38,7 @@ impl Source {
         let failed = match tokio::time::timeout(wait, self.set_up(conn.clone())).await {
             Ok(Ok(())) => return Ok(()),
             Ok(Err(e)) => e,
-            Err(_) => keyorder_core::Error::Broker(format!(
+            Err(_) => keyorder_core::Error::broker(format!(
                 "rabbitmq: setting up the consumer's connection took longer than {} s (the claims stream \
                  not ready yet?); retrying",
                 wait.as_secs()
@@ -58,7 +58,7 @@ impl Source {
             // "NOT_FOUND - home node ... of durable queue ... is down or
             // inaccessible" right after a restart is transient (retried);
             // only "no queue" means it is gone.
-            keyorder_core::Error::Broker(text) if text.contains("no queue") => {
+            keyorder_core::Error::Broker(b) if b.message().contains("no queue") => {
                 // Declared with every group (`ensure_group`): this process
                 // declares it again when the subscription is built again.
                 self.t.forget(self.names.base());
@@ -76,7 +76,7 @@ impl Source {
         let ledger = crate::attempts::STREAM;
         let tag = short("instance id", &format!("{}-attempts", self.spec.instance))?;
         let attempts = Arc::new(Attempts::open(&conn, ledger, tag).await.map_err(|e| match e {
-            keyorder_core::Error::Broker(text) if text.contains("no queue") => {
+            keyorder_core::Error::Broker(b) if b.message().contains("no queue") => {
                 self.t.forget(self.names.base());
                 self.t.forget(self.names.category());
                 keyorder_core::Error::NotFound(format!(
@@ -93,7 +93,7 @@ impl Source {
         if self.joined_at.is_none() {
             let wait = self.spec.lease.ttl.max(Duration::from_secs(5));
             let Some(offset) = claims.claim(None, wait).await else {
-                return Err(keyorder_core::Error::Broker(format!(
+                return Err(keyorder_core::Error::broker(format!(
                     "rabbitmq: the join claim on `{stream}` was not read back within {} s",
                     wait.as_secs()
                 )));

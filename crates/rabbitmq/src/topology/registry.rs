@@ -104,7 +104,7 @@ impl Registry {
                 }
             }
             if tokio::time::Instant::now() >= deadline {
-                return Err(Error::Broker(format!(
+                return Err(Error::broker(format!(
                     "rabbitmq: the group registry of `{}` stayed locked for {} s (another process holds an \
                      exclusive consumer on `{lock}` and stalled: it is released when that process's connection \
                      closes)",
@@ -187,7 +187,7 @@ impl Registry {
             .map_err(broker)?;
         match confirm {
             lapin::Confirmation::Ack(None) => Ok(()),
-            _ => Err(Error::Broker(format!(
+            _ => Err(Error::broker(format!(
                 "rabbitmq: the registry `{}` did not take the record of group `{group}`",
                 self.queue
             ))),

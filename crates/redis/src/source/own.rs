@@ -54,7 +54,7 @@ impl Source {
         let reply: Value = inv.invoke_async(&mut conn).await.map_err(broker)?;
         let (flags, live) = match &reply {
             Value::Array(two) if two.len() == 2 => (ints(&two[0]), strings(&two[1])),
-            _ => return Err(Error::Broker("redis: unexpected heartbeat reply".into())),
+            _ => return Err(Error::broker("redis: unexpected heartbeat reply")),
         };
         for (k, ok) in held.iter().zip(flags.iter().chain(std::iter::repeat(&0))) {
             if *ok == 1 {
@@ -224,7 +224,7 @@ impl Source {
         }
         let reply: Value = inv.invoke_async(&mut self.t.conn.clone()).await.map_err(broker)?;
         let Value::Array(results) = reply else {
-            return Err(Error::Broker("redis: unexpected acquire reply".into()));
+            return Err(Error::broker("redis: unexpected acquire reply"));
         };
         for (key, r) in keys.iter().zip(results) {
             let r = ints(&r);

@@ -132,7 +132,7 @@ impl Source {
             }
         };
         let Value::Array(results) = reply else {
-            return Err(Error::Broker("redis: unexpected read reply".into()));
+            return Err(Error::broker("redis: unexpected read reply"));
         };
         for ((k, i), r) in chunk.iter().zip(results) {
             if matches!(r, Value::Int(0)) {
