@@ -272,17 +272,13 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
         );
         i.stop().await?;
     }
-    #[cfg(feature = "all-adapters")]
-    if run::is_amqp(&url) {
-        if let Err(e) = run::delete_amqp_queues(&url, &category).await {
-            eprintln!("{label}: could not delete the side's queues ({e}); they expire after 30 minutes unused");
-        }
-    }
-    #[cfg(feature = "all-adapters")]
-    if run::is_pg(&url) {
-        if let Err(e) = run::delete_pg_queue(&url, &category).await {
-            eprintln!("{label}: could not delete the side's queue `{category}` ({e})");
-        }
+    // A finished side's category goes where the transport can delete it
+    // (`Admin::delete_category`): RabbitMQ's queues would otherwise pile up
+    // or expire in the middle of a later side's run, and PostgreSQL's rows
+    // stay (the ordered side's retention lags the run).
+    match clients[0].admin().delete_category(&category).await {
+        Ok(_) | Err(keyorder::Error::Unsupported { .. }) => {}
+        Err(e) => eprintln!("{label}: could not delete the side's category `{category}` ({e})"),
     }
     res?;
     let events: Vec<_> = rec

@@ -205,10 +205,10 @@ pub(crate) struct DeleteQueueArgs {
     yes: bool,
 }
 
-/// Deletes a category and everything kept for it, where the transport keeps
-/// it in a form keyorder owns: PostgreSQL (`PgTransport::delete_queue`, refused
-/// while a slot has a live owner) and RabbitMQ (the topology's queues and the
-/// dead-letter queue).
+/// Deletes a category and everything kept for it through the transport's
+/// `Admin::delete_category`: PostgreSQL and RabbitMQ delete what keyorder
+/// keeps (refused while a group has a live member); Redis and Kafka say
+/// what to delete with the broker's own tools.
 pub(crate) async fn delete_queue(a: DeleteQueueArgs) -> anyhow::Result<()> {
     if !a.yes {
         anyhow::bail!(
@@ -217,24 +217,8 @@ pub(crate) async fn delete_queue(a: DeleteQueueArgs) -> anyhow::Result<()> {
             a.category
         );
     }
-    #[cfg(feature = "all-adapters")]
-    {
-        if crate::run::is_pg(&a.url) {
-            let rows = crate::run::delete_pg_queue(&a.url, &a.category).await?;
-            println!("deleted `{}`: {rows} rows", a.category);
-            return Ok(());
-        }
-        if crate::run::is_amqp(&a.url) {
-            crate::run::delete_amqp_queues(&a.url, &a.category).await?;
-            println!("deleted `{}`: its queues and dead-letter queue", a.category);
-            return Ok(());
-        }
-    }
-    anyhow::bail!(
-        "delete-queue supports postgres:// and amqp:// URLs; on Redis delete the category's keys `{0}` and \
-         `{0}:*` with no subscription running (the pattern also matches any other category whose name \
-         starts with `{0}:`), on Kafka delete the topics `{0}`, `{0}.dlq` and `{0}.keyorder-state` with the \
-         broker's tools",
-        a.category
-    )
+    let client = keyorder::connect(&a.url).await?;
+    let gone = client.admin().delete_category(&a.category).await?;
+    println!("deleted `{}`: {gone}", a.category);
+    Ok(())
 }

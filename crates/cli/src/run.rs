@@ -491,44 +491,6 @@ pub(crate) async fn pg_durability(url: &str) -> anyhow::Result<String> {
     Ok(line)
 }
 
-/// Deletes a finished bench side's queues on RabbitMQ, so that they neither
-/// pile up on the broker nor expire (`expires_ms`, the fallback) in the
-/// middle of a later side's run.
-#[cfg(feature = "all-adapters")]
-pub(crate) async fn delete_amqp_queues(url: &str, category: &str) -> anyhow::Result<()> {
-    // Every group's queues and exchanges, the entry exchange, the group
-    // registry and queues of the layout before consumer groups.
-    let t = keyorder::rabbitmq::RabbitTransport::from_url(&url.parse()?).await?;
-    // Refused while a group has a live member, as on PostgreSQL: a running
-    // subscription would lose its queues under it.
-    let admin = keyorder::raw::Transport::admin(&t);
-    let live: Vec<String> = admin
-        .groups(category)
-        .await?
-        .into_iter()
-        .filter(|g| g.live_members > 0)
-        .map(|g| format!("{} ({} live)", keyorder::redact::text(&g.name), g.live_members))
-        .collect();
-    if !live.is_empty() {
-        anyhow::bail!(
-            "delete-queue refused: consumer groups of `{}` have live members: {}; stop their subscriptions first",
-            keyorder::redact::text(category),
-            live.join(", ")
-        );
-    }
-    t.delete_category(category).await?;
-    Ok(())
-}
-
-/// Deletes a finished bench side's queue and all its rows on PostgreSQL
-/// (the ordered side's retention lags the run, so its events would
-/// otherwise stay), and returns the rows deleted.
-#[cfg(feature = "all-adapters")]
-pub(crate) async fn delete_pg_queue(url: &str, category: &str) -> anyhow::Result<u64> {
-    let t = keyorder::postgres::PgTransport::from_url(&url.parse()?).await?;
-    Ok(t.delete_queue(category).await?)
-}
-
 #[cfg(test)]
 mod tests {
     use super::baseline_url;

@@ -398,6 +398,24 @@ pub trait Admin: Send + Sync + fmt::Debug {
             "{self:?}: removing consumer groups is not implemented by this adapter"
         )))
     }
+    /// Deletes `category` and everything the broker keeps for it, for every
+    /// consumer group (messages, positions, halted keys, dead letters), and
+    /// says what went, in words (`"12 rows"`, `"7 queues"`): `keyorder
+    /// delete-queue` is this verb on every transport.
+    ///
+    /// # Behavior
+    /// - Refused with [`crate::Error::Config`] while a group of the category
+    ///   has live members (stop their subscriptions first).
+    /// - [`crate::Error::Unsupported`] where the broker keeps the category in
+    ///   a form keyorder does not own; the error names the broker's own way.
+    async fn delete_category(&self, category: &str) -> Result<String> {
+        let _ = category;
+        Err(crate::Error::Unsupported {
+            transport: "this transport".into(),
+            capability: "delete_category",
+            fix: "it keeps no category that keyorder can delete; nothing was deleted".into(),
+        })
+    }
 }
 
 /// Splits a fetch's `room` over scopes that already hold `held` delivered,

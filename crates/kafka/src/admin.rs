@@ -428,6 +428,18 @@ impl Admin for KafkaAdmin {
         Ok(out)
     }
 
+    /// Not kept in a form keyorder owns: the error names the topics.
+    async fn delete_category(&self, category: &str) -> Result<String> {
+        Err(Error::Unsupported {
+            transport: "kafka".into(),
+            capability: "delete_category",
+            fix: format!(
+                "delete the topics `{0}`, `{0}.dlq` and `{0}.keyorder-state` with the broker's tools",
+                category
+            ),
+        })
+    }
+
     async fn remove_group(&self, category: &str, group: &str) -> Result<()> {
         let Some(found) = self.groups(category).await?.into_iter().find(|g| g.name == group) else {
             return Err(Error::NotFound(format!(

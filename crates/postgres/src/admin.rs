@@ -210,6 +210,13 @@ impl Admin for PgAdmin {
     /// that hang off them. A lock held longer than ten seconds fails the
     /// removal (nothing deleted) rather than hold the queue's row, which
     /// retention and new groups wait for.
+    /// Deletes the queue with every row kept for it ([`delete_queue`]):
+    /// refused while a slot of it has a live owner.
+    async fn delete_category(&self, category: &str) -> Result<String> {
+        let rows = delete_queue(&self.t, category).await?;
+        Ok(format!("{rows} rows"))
+    }
+
     async fn remove_group(&self, category: &str, group: &str) -> Result<()> {
         let what = format!("removing consumer group `{group}` of queue `{category}`");
         let pooled = self.t.cfg.pooled;

@@ -155,6 +155,29 @@ impl Admin for RabbitAdmin {
         Ok(out)
     }
 
+    /// Deletes the category with every group's queues and exchanges
+    /// ([`topology::delete_category`](crate::topology::delete_category)):
+    /// refused while a group has a live member, whose queues would go
+    /// under it.
+    async fn delete_category(&self, category: &str) -> Result<String> {
+        let live: Vec<String> = self
+            .groups(category)
+            .await?
+            .into_iter()
+            .filter(|g| g.live_members > 0)
+            .map(|g| format!("{} ({} live)", keyorder_core::redact::text(&g.name), g.live_members))
+            .collect();
+        if !live.is_empty() {
+            return Err(Error::Config(format!(
+                "rabbitmq: consumer groups of `{}` have live members: {}; stop their subscriptions first",
+                keyorder_core::redact::text(category),
+                live.join(", ")
+            )));
+        }
+        let gone = crate::topology::delete_category(&self.t, category).await?;
+        Ok(format!("{} queues and their exchanges", gone.len()))
+    }
+
     /// Deletes a stopped group's queues (its backlog and dead letters with
     /// them) and exchanges, and its registry record; the category's entry
     /// exchange and the other groups stay.

@@ -8,18 +8,16 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use keyorder_core::{Admin, Capabilities, Error, Result, SourceSpec, Transport, TransportPublisher, TransportSource};
-use lapin::Connection;
 
 use crate::admin::RabbitAdmin;
 use crate::config::{ConsumerTimeout, RabbitConfig, Topology};
 use crate::conn::{connect_uri, Conn};
-use crate::error::broker;
 use crate::names::{GroupNames, Names};
 use crate::probe;
 use crate::publisher::RabbitPublisher;
 use crate::shared::Shared;
 use crate::source::Source;
-use crate::topology::{self, delete_group, parse_topology, queue_state, Registry};
+use crate::topology::{self, queue_state};
 
 /// What the RabbitMQ transport can do with an affinity topology (`hash`, `sac`).
 pub const CAPABILITIES: Capabilities = Capabilities {
@@ -101,70 +99,7 @@ impl RabbitTransport {
     /// Returns the queues deleted. Stop the category's subscriptions first:
     /// a running one loses its queues.
     pub async fn delete_category(&self, category: &str) -> Result<Vec<String>> {
-        let n = Names::new(category)?;
-        let conn = self.c.connection().await?;
-        // Everything is deleted while the registry's lock is held, the
-        // lock queue last: a group declared meanwhile by another process
-        // waits, then finds no registry and declares the category anew.
-        let registry = Registry::lock(&conn, &n, true).await?;
-        let res = async {
-            let mut gone = Vec::new();
-            for (group, recorded) in registry.records() {
-                let g = n.group(&group)?;
-                gone.extend(delete_group(&conn, &g, parse_topology(&recorded)).await?);
-                self.c.forget(g.base());
-            }
-            gone.extend(self.delete_category_names(&conn, &n).await?);
-            Ok::<_, Error>(gone)
-        }
-        .await;
-        match res {
-            Ok(mut gone) => {
-                registry.delete(&n.registry_lock()).await?;
-                gone.push(n.registry_lock());
-                self.c.forget(category);
-                Ok(gone)
-            }
-            Err(e) => {
-                let _ = registry.release().await;
-                Err(e)
-            }
-        }
-    }
-
-    /// Deletes the category-level names (registry, entry exchange, the
-    /// layout before consumer groups) that exist; returns the queues.
-    async fn delete_category_names(&self, conn: &Connection, n: &Names) -> Result<Vec<String>> {
-        use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
-        let mut gone = Vec::new();
-        let mut queues = vec![n.registry()];
-        queues.extend(n.legacy_queues());
-        for i in 1..1024 {
-            if queue_state(conn, &n.legacy_hash_queue(i)).await?.is_none() {
-                break;
-            }
-            queues.push(n.legacy_hash_queue(i));
-        }
-        let ch = conn.create_channel().await.map_err(broker)?;
-        for q in queues {
-            if queue_state(conn, &q).await?.is_some() {
-                ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-                    .await
-                    .map_err(broker)?;
-                gone.push(q);
-            }
-        }
-        for x in [
-            n.entry(),
-            n.legacy_hash_exchange(),
-            format!("{}.presence", n.category()),
-        ] {
-            ch.exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
-                .await
-                .map_err(broker)?;
-        }
-        let _ = ch.close(200, "deleted".into()).await;
-        Ok(gone)
+        topology::delete_category(&self.c, category).await
     }
 
     /// Refuses a category with queues of the layout before consumer groups,

@@ -276,6 +276,19 @@ impl Admin for RedisAdmin {
         Ok(out)
     }
 
+    /// Not kept in a form keyorder owns: the error names the keys to delete.
+    async fn delete_category(&self, category: &str) -> Result<String> {
+        Err(Error::Unsupported {
+            transport: "redis".into(),
+            capability: "delete_category",
+            fix: format!(
+                "delete the category's keys `{0}` and `{0}:*` with no subscription running (the pattern also \
+                 matches any other category whose name starts with `{0}:`)",
+                category
+            ),
+        })
+    }
+
     async fn remove_group(&self, category: &str, group: &str) -> Result<()> {
         let n = Names::new(category)?;
         let done: Vec<i64> = scripts::REMOVE_GROUP

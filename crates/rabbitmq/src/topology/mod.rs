@@ -63,11 +63,13 @@
 //! deletes a category's and a group's topology as a whole.
 
 mod declare;
+mod delete;
 mod group;
 mod inspect;
 mod registry;
 
 pub(crate) use declare::private_queue;
+pub(crate) use delete::delete_category;
 pub(crate) use group::{delete_group, ensure_category, ensure_group, group_queues};
 pub(crate) use inspect::{exchange_exists, parse_topology, queue_state};
 pub(crate) use registry::Registry;
