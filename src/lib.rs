@@ -6,9 +6,9 @@
 pub use keyorder_core::{
     async_trait, redact, Admin, BrokerError, Bytes, Capabilities, Client, DeadLetter, Delivery, Error, GlobalBackoff,
     GroupInfo, HaltedKey, Handler, HandlerError, HandlerResult, HeadAction, HotKey, KeyError, KeyRule, KeyRules,
-    KeySource, KeylessPolicy, LeaseConfig, MemoryTransport, Message, MessageType, OrderingKey, PoisonPolicy, Publisher,
-    Resolved, Result, RetryPolicy, RunReport, ScopeInfo, Settled, SettledHook, Settlement, Stats, StatsSnapshot,
-    Strategy, Subscription, SubscriptionBuilder, KEY_HEADER, MAX_KEY_BYTES, TYPE_HEADER,
+    KeySource, KeylessPolicy, LeaseConfig, MemoryTransport, Message, MessageType, OrderingKey, PoisonPolicy,
+    PublishFence, Publisher, Resolved, Result, RetryPolicy, RunReport, ScopeInfo, Settled, SettledHook, Settlement,
+    Stats, StatsSnapshot, Strategy, Subscription, SubscriptionBuilder, KEY_HEADER, MAX_KEY_BYTES, TYPE_HEADER,
 };
 
 /// For adapter authors: the transport traits, the keyed dispatcher, leases

@@ -463,22 +463,36 @@ async fn round_trip(a: &BenchArgs, transport: &str, durability: Option<&str>) ->
     // its share of the keys over while the first already consumes); the
     // steady state starts when the last joiner started its last key, and
     // both sides are timed from that same offset after their first handler.
-    let steady = ordered.settled_us.map(|at| {
+    // A window under 0.1 s (or a baseline that ended before the ordered
+    // side settled) gives no figure: raise --messages.
+    const MIN_WINDOW_S: f64 = 0.1;
+    let steady = ordered.settled_us.and_then(|at| {
         let (o, window) = ordered.rate_from(at);
-        let (b, _) = baseline.rate_from(at);
-        (at as f64 / 1e6, window, o, b, o / b.max(1e-9))
+        let (b, b_window) = baseline.rate_from(at);
+        (window >= MIN_WINDOW_S && b_window >= MIN_WINDOW_S).then(|| (at as f64 / 1e6, window, b_window, o, b, o / b))
     });
-    if let Some((at, window, o, b, r)) = steady {
-        let share = window / (ordered.end_us as f64 / 1e6).max(1e-9);
-        println!(
-            "  hand-over: ownership settled {at:.2} s after the first handler; steady state (from then to the end, {window:.2} s, {:.0}% of the ordered run): ordered {o:.0} msg/s, baseline {b:.0} msg/s, ratio {r:.2}{}",
-            share * 100.0,
-            if share < 0.5 {
-                " (the hand-over is a large share of this run: raise --messages for a steadier figure)"
-            } else {
-                ""
+    if let Some(at) = ordered.settled_us {
+        let at = at as f64 / 1e6;
+        match steady {
+            Some((_, window, b_window, o, b, r)) => {
+                let share = window / (ordered.end_us as f64 / 1e6).max(1e-9);
+                println!(
+                    "  hand-over: ownership settled {at:.2} s after the first handler; steady state from then to \
+                     the end: ordered {o:.0} msg/s over {window:.2} s ({:.0}% of its run), baseline {b:.0} msg/s \
+                     over {b_window:.2} s, ratio {r:.2}{}",
+                    share * 100.0,
+                    if share < 0.5 {
+                        " (the hand-over is a large share of this run: raise --messages for a steadier figure)"
+                    } else {
+                        ""
+                    }
+                );
             }
-        );
+            None => println!(
+                "  hand-over: ownership settled {at:.2} s after the first handler; too little of a run is left \
+                 after it for a steady-state figure: raise --messages"
+            ),
+        }
     }
     // A key's next message starts only once its previous one is settled, so
     // the ordered side cannot beat keys / (handler + settle wait).
@@ -524,9 +538,10 @@ async fn round_trip(a: &BenchArgs, transport: &str, durability: Option<&str>) ->
                 "baseline": {"msgs_per_s": baseline.msgs_per_s, "p50_ms": baseline.p50_ms, "p99_ms": baseline.p99_ms,
                              "slept_p50_ms": baseline.slept_p50_ms, "order_violations": baseline.violations},
                 "ratio": ratio,
-                "steady": steady.map(|(at, window, o, b, r)| json!({
-                    "settled_s": at, "window_s": window, "ordered_msgs_per_s": o,
-                    "baseline_msgs_per_s": b, "ratio": r,
+                "settled_s": ordered.settled_us.map(|at| at as f64 / 1e6),
+                "steady": steady.map(|(at, window, b_window, o, b, r)| json!({
+                    "settled_s": at, "window_s": window, "baseline_window_s": b_window,
+                    "ordered_msgs_per_s": o, "baseline_msgs_per_s": b, "ratio": r,
                 })),
                 "per_key_bound": bound.map(|(handler, wait, per_s)| json!({
                     "handler_ms": handler, "settle_wait_ms": wait, "msgs_per_s": per_s,

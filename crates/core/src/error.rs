@@ -3,7 +3,8 @@
 use crate::key::KeyError;
 
 /// Every error keyorder returns. Adapters map their driver's errors into it
-/// in exactly one `From` implementation each.
+/// in one conversion function each (`error::broker` in the adapter crate;
+/// the orphan rule rules out a `From` implementation there).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {

@@ -408,7 +408,11 @@ impl KafkaTransport {
         for r in results {
             if let Err((topic, code)) = r {
                 if code != RDKafkaErrorCode::TopicAlreadyExists {
-                    return Err(Error::broker(format!("kafka: creating topic `{topic}`: {code}")));
+                    let temporary = crate::error::code_is_temporary(code);
+                    return Err(Error::Broker(
+                        keyorder_core::BrokerError::new(format!("kafka: creating topic `{topic}`: {code}"))
+                            .with_temporary(temporary),
+                    ));
                 }
             }
         }
@@ -456,7 +460,10 @@ impl KafkaTransport {
             FutureRecord::to(topic).payload(payload).key(key).partition(partition);
         match self.state_producer.send(record, Duration::from_secs(30)).await {
             Ok(d) => Ok((d.partition, d.offset)),
-            Err((e, _)) => Err(Error::broker(format!("kafka: producing to `{topic}`: {e}"))),
+            Err((e, _)) => Err(crate::error::broker_as(
+                format!("kafka: producing to `{topic}`: {e}"),
+                e,
+            )),
         }
     }
 
@@ -481,7 +488,10 @@ impl KafkaTransport {
         }
         match self.producer.send(record, Duration::from_secs(30)).await {
             Ok(d) => Ok((d.partition, d.offset)),
-            Err((e, _)) => Err(Error::broker(format!("kafka: producing to `{topic}`: {e}"))),
+            Err((e, _)) => Err(crate::error::broker_as(
+                format!("kafka: producing to `{topic}`: {e}"),
+                e,
+            )),
         }
     }
 }

@@ -29,30 +29,40 @@ pub(crate) fn broker<E: std::error::Error + Send + Sync + 'static>(e: E) -> Erro
 /// local queue is full. A refused configuration, a missing topic, an
 /// authorization failure or a bad message fail again.
 pub(crate) fn is_temporary(e: &KafkaError) -> bool {
+    e.rdkafka_error_code().is_some_and(code_is_temporary)
+}
+
+/// `message` (what keyorder says), with librdkafka's error `e` as the
+/// source and its answer to whether retrying can help.
+pub(crate) fn broker_as(message: String, e: KafkaError) -> Error {
+    let temporary = is_temporary(&e);
+    Error::Broker(BrokerError::new(message).with_temporary(temporary).caused_by(e))
+}
+
+/// [`is_temporary`] for a bare error code (an admin operation's result).
+pub(crate) fn code_is_temporary(code: rdkafka::types::RDKafkaErrorCode) -> bool {
     use rdkafka::types::RDKafkaErrorCode as C;
     matches!(
-        e.rdkafka_error_code(),
-        Some(
-            C::BrokerTransportFailure
-                | C::AllBrokersDown
-                | C::OperationTimedOut
-                | C::MessageTimedOut
-                | C::QueueFull
-                | C::Resolve
-                | C::LeaderNotAvailable
-                | C::NotLeaderForPartition
-                | C::RequestTimedOut
-                | C::BrokerNotAvailable
-                | C::NetworkException
-                | C::CoordinatorLoadInProgress
-                | C::CoordinatorNotAvailable
-                | C::NotCoordinator
-                | C::NotEnoughReplicas
-                | C::NotEnoughReplicasAfterAppend
-                | C::RebalanceInProgress
-                | C::KafkaStorageError
-                | C::PreferredLeaderNotAvailable
-        )
+        code,
+        C::BrokerTransportFailure
+            | C::AllBrokersDown
+            | C::OperationTimedOut
+            | C::MessageTimedOut
+            | C::QueueFull
+            | C::Resolve
+            | C::LeaderNotAvailable
+            | C::NotLeaderForPartition
+            | C::RequestTimedOut
+            | C::BrokerNotAvailable
+            | C::NetworkException
+            | C::CoordinatorLoadInProgress
+            | C::CoordinatorNotAvailable
+            | C::NotCoordinator
+            | C::NotEnoughReplicas
+            | C::NotEnoughReplicasAfterAppend
+            | C::RebalanceInProgress
+            | C::KafkaStorageError
+            | C::PreferredLeaderNotAvailable
     )
 }
 

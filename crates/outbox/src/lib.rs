@@ -41,7 +41,7 @@ pub fn sequence_of(message: &keyorder_core::Message) -> Option<u64> {
 }
 
 pub(crate) fn db(e: sqlx::Error) -> Error {
-    Error::broker(format!("postgres (outbox): {e}"))
+    keyorder_postgres::broker_error("postgres (outbox)", e)
 }
 
 pub(crate) fn q(sql: &str) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {

@@ -9,16 +9,62 @@ use keyorder_core::{BrokerError, Error};
 
 /// A driver error, as keyorder's.
 pub(crate) fn broker(e: sqlx::Error) -> Error {
+    broker_error("postgres", e)
+}
+
+/// A sqlx error as keyorder's [`Error::Broker`], its text after `prefix`
+/// (`"postgres (outbox)"`), kept as the source ([`PgCause`]) and classified
+/// temporary or not: what the outbox, which shares this crate's driver,
+/// converts its errors with.
+pub fn broker_error(prefix: &str, e: sqlx::Error) -> Error {
     let temporary = is_temporary(&e);
     Error::Broker(
-        BrokerError::new(format!("postgres: {e}"))
+        BrokerError::new(format!("{prefix}: {e}"))
             .with_temporary(temporary)
-            .caused_by(e),
+            .caused_by(PgCause(e)),
     )
 }
 
+/// The sqlx error behind a PostgreSQL [`Error::Broker`], as its
+/// `source()`: downcast to it and call [`PgCause::sqlx`] for the error
+/// itself, [`PgCause::code`] for the SQLSTATE. Its `Display` and `Debug`
+/// show sqlx's `Display` text only: the server's detail and context fields,
+/// which sqlx's `Debug` prints, can quote a row's values (an ordering key).
+pub struct PgCause(sqlx::Error);
+
+impl PgCause {
+    /// The driver's error.
+    pub fn sqlx(&self) -> &sqlx::Error {
+        &self.0
+    }
+
+    /// The server's SQLSTATE, where the server answered.
+    pub fn code(&self) -> Option<String> {
+        match &self.0 {
+            sqlx::Error::Database(d) => d.code().map(|c| c.into_owned()),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for PgCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::fmt::Debug for PgCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PgCause({:?})", self.0.to_string())
+    }
+}
+
+impl std::error::Error for PgCause {}
+
 /// Whether retrying may succeed: the connection failed or was cut (I/O,
-/// SQLSTATE class 08, the server shutting down or starting, 57P01-57P03),
+/// SQLSTATE 08000, 08001, 08003, 08006, the server shutting down or
+/// starting, 57P01-57P03; not 08P01 or 08004, which a pooler such as
+/// PgBouncer answers for a database or login that does not exist),
 /// the pool had no connection in time, or the server refused for now
 /// (serialization failure, deadlock, a lock not available, class 53: out
 /// of resources). A statement's own error (a constraint, a missing table,
@@ -27,9 +73,11 @@ pub(crate) fn is_temporary(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::WorkerCrashed => true,
         sqlx::Error::Database(d) => d.code().is_some_and(|c| {
-            c.starts_with("08")
-                || c.starts_with("53")
-                || matches!(&*c, "40001" | "40P01" | "55P03" | "57P01" | "57P02" | "57P03")
+            c.starts_with("53")
+                || matches!(
+                    &*c,
+                    "08000" | "08001" | "08003" | "08006" | "40001" | "40P01" | "55P03" | "57P01" | "57P02" | "57P03"
+                )
         }),
         _ => false,
     }

@@ -20,6 +20,7 @@ mod transport;
 mod wire;
 
 pub use config::{Layout, PgConfig, DEFAULT_SLOTS};
+pub use error::{broker_error, PgCause};
 pub use names::slot_of;
 pub use sqlx;
 pub use transport::{PgTransport, CAPABILITIES, SETTLEMENT_CONNECTIONS};

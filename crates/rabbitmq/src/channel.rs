@@ -47,6 +47,10 @@ pub(crate) async fn publish_confirmed(
             "rabbitmq: message unroutable through exchange `{exchange}` (no queue bound: declare the topology)"
         ))),
         Confirmation::Nack(_) => Err(Error::broker("rabbitmq: the broker refused the message (nack)")),
-        Confirmation::NotRequested => Err(Error::broker("rabbitmq: publisher confirms are off")),
+        // A channel keyorder opened without confirms: retrying on it fails
+        // the same way.
+        Confirmation::NotRequested => Err(Error::Broker(
+            keyorder_core::BrokerError::new("rabbitmq: publisher confirms are off").with_temporary(false),
+        )),
     }
 }

@@ -17,7 +17,8 @@ pub(crate) fn broker(e: lapin::Error) -> Error {
 }
 
 /// Whether retrying may succeed: the connection or channel failed (I/O, a
-/// missed heartbeat, a closed channel or connection, no channel left), or
+/// missed heartbeat, a closed channel or connection, no channel left; not
+/// a TLS certificate refused or a URI refused), or
 /// the broker refused for now (`CONNECTION_FORCED` while it shuts down,
 /// `RESOURCE_LOCKED`, `RESOURCE_ERROR`, `INTERNAL_ERROR`, a queue whose home
 /// node is down). A declaration refused for other arguments, a name that
@@ -25,8 +26,27 @@ pub(crate) fn broker(e: lapin::Error) -> Error {
 pub(crate) fn is_temporary(e: &lapin::Error) -> bool {
     use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
     match e.kind() {
-        lapin::ErrorKind::IOError(_)
-        | lapin::ErrorKind::MissingHeartbeatError
+        // A network failure; not a TLS verification failure or a refused
+        // URI (lapin wraps both as I/O errors), which fail again.
+        lapin::ErrorKind::IOError(io) => {
+            use std::io::ErrorKind as K;
+            matches!(
+                io.kind(),
+                K::ConnectionRefused
+                    | K::ConnectionReset
+                    | K::ConnectionAborted
+                    | K::NotConnected
+                    | K::BrokenPipe
+                    | K::TimedOut
+                    | K::UnexpectedEof
+                    | K::Interrupted
+                    | K::AddrNotAvailable
+                    | K::NetworkUnreachable
+                    | K::HostUnreachable
+                    | K::NetworkDown
+            )
+        }
+        lapin::ErrorKind::MissingHeartbeatError
         | lapin::ErrorKind::InvalidConnectionState(_)
         | lapin::ErrorKind::InvalidChannelState(..)
         | lapin::ErrorKind::ChannelsLimitReached => true,

@@ -190,3 +190,14 @@ async fn read_only_commands_create_nothing() {
         "read-only commands created exchanges {exchanges:?} and queues {queues:?}"
     );
 }
+
+/// Asking for the halted keys of a category with no consumer: the request
+/// through the control exchange is unroutable, and the answer is an empty
+/// list, not an error (moved here from the test that became the scenario
+/// `operator_from_another_transport`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_halted_anywhere_is_an_empty_list() {
+    let category = format!("op-empty-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let operator = client().await;
+    assert!(operator.admin().halted(&category, "g").await.unwrap().is_empty());
+}

@@ -30,8 +30,13 @@ pub(crate) fn broker(e: redis::RedisError) -> Error {
 /// text names a key (user data), the source is the scrubbed text instead,
 /// never the driver's error, whose text and `Debug` carry the key.
 pub(crate) fn with_cause(b: BrokerError, e: redis::RedisError) -> BrokerError {
-    let temporary = !matches!(e.retry_method(), redis::RetryMethod::NoRetry)
-        && !matches!(e.kind(), redis::ErrorKind::AuthenticationFailed);
+    // `BUSY` (a script running), `OOM`, `MISCONF` (a failed save) and
+    // `LOADING` clear on their own; redis-rs gives no retry advice for the
+    // first three (extension errors).
+    let clears = matches!(e.code(), Some("BUSY" | "OOM" | "MISCONF" | "LOADING"));
+    let temporary = clears
+        || (!matches!(e.retry_method(), redis::RetryMethod::NoRetry)
+            && !matches!(e.kind(), redis::ErrorKind::AuthenticationFailed));
     let text = e.to_string();
     let scrubbed = scrub(&text);
     let b = b.with_temporary(temporary);

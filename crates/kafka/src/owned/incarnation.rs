@@ -42,9 +42,7 @@ impl Shared {
         })
         .await
         .map_err(broker)?
-        .map_err(|e| {
-            keyorder_core::Error::broker(format!("kafka: registering the static member's incarnation: {e}"))
-        })?;
+        .map_err(|e| crate::error::broker_as(format!("kafka: registering the static member's incarnation: {e}"), e))?;
         *self.incarnation.lock().unwrap_or_else(|e| e.into_inner()) = Some(Incarnation {
             token,
             partition,

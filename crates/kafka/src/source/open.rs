@@ -41,9 +41,10 @@ pub(super) async fn group_offsets(
     .await
     .map_err(broker)?
     .map_err(|e| {
-        keyorder_core::Error::broker(format!(
-            "kafka: reading the committed offsets of group `{group}` (start=group:{group}): {e}"
-        ))
+        crate::error::broker_as(
+            format!("kafka: reading the committed offsets of group `{group}` (start=group:{group}): {e}"),
+            e,
+        )
     })?;
     let out: HashMap<i32, i64> = committed
         .elements()
@@ -76,7 +77,7 @@ pub(super) async fn check_partition_count(
     c.set("group.id", names.group_id(group))
         .set("enable.auto.commit", "false");
     let probe: BaseConsumer = c.create().map_err(create_err)?;
-    let reader = state::reader(&t.cfg).map_err(broker)?;
+    let reader = state::reader(&t.cfg).map_err(create_err)?;
     let producer = t.state_producer.clone();
     let (n2, g2) = (names.clone(), names.group_id(group));
     let saved = tokio::task::spawn_blocking(move || {

@@ -99,7 +99,8 @@ pub(super) async fn operator_from_another_transport(ctx: &Ctx<'_>) -> Outcome {
         ensure(halted[0].attempts >= 2, || format!("attempts: {halted:?}"))?;
         ensure(p() == ["p-1"], || format!("the key ran past its head: {:?}", p()))?;
         // An unknown label: refused with NotFound, nothing changes.
-        match admin.resolve(&cat, "g", "nope", HeadAction::Skip).await {
+        let unknown = keyorder_core::key::label("a key never published");
+        match admin.resolve(&cat, "g", &unknown, HeadAction::Skip).await {
             Err(Error::NotFound(_)) => {}
             other => return Err(format!("an unknown label: expected NotFound, got {other:?}")),
         }
