@@ -5,7 +5,7 @@
 //! self-fence (`heartbeat`) and a static member's incarnation
 //! (`incarnation`). Both `source` and `settle` use it; it uses neither.
 
-mod checkpoint;
+pub(crate) mod checkpoint;
 mod heartbeat;
 mod incarnation;
 mod part;
