@@ -1,5 +1,10 @@
 //! The keyed dispatcher: the local layer inside one process.
 //!
+//! One room on purpose (over 700 lines): the per-key queues, the budget,
+//! the isolation gate and the settlement tasks are one state behind one
+//! lock with one set of invariants, which the shuttle schedule tests and
+//! their planted bug exercise as a unit.
+//!
 //! * The same key runs one message at a time, FIFO by arrival; different keys
 //!   run concurrently up to `concurrency`.
 //! * Memory is bounded by a global in-flight `budget` (buffered + running)
