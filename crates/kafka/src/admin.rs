@@ -1,7 +1,8 @@
 //! The operator's view: partitions with owner, committed offset and lag
-//! (from the group's commits and membership, so it works from any process),
-//! halted heads (from the commit metadata), hot keys (a bounded scan of the
-//! unconsumed backlog), dead letters, and resolving a halted head.
+//! (from the group's state records and membership, so it works from any
+//! process), halted heads (from the state records), hot keys (a bounded
+//! scan of the unconsumed backlog), dead letters, and resolving a halted
+//! head.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -36,7 +37,7 @@ pub(crate) struct KafkaAdmin {
     pub(crate) t: KafkaTransport,
 }
 
-/// One partition as the group's commits describe it.
+/// One partition as the group's state record describes it.
 struct Committed {
     partition: i32,
     offset: i64,
@@ -483,7 +484,7 @@ impl KafkaAdmin {
             .next()
             .and_then(|p| p.parse().ok())
             .unwrap_or_else(|| partition_for(key.as_bytes(), n));
-        // The owner settles it (only a group member may commit): in this process.
+        // The owner settles it (only the owner writes its state): in this process.
         for s in self.local(&names, group) {
             let Some(part) = s.part(partition) else { continue };
             let Some(held) = part.held_head(&head.label) else {

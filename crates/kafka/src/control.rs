@@ -1,5 +1,5 @@
-//! Operator actions across processes. Only a partition's group member may
-//! commit, so `skip`, `dlq` and `resume` of a halted head must run in the
+//! Operator actions across processes. Only a partition's owner writes its
+//! state record, so `skip`, `dlq` and `resume` of a halted head must run in the
 //! process that owns the partition. An operator elsewhere (`keyorder head
 //! ...`) produces a request to the category's control topic
 //! `<topic>.keyorder-control` (one partition); every process holding a

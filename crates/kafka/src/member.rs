@@ -21,6 +21,7 @@ use crate::state;
 
 impl ClientContext for Ctx {}
 
+/// The partitions of `topic` in `tpl`.
 fn parts_of(tpl: &TopicPartitionList, topic: &str) -> Vec<i32> {
     tpl.elements()
         .iter()
@@ -388,6 +389,8 @@ pub(crate) fn start(shared: &Arc<Shared>, spec: &SourceSpec) -> Result<Started> 
     Ok(Started { rx, stop, left })
 }
 
+/// The poll thread: forwards messages and errors, in order, until
+/// stopped; then leaves the group and closes the member, bounded.
 fn poll_loop(member: Arc<Member>, tx: mpsc::UnboundedSender<Ev>, stop: Arc<AtomicBool>) {
     while !stop.load(Ordering::SeqCst) {
         match member.poll(Duration::from_millis(100)) {

@@ -1,8 +1,9 @@
 //! Settling one delivery: every attempt, halt and acknowledgement is carried
-//! by a commit (its offset and metadata) before the call returns, so a later
-//! owner neither runs a finished message again nor loses an attempt count.
-//! The fence is the partition's lease: once it is lost, every call fails
-//! with `Fenced` and commits nothing.
+//! by the partition's state record (see `state`), acknowledged by the
+//! broker, before the call returns, so a later owner neither runs a
+//! finished message again nor loses an attempt count. The fence is the
+//! partition's lease: once it is lost, every call fails with `Fenced` and
+//! writes nothing.
 
 use std::fmt;
 use std::sync::Arc;
@@ -23,7 +24,7 @@ pub(crate) struct KafkaSettle {
     pub(crate) payload: keyorder_core::Bytes,
     pub(crate) headers: Option<OwnedHeaders>,
     pub(crate) message_id: String,
-    /// Attempts earlier owners made (from the commit metadata).
+    /// Attempts earlier owners made (from the partition's saved state).
     pub(crate) earlier: u32,
 }
 

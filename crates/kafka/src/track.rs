@@ -1,11 +1,13 @@
 //! Per-partition bookkeeping: which delivered offsets are unfinished, the
-//! attempts begun on them, halted heads, and the commit they add up to.
+//! attempts begun on them, halted heads, and the state record they add up
+//! to (see `state`).
 //!
 //! The committed offset is the lowest unfinished offset (never past an
 //! unfinished message). Messages above it that are already done are
-//! recorded in the commit's metadata, so a later owner skips them instead of
-//! running a key's finished message again after a later one (which would
-//! break the key's order). The metadata lists the unfinished offsets
+//! recorded in the partition's state record (its progress text, below), so
+//! a later owner skips them instead of running a key's finished message
+//! again after a later one (which would break the key's order). The text
+//! lists the unfinished offsets
 //! between the committed offset and the high-water mark (the offset after the
 //! last delivered message), each with its durable attempt count and halt
 //! flag; it stays small because only unfinished messages are listed, and
@@ -28,14 +30,14 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-/// The metadata's format version.
+/// The progress text's format version.
 const VERSION: &str = "ko2";
 /// Marks an entry's attempt count (not a base-36 digit).
 const ATTEMPTS: char = ':';
 /// Marks an entry's halt (not a base-36 digit).
 const HALTED: char = '!';
 
-/// The most bytes of a halt reason kept in commit metadata.
+/// The most bytes of a halt reason kept in a state record.
 const REASON_BYTES: usize = 120;
 
 /// One unfinished offset.
@@ -47,10 +49,10 @@ pub(crate) struct Entry {
     pub(crate) halted: Option<String>,
 }
 
-/// What a commit's metadata says about a partition.
+/// What a state record's progress text says about a partition.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Restored {
-    /// The partition count the commit was made under.
+    /// The partition count the record was written under.
     pub(crate) partitions: Option<i32>,
     /// The high-water mark: offsets below it not listed are done.
     pub(crate) hw: i64,
@@ -88,7 +90,7 @@ fn clean_reason(reason: &str) -> String {
     out
 }
 
-/// Encodes the metadata of a commit at `committed`.
+/// Encodes the progress text of a state record at `committed`.
 pub(crate) fn encode(partitions: i32, committed: i64, hw: i64, unfinished: &BTreeMap<i64, Entry>) -> String {
     let mut s = format!("{VERSION};n={partitions};hw=");
     b36(hw.max(0) as u64, &mut s);
@@ -114,8 +116,9 @@ pub(crate) fn encode(partitions: i32, committed: i64, hw: i64, unfinished: &BTre
     s
 }
 
-/// Decodes metadata written by [`encode`] for a commit at `committed`;
-/// anything else (another client's metadata, none) restores nothing.
+/// Decodes a progress text written by [`encode`] for a state record at
+/// `committed`; anything else (another client's text, none) restores
+/// nothing.
 pub(crate) fn decode(committed: i64, meta: &str) -> Restored {
     let mut r = Restored {
         hw: committed,
@@ -213,14 +216,14 @@ pub(crate) struct Track {
     prior_hw: i64,
     /// Delivered, not yet done.
     unfinished: BTreeMap<i64, Entry>,
-    /// Bumped on every change a commit must carry.
+    /// Bumped on every change a state record must carry.
     pub(crate) version: u64,
     /// The high-water mark of the newest durable state.
     durable_hw: i64,
 }
 
 impl Track {
-    /// A partition taken over at `committed` with what its metadata says.
+    /// A partition taken over at `committed` with what its state record says.
     ///
     /// A message the earlier owner had fetched but not finished counts at
     /// least one attempt: it may have started (and crashed its process)
@@ -324,7 +327,8 @@ impl Track {
         was
     }
 
-    /// The commit this adds up to: offset, high-water mark and metadata.
+    /// The state record this adds up to: the committed offset, the
+    /// high-water mark and the progress text.
     pub(crate) fn commit(&self, partitions: i32) -> (i64, i64, String) {
         // The earlier owner's unfinished offsets not yet delivered again stay listed.
         let mut listed = self.unfinished.clone();

@@ -18,14 +18,14 @@ pub(crate) struct Part {
     /// The track version the newest state write carried (sent, durable).
     pub(crate) sent_version: AtomicU64,
     pub(crate) saved_version: AtomicU64,
-    /// Being handed over: the committer still commits it.
+    /// Being handed over: the committer still writes its state.
     pub(crate) releasing: AtomicBool,
     /// Halted heads held here, by offset (for the operator's actions).
     heads: Mutex<HashMap<i64, HeldHead>>,
     /// Generations of earlier owners' records the claim found, whose keys
     /// are deleted after this owner's first checked pointer move.
     pub(crate) superseded: Mutex<Vec<u64>>,
-    /// The marker this owner's claim appended (see [`state::newer_claims`]).
+    /// The marker this owner's claim appended (see [`crate::state::newer_claims`]).
     pub(crate) claim: String,
 }
 

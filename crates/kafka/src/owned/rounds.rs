@@ -39,8 +39,8 @@ struct Write {
 }
 
 impl Shared {
-    /// Asks for a commit carrying everything recorded so far and waits for
-    /// it; fails with `Fenced` once `part` was lost.
+    /// Asks for a state round carrying everything recorded so far and waits
+    /// for it; fails with `Fenced` once `part` was lost.
     pub(crate) async fn commit_through(&self, part: &Part) -> Result<()> {
         let seq = self.wanted.fetch_add(1, Ordering::SeqCst) + 1;
         self.wake.notify_one();

@@ -25,7 +25,8 @@ use crate::state;
 /// What the poll thread tells the async side, in order.
 pub(crate) enum Ev {
     /// Partitions assigned: (partition, committed offset, saved generation,
-    /// commit metadata, older generations' records found), and when the assignment was known valid (the
+    /// the state record's progress text, older generations' records found,
+    /// the claim's marker), and when the assignment was known valid (the
     /// rebalance callback's entry): the leases are confirmed as of then,
     /// not as of when the event is applied, however long the read took.
     Assigned {
@@ -42,6 +43,8 @@ pub(crate) enum Ev {
     Error(String),
 }
 
+/// The group member's context: what its rebalance callbacks (in
+/// `member.rs`) read with, and where they send.
 pub(crate) struct Ctx {
     pub(crate) tx: mpsc::UnboundedSender<Ev>,
     pub(crate) stopping: Arc<AtomicBool>,
@@ -57,13 +60,14 @@ pub(crate) struct Ctx {
     /// whose poll is held.
     pub(crate) revoke_wait: Duration,
     /// The longest an assignment may wait for its saved progress: well
-    /// under `revoke_wait` (see `start_member`).
+    /// under `revoke_wait` (see `member::start`).
     pub(crate) load_wait: Duration,
     pub(crate) shared: std::sync::Weak<Shared>,
     /// The assignor is `cooperative-sticky` (incremental assign and revoke).
     pub(crate) cooperative: bool,
 }
 
+/// The group member.
 pub(crate) type Member = BaseConsumer<Ctx>;
 
 /// A static member's incarnation: its record's token, the state partition
@@ -76,7 +80,7 @@ pub(crate) struct Incarnation {
     pub(crate) first: bool,
 }
 
-/// Commits not yet sent.
+/// Pointer commits not yet sent.
 pub(crate) struct Pointers {
     pub(crate) last: Instant,
     /// partition -> committed offset of the topic partition.
@@ -95,7 +99,7 @@ pub(crate) struct Shared {
     pub(crate) partitions: i32,
     pub(crate) member: Mutex<Option<Arc<Member>>>,
     pub(crate) parts: Mutex<HashMap<i32, Arc<Part>>>,
-    /// Commit requests and completions (sequence numbers).
+    /// State-round requests and completions (sequence numbers).
     pub(super) wanted: AtomicU64,
     pub(super) completed: watch::Sender<u64>,
     pub(super) wake: Notify,
@@ -112,7 +116,8 @@ pub(crate) struct Shared {
     /// Reads the state partitions for the pointer checks (outside the group).
     pub(super) checker: Mutex<Option<state::Reader>>,
     /// The heartbeat's round trip to the group coordinator, on its own
-    /// connection (see [`membership_confirmed`]); created at first use.
+    /// connection (see `membership_confirmed` in `heartbeat`); created at
+    /// first use.
     pub(super) prober: Mutex<Option<Arc<BaseConsumer>>>,
     /// One pointer check at a time.
     pub(super) checking: tokio::sync::Mutex<()>,

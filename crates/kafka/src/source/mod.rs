@@ -1,22 +1,28 @@
-//! The source: a consumer-group member polled on a thread of its own, the
-//! partitions it owns, the commits, and the self-fence.
+//! `Source`, the ordered source (`impl TransportSource`): the async side of
+//! a consumer-group member polled on a thread of its own (`member`), the
+//! partitions it owns (`owned`), their state records, and the self-fence.
+//! Beside it: `admit` (a fetched record as an `Inbound`), `held` (the
+//! messages held per partition for the dispatcher) and `open` (what is read
+//! when the source opens).
 //!
 //! - **Poll thread.** librdkafka serves rebalances inside `poll`, so a
 //!   dedicated thread polls and forwards messages and rebalance events, in
 //!   order, to the async side. The member and its thread start at the
 //!   subscription's first call, not when it is built.
-//! - **Assign.** The thread reads the committed offsets and their metadata
-//!   first, forwards them, then assigns from exactly those offsets. The read
+//! - **Assign.** The thread reads each assigned partition's saved state (its
+//!   state record: the committed offset and the progress above it) first,
+//!   forwards it, then assigns from exactly the committed offsets read. The read
 //!   holds the poll, so it is bounded well under `max.poll.interval.ms`;
 //!   partitions it could not read in time do not start, and the member
 //!   rejoins. Their leases count as confirmed when the callback began.
 //! - **Revoke.** The thread forwards the revoke and waits: the subscription
 //!   takes no new work from those partitions, lets their in-flight handlers
-//!   return, the final commit is made, and only then does the thread let the
-//!   partitions go. A partition the broker already gave away (assignment
-//!   lost) is dropped at once, uncommitted.
-//! - **Commits** are made by one committer task, so they never go backwards:
-//!   each `ack`, attempt and halt waits for the commit that carries it.
+//!   return, their final state record is written, and only then does the
+//!   thread let the partitions go. A partition the broker already gave away
+//!   (assignment lost) is dropped at once, without a final state record.
+//! - **State records** are written by one committer task, in rounds, so
+//!   they never go backwards: each `ack`, attempt and halt waits for the
+//!   round that carries it.
 //! - **Self-fence.** A heartbeat task confirms every owned partition with a
 //!   round trip to the group coordinator. If no confirmation succeeded for
 //!   longer than the session timeout less a heartbeat (a `SIGSTOP`, a
@@ -59,6 +65,7 @@ struct Pending {
     reply: std_mpsc::SyncSender<()>,
 }
 
+/// The ordered source of one category and group.
 pub(crate) struct Source {
     shared: Arc<Shared>,
     spec: SourceSpec,
@@ -472,7 +479,7 @@ impl TransportSource for Source {
             return Ok(());
         };
         if let Some(part) = self.shared.part(partition) {
-            // The final commit, then let the partition go.
+            // The final state record, then let the partition go.
             let deadline = Instant::now() + self.spec.lease.ttl;
             if tokio::time::timeout_at(deadline, self.shared.commit_through(&part))
                 .await

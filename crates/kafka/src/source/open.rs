@@ -15,8 +15,6 @@ use crate::names::Names;
 use crate::state;
 use crate::track::decode;
 
-/// Refuses a topic whose partition count differs from the one the group's
-/// commits were made under: keys would have moved between partitions.
 /// The offsets `group` (a consumer group that consumed the topic before
 /// keyorder, `start=group:<id>`) committed on `names`' topic, by partition.
 /// Refused when it committed none there: a misspelt name would otherwise
@@ -64,8 +62,10 @@ pub(super) async fn group_offsets(
     Ok(out)
 }
 
-/// Returns the partitions without saved progress (never consumed by the
-/// group).
+/// Refuses a topic whose partition count differs from the one the group's
+/// state records were written under: keys would have moved between
+/// partitions. Returns the partitions without saved progress (never
+/// consumed by the group).
 pub(super) async fn check_partition_count(
     t: &KafkaTransport,
     names: &Names,
