@@ -11,14 +11,7 @@ use std::time::Duration;
 use rdkafka::consumer::CommitMode;
 
 use super::shared::Shared;
-use crate::state;
-
-/// The state partitions' pointers are moved, with a check (see [`state`]),
-/// at most this often and at every hand-over. A new owner reads the state
-/// partition from the pointer to its end, so a late pointer only lengthens
-/// that read; an acknowledgement waits for its state record, never for a
-/// pointer.
-pub(crate) const CHECKPOINT_EVERY: Duration = Duration::from_secs(2);
+use crate::state::{self, CHECKPOINT_EVERY};
 
 impl Shared {
     /// Moves the state partitions' pointers to the newest records written

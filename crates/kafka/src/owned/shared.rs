@@ -116,8 +116,8 @@ pub(crate) struct Shared {
     /// Reads the state partitions for the pointer checks (outside the group).
     pub(super) checker: Mutex<Option<state::Reader>>,
     /// The heartbeat's round trip to the group coordinator, on its own
-    /// connection (see [`membership_confirmed`](super::heartbeat::membership_confirmed));
-    /// created at first use.
+    /// connection (see `membership_confirmed` in `heartbeat`); created at
+    /// first use.
     pub(super) prober: Mutex<Option<Arc<BaseConsumer>>>,
     /// One pointer check at a time.
     pub(super) checking: tokio::sync::Mutex<()>,

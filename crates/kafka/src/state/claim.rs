@@ -202,6 +202,13 @@ pub(crate) async fn tombstone(
     Ok(())
 }
 
+/// The state partitions' pointers are moved, with a check ([`advance`]; see
+/// the module doc), at most this often and at every hand-over. A new owner
+/// reads the state partition from the pointer to its end, so a late pointer
+/// only lengthens that read; an acknowledgement waits for its state record,
+/// never for a pointer.
+pub(crate) const CHECKPOINT_EVERY: Duration = Duration::from_secs(2);
+
 /// Moves `group_id`'s pointers into the state partitions: `list` holds
 /// `(partition, the writer's generation, offset of its newest record)`.
 /// First it checks, as [`load`] reads, that no newer owner wrote: a marker

@@ -24,7 +24,7 @@
 //!
 //! The pointer (the group's committed offset on the state partition) only
 //! shortens that read, and it is moved with a check: at most every
-//! [`CHECKPOINT_EVERY`](crate::owned::checkpoint::CHECKPOINT_EVERY) and at a hand-over the owner appends
+//! [`CHECKPOINT_EVERY`] and at a hand-over the owner appends
 //! a marker, reads from the pointer to it, and moves the pointer to its
 //! newest record only if no record of a higher generation was found (else
 //! the partition was lost: it is dropped at once). So the pointer names a
@@ -50,7 +50,7 @@ mod record;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use self::claim::{advance, load, newer_claims, read_saved, tombstone};
+pub(crate) use self::claim::{advance, load, newer_claims, read_saved, tombstone, CHECKPOINT_EVERY};
 pub(crate) use self::incarnation::{incarnation_partition, newer_incarnation, register_incarnation};
 pub(crate) use self::read::{reader, Limit, Reader};
 pub(crate) use self::record::{encode, record_key};

@@ -1,7 +1,7 @@
 //! The outbox end to end: records staged in PostgreSQL by `keyorder-outbox`,
 //! handed to a broker by **two relays**, applied by **two ordered consumer
-//! instances** behind a [`SequenceGuard`] whose last applied sequences live
-//! in PostgreSQL ([`PgApplied`], shared by both instances). The runner turns
+//! instances** behind a [`SequenceGuard`](keyorder_outbox::SequenceGuard) whose last applied sequences live
+//! in PostgreSQL ([`PgApplied`](keyorder_outbox::PgApplied), shared by both instances). The runner turns
 //! [`OutboxScenario::ALL`] × adapters into trials named
 //! `outbox-<adapter>::<slug>`.
 //!
