@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use keyorder_core::{Admin, Capabilities, Error, Result, SourceSpec, Transport, TransportPublisher, TransportSource};
+use keyorder_core::{Admin, Capabilities, Result, SourceSpec, Transport, TransportPublisher, TransportSource};
 use rdkafka::producer::{FutureProducer, Producer};
 
 use crate::admin::KafkaAdmin;
@@ -60,14 +60,7 @@ impl KafkaTransport {
         tokio::task::spawn_blocking(move || probe.client().fetch_metadata(None, Duration::from_secs(10)))
             .await
             .map_err(broker)?
-            .map_err(|e| {
-                let temporary = crate::error::is_temporary(&e);
-                Error::Broker(
-                    keyorder_core::BrokerError::new(format!("kafka: no answer from {brokers}: {e} ({tls})"))
-                        .with_temporary(temporary)
-                        .caused_by(e),
-                )
-            })?;
+            .map_err(|e| crate::error::broker_as(format!("kafka: no answer from {brokers}: {e} ({tls})"), e))?;
         Ok(KafkaTransport::with_producers(cfg, producer, state_producer))
     }
 

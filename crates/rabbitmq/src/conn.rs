@@ -7,7 +7,7 @@
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
-use keyorder_core::{BrokerError, Error, Result};
+use keyorder_core::{Error, Result};
 use lapin::{Connection, ConnectionProperties};
 
 use crate::config::RabbitConfig;
@@ -60,12 +60,7 @@ pub(crate) async fn connect_uri(uri: &str, cfg: &RabbitConfig) -> Result<Connect
         } else {
             hint(uri)
         };
-        let temporary = crate::error::is_temporary(&e);
-        Error::Broker(
-            BrokerError::new(format!("rabbitmq: cannot connect to {display}: {text} ({hint})"))
-                .with_temporary(temporary)
-                .caused_by(e),
-        )
+        crate::error::broker_as(format!("rabbitmq: cannot connect to {display}: {text} ({hint})"), e)
     })
 }
 

@@ -8,12 +8,14 @@
 use keyorder_core::{BrokerError, Error};
 
 pub(crate) fn broker(e: lapin::Error) -> Error {
+    broker_as(format!("rabbitmq: {e}"), e)
+}
+
+/// `message` (what keyorder says), with lapin's error `e` as the source
+/// and its answer to whether retrying can help.
+pub(crate) fn broker_as(message: String, e: lapin::Error) -> Error {
     let temporary = is_temporary(&e);
-    Error::Broker(
-        BrokerError::new(format!("rabbitmq: {e}"))
-            .with_temporary(temporary)
-            .caused_by(e),
-    )
+    Error::Broker(BrokerError::new(message).with_temporary(temporary).caused_by(e))
 }
 
 /// Whether retrying may succeed: the connection or channel failed (I/O, a
