@@ -601,6 +601,17 @@ impl Dispatcher {
         self.inner.lock().total
     }
 
+    /// Messages held (waiting or running) of every scope that holds any:
+    /// what [`crate::transport::Room::split`] shares a fetch's room by.
+    pub fn holdings(&self) -> Vec<(Arc<str>, usize)> {
+        let st = self.inner.lock();
+        st.scopes
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|(s, n)| (s.clone(), *n))
+            .collect()
+    }
+
     /// Messages of `scope` held (waiting or running).
     pub fn held_in_scope(&self, scope: &str) -> usize {
         self.inner.lock().scopes.get(scope).copied().unwrap_or(0)

@@ -56,8 +56,7 @@ pub mod raw {
     pub use crate::dispatch::{DispatchConfig, Dispatcher, Job, Submit, Widening, ISOLATION_WAIT};
     pub use crate::lease::{lost_epoch, LeaseState, ScopeLease};
     pub use crate::transport::{
-        fill_levels, share_room, Inbound, PublishFence, Settle, SourceEvent, SourceSpec, Transport, TransportPublisher,
-        TransportSource,
+        Inbound, PublishFence, Room, Settle, SourceEvent, SourceSpec, Transport, TransportPublisher, TransportSource,
     };
 }
 

@@ -16,7 +16,7 @@ use crate::lease::LeaseConfig;
 use crate::message::{KeySource, KeylessPolicy, MessageType};
 use crate::stats::{bump, Stats, StatsSnapshot};
 use crate::strategy::{GlobalBackoff, PoisonPolicy, Resolved, RetryPolicy, Strategy};
-use crate::transport::{Inbound, SourceEvent, SourceSpec, TransportSource};
+use crate::transport::{Inbound, Room, SourceEvent, SourceSpec, TransportSource};
 
 // `Client::subscribe` lives here, beside what it builds: the client's room
 // then imports nothing of the subscription's.
@@ -513,13 +513,15 @@ impl Subscription {
             dispatcher.wait_room(Duration::from_millis(50)).await;
             return Ok(());
         }
-        let paused: HashSet<Arc<str>> = st.paused.keys().chain(st.revoking.iter()).cloned().collect();
-        let wait = if paused.is_empty() {
+        let wait = if st.paused.is_empty() && st.revoking.is_empty() {
             Duration::from_millis(100)
         } else {
             Duration::from_millis(10)
         };
-        let batch = self.source.fetch(room, &paused, wait).await?;
+        let room = Room::up_to(room)
+            .pausing(st.paused.keys().chain(st.revoking.iter()).cloned())
+            .holding(dispatcher.holdings());
+        let batch = self.source.fetch(&room, wait).await?;
         for inbound in batch {
             let Some(job) = self.admit(inbound).await? else {
                 continue;

@@ -6,7 +6,7 @@
 //! validation, registration checks, strategy resolution and keyed dispatch on
 //! top. An adapter crate implements them over its broker.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -232,9 +232,16 @@ pub enum SourceEvent {
 /// A transport's source of deliveries for one instance.
 #[async_trait]
 pub trait TransportSource: Send + Sync + fmt::Debug {
-    /// Returns up to `max` deliveries from scopes not in `paused`, waiting up
-    /// to `wait` when none is ready. Renews leases as needed.
-    async fn fetch(&mut self, max: usize, paused: &HashSet<Arc<str>>, wait: Duration) -> Result<Vec<Inbound>>;
+    /// Returns up to [`Room::max`] deliveries from scopes the room does not
+    /// pause, waiting up to `wait` when none is ready. Renews leases as
+    /// needed.
+    ///
+    /// # Behavior
+    /// - A source that reads several scopes at once splits the room over
+    ///   them with [`Room::split`], the one policy (what the dispatcher
+    ///   holds of each scope decides its share); it decides only which
+    ///   scopes are readable.
+    async fn fetch(&mut self, room: &Room, wait: Duration) -> Result<Vec<Inbound>>;
     /// Housekeeping (heartbeat, rebalance, operator actions); returns events.
     async fn maintain(&mut self) -> Result<Vec<SourceEvent>>;
     /// Hands a revoked scope over once its in-flight work returned.
@@ -418,6 +425,80 @@ pub trait Admin: Send + Sync + fmt::Debug {
     }
 }
 
+/// The room a fetch may fill, as the subscription hands it to
+/// [`TransportSource::fetch`]: how many deliveries in all, which scopes take
+/// none now (their back-pressure or hand-over), and what the dispatcher
+/// holds of each scope (delivered, not yet finished), from which
+/// [`Room::split`] shares the room over the scopes a source can read.
+///
+/// The policy lives here, once, so every transport shares the dispatcher's
+/// room the same way; a transport decides only which of its scopes are
+/// readable.
+///
+/// ```
+/// use keyorder_core::transport::Room;
+/// let room = Room::up_to(16).holding([("a".into(), 64)]);
+/// // A scope that holds much still gets a floor; the rest lifts the others.
+/// assert_eq!(room.split(&["a", "b", "c", "d"], 16, 0), vec![1, 5, 5, 5]);
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct Room {
+    max: usize,
+    paused: HashSet<Arc<str>>,
+    held: HashMap<Arc<str>, usize>,
+}
+
+impl Room {
+    /// Room for up to `max` deliveries, no scope paused, nothing held.
+    pub fn up_to(max: usize) -> Room {
+        Room { max, ..Room::default() }
+    }
+
+    /// The same room with `scopes` paused: a fetch takes nothing of them.
+    #[must_use]
+    pub fn pausing(mut self, scopes: impl IntoIterator<Item = Arc<str>>) -> Room {
+        self.paused.extend(scopes);
+        self
+    }
+
+    /// The same room, knowing what the dispatcher holds of each scope.
+    #[must_use]
+    pub fn holding(mut self, held: impl IntoIterator<Item = (Arc<str>, usize)>) -> Room {
+        self.held.extend(held);
+        self
+    }
+
+    /// The most deliveries the fetch may return.
+    pub fn max(&self) -> usize {
+        self.max
+    }
+
+    /// Whether the fetch must take nothing of `scope`.
+    pub fn is_paused(&self, scope: &str) -> bool {
+        self.paused.contains(scope)
+    }
+
+    /// What the dispatcher holds of `scope`: delivered, not yet finished.
+    pub fn held(&self, scope: &str) -> usize {
+        self.held.get(scope).copied().unwrap_or(0)
+    }
+
+    /// Shares `room` (at most [`Room::max`] less what the fetch already
+    /// took) over `scopes`, one share each in their order: every scope first
+    /// gets a floor (a quarter of an even share, at least one each when the
+    /// room allows), and the rest goes to the scopes the dispatcher holds
+    /// least of (water-filling), so what every scope holds evens out; ties go
+    /// first to the scopes from `start` on. A scope that holds much because
+    /// one of its keys is halted or slow still gets its floor, so its other
+    /// keys never wait for every other scope's backlog; and a scope of many
+    /// keys (which consumes fastest) is not starved by a scope of few keys
+    /// filling the budget.
+    pub fn split<S: AsRef<str>>(&self, scopes: &[S], room: usize, start: usize) -> Vec<usize> {
+        let held: Vec<usize> = scopes.iter().map(|s| self.held(s.as_ref())).collect();
+        share_room(&held, room, start)
+    }
+}
+
 /// Splits a fetch's `room` over scopes that already hold `held` delivered,
 /// unsettled messages each, lifting the lowest first (water-filling), so
 /// what every scope holds evens out; ties go first to the scopes from
@@ -426,11 +507,8 @@ pub trait Admin: Send + Sync + fmt::Debug {
 /// slowly) fill the budget while the keys of a crowded scope ran dry, and
 /// those keys then finished their backlog last.
 ///
-/// ```
-/// use keyorder_core::transport::fill_levels;
-/// assert_eq!(fill_levels(&[0, 10, 3], 5, 0), vec![4, 0, 1]);
-/// ```
-pub fn fill_levels(held: &[usize], room: usize, start: usize) -> Vec<usize> {
+/// For example `fill_levels(&[0, 10, 3], 5, 0)` gives `[4, 0, 1]`.
+pub(crate) fn fill_levels(held: &[usize], room: usize, start: usize) -> Vec<usize> {
     let n = held.len();
     if n == 0 {
         return Vec::new();
@@ -462,18 +540,15 @@ pub fn fill_levels(held: &[usize], room: usize, start: usize) -> Vec<usize> {
     give
 }
 
-/// [`fill_levels`] with a floor: every scope first gets a quarter of an
+/// `fill_levels` with a floor: every scope first gets a quarter of an
 /// even share (at least one each when the room allows), and the rest is
 /// water-filled. A scope that holds many because one of its keys is halted
 /// or slow (its messages stay with the dispatcher) still gets some room, so
 /// its other keys never wait for every other scope's backlog.
 ///
-/// ```
-/// use keyorder_core::transport::share_room;
-/// // 16 of 64 go a floor of one each; the rest lifts the lowest.
-/// assert_eq!(share_room(&[64, 0, 0, 0], 16, 0), vec![1, 5, 5, 5]);
-/// ```
-pub fn share_room(held: &[usize], room: usize, start: usize) -> Vec<usize> {
+/// For example `share_room(&[64, 0, 0, 0], 16, 0)` gives `[1, 5, 5, 5]`:
+/// a floor of one each, and the rest lifts the lowest.
+pub(crate) fn share_room(held: &[usize], room: usize, start: usize) -> Vec<usize> {
     let n = held.len();
     if n == 0 {
         return Vec::new();
@@ -486,7 +561,22 @@ pub fn share_room(held: &[usize], room: usize, start: usize) -> Vec<usize> {
 
 #[cfg(test)]
 mod fill_tests {
-    use super::{fill_levels, share_room};
+    use std::sync::Arc;
+
+    use super::{fill_levels, share_room, Room};
+
+    #[test]
+    fn the_room_splits_by_what_the_dispatcher_holds() {
+        let a: Arc<str> = "a".into();
+        let room = Room::up_to(10).holding([(a.clone(), 6)]).pausing(["p".into()]);
+        assert_eq!(room.max(), 10);
+        assert!(room.is_paused("p") && !room.is_paused("a"));
+        assert_eq!((room.held("a"), room.held("b")), (6, 0));
+        // Floor 1 each (10 / 8), then 8 lift b to 6 and both on by 1.
+        assert_eq!(room.split(&["a", "b"], 10, 0), vec![2, 8]);
+        assert_eq!(room.split(&["b", "c"], 7, 1), vec![3, 4], "ties from `start` on");
+        assert_eq!(room.split::<&str>(&[], 7, 0), Vec::<usize>::new());
+    }
 
     #[test]
     fn a_full_scope_still_gets_a_floor() {

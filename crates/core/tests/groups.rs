@@ -2,7 +2,6 @@
 //! live members; a group is removed only once it has none, and retention
 //! then no longer waits for it.
 
-use std::collections::HashSet;
 use std::time::Duration;
 
 use keyorder_core::{Error, KeyRules, LeaseConfig, MemoryTransport, Message, SourceSpec, Transport};
@@ -59,7 +58,7 @@ async fn a_group_is_listed_and_removed_only_without_live_members() {
     assert_eq!(names, ["billing"]);
     // billing still receives the message.
     let got = billing
-        .fetch(10, &HashSet::new(), Duration::from_secs(1))
+        .fetch(&keyorder_core::raw::Room::up_to(10), Duration::from_secs(1))
         .await
         .unwrap();
     assert_eq!(got.len(), 1);

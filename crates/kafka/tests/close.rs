@@ -8,7 +8,7 @@
 
 mod common;
 
-use std::collections::HashSet;
+use keyorder_core::raw::Room;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,9 +30,8 @@ fn spec(category: &str, instance: &str) -> SourceSpec {
 /// Fetches (and maintains) until a message arrives, up to `limit`.
 async fn until_a_message(s: &mut Box<dyn TransportSource>, limit: Duration) -> bool {
     let deadline = Instant::now() + limit;
-    let none = HashSet::<Arc<str>>::new();
     while Instant::now() < deadline {
-        let got = s.fetch(16, &none, Duration::from_millis(200)).await.unwrap();
+        let got = s.fetch(&Room::up_to(16), Duration::from_millis(200)).await.unwrap();
         s.maintain().await.unwrap();
         if !got.is_empty() {
             return true;
@@ -75,9 +74,8 @@ async fn close_does_not_wait_on_an_unread_revoke() {
     let stop_b = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let b_stop = stop_b.clone();
     let b_run = tokio::spawn(async move {
-        let none = HashSet::<Arc<str>>::new();
         while !b_stop.load(std::sync::atomic::Ordering::SeqCst) {
-            let _ = b.fetch(16, &none, Duration::from_millis(200)).await;
+            let _ = b.fetch(&Room::up_to(16), Duration::from_millis(200)).await;
             let _ = b.maintain().await;
         }
         b.close().await.unwrap();

@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use keyorder_core::raw::Room;
 use keyorder_core::{
     Error, Inbound, Message, Result, ScopeLease, Settle, SourceEvent, SourceSpec, TransportPublisher, TransportSource,
 };
@@ -409,7 +410,8 @@ impl PlainSource {
 
 #[async_trait]
 impl TransportSource for PlainSource {
-    async fn fetch(&mut self, max: usize, _paused: &HashSet<Arc<str>>, wait: Duration) -> Result<Vec<Inbound>> {
+    async fn fetch(&mut self, room: &Room, wait: Duration) -> Result<Vec<Inbound>> {
+        let max = room.max();
         let batch = self.claim(max).await?;
         if !batch.is_empty() {
             return Ok(batch);

@@ -10,7 +10,7 @@
 #[allow(dead_code)]
 mod common;
 
-use std::collections::HashSet;
+use keyorder_core::raw::Room;
 use std::time::Duration;
 
 use keyorder_core::{Error, KeyRules, LeaseConfig, Message, SourceSpec, Transport};
@@ -318,7 +318,7 @@ async fn removal_leaves_no_rows_of_a_late_statement(stall: Stall, schema: &str) 
             tokio::spawn(async move {
                 loop {
                     source.maintain().await?;
-                    let got = source.fetch(10, &HashSet::new(), Duration::from_millis(100)).await?;
+                    let got = source.fetch(&Room::up_to(10), Duration::from_millis(100)).await?;
                     if !got.is_empty() {
                         return Ok(got.len());
                     }
@@ -532,7 +532,7 @@ async fn a_member_whose_slot_rows_are_gone_stops_with_an_error() {
                     "the member ran on without its slot rows"
                 );
                 source
-                    .fetch(10, &HashSet::new(), Duration::from_millis(100))
+                    .fetch(&Room::up_to(10), Duration::from_millis(100))
                     .await
                     .unwrap();
             }

@@ -9,6 +9,7 @@
 #[allow(dead_code)]
 mod common;
 
+use keyorder_core::raw::Room;
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
@@ -78,7 +79,7 @@ async fn nothing_more(source: &mut Box<dyn TransportSource>) {
     for _ in 0..3 {
         source.maintain().await.unwrap();
         let more = source
-            .fetch(100, &HashSet::new(), Duration::from_millis(100))
+            .fetch(&Room::up_to(100), Duration::from_millis(100))
             .await
             .unwrap();
         assert!(more.is_empty(), "{} deliveries more than expected", more.len());
@@ -172,9 +173,7 @@ async fn a_stopped_group_keeps_every_event_while_another_consumes_and_retention_
             "retention did not delete what every group passed"
         );
         fast.maintain().await.unwrap();
-        fast.fetch(10, &HashSet::new(), Duration::from_millis(50))
-            .await
-            .unwrap();
+        fast.fetch(&Room::up_to(10), Duration::from_millis(50)).await.unwrap();
     }
     assert_eq!(
         count(&pool, events, &q).await,

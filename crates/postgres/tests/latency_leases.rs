@@ -7,7 +7,8 @@
 //! behind the reads and the one-by-one acquisitions lost the leases again
 //! and again (issue 34).
 
-use std::collections::{BTreeMap, HashSet};
+use keyorder_core::raw::Room;
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -82,7 +83,7 @@ async fn run(source: &mut Box<dyn TransportSource>, until: Instant) -> Vec<Strin
     while Instant::now() < until {
         source.maintain().await.unwrap();
         for inbound in source
-            .fetch(64, &HashSet::new(), Duration::from_millis(100))
+            .fetch(&Room::up_to(64), Duration::from_millis(100))
             .await
             .unwrap()
         {

@@ -4,6 +4,7 @@
 //! stale consumer's acknowledgement is fenced; a renewed lock is kept; park
 //! moves the row to `dead`; dropped and closed deliveries go back at once.
 
+use keyorder_core::raw::Room;
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -100,11 +101,7 @@ async fn competing_plain_sources_take_every_message_exactly_once() {
             while delivered.lock().unwrap().len() < N {
                 assert!(tokio::time::Instant::now() < deadline, "timed out consuming");
                 source.maintain().await.unwrap();
-                for d in source
-                    .fetch(8, &HashSet::new(), Duration::from_millis(50))
-                    .await
-                    .unwrap()
-                {
+                for d in source.fetch(&Room::up_to(8), Duration::from_millis(50)).await.unwrap() {
                     assert_eq!(d.settle.begin_attempt().await.unwrap(), 1, "a first delivery");
                     // A little handler work, so both consumers get their share.
                     tokio::time::sleep(Duration::from_micros(200)).await;
@@ -196,7 +193,7 @@ async fn a_renewed_lock_is_kept_by_a_slow_consumer() {
     let until = tokio::time::Instant::now() + Duration::from_secs(3);
     while tokio::time::Instant::now() < until {
         a.maintain().await.unwrap();
-        let got = b.fetch(10, &HashSet::new(), Duration::from_millis(50)).await.unwrap();
+        let got = b.fetch(&Room::up_to(10), Duration::from_millis(50)).await.unwrap();
         assert!(got.is_empty(), "a renewed row was claimed by another consumer");
     }
     assert!(!held.lease.is_lost());
@@ -259,7 +256,7 @@ async fn dropped_and_closed_deliveries_go_back_at_once() {
     while back.len() < 2 {
         assert!(tokio::time::Instant::now() < deadline, "dropped rows not handed back");
         a.maintain().await.unwrap();
-        back.extend(b.fetch(5, &HashSet::new(), Duration::from_millis(50)).await.unwrap());
+        back.extend(b.fetch(&Room::up_to(5), Duration::from_millis(50)).await.unwrap());
     }
     assert_eq!(back.len(), 2, "only the dropped rows came back");
     // Closing `a` hands back the rest; the started one keeps its attempt.

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use keyorder_core::raw::Room;
 use keyorder_core::{Inbound, OrderingKey, Result, ScopeLease, SourceEvent, SourceSpec, TransportSource};
 use redis::aio::ConnectionManager;
 use redis::Value;
@@ -440,7 +441,8 @@ impl PlainSource {
 
 #[async_trait]
 impl TransportSource for PlainSource {
-    async fn fetch(&mut self, max: usize, _paused: &HashSet<Arc<str>>, wait: Duration) -> Result<Vec<Inbound>> {
+    async fn fetch(&mut self, room: &Room, wait: Duration) -> Result<Vec<Inbound>> {
+        let max = room.max();
         let max = max.max(1);
         if self.wake.is_none() {
             if self.blocking.is_none() {

@@ -4,6 +4,7 @@
 //! another group reaped reads the key again once it is published again; the
 //! groups are listed, and one is removed only while it has no live member.
 
+use keyorder_core::raw::Room;
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
@@ -77,7 +78,7 @@ async fn consume(
         if let Err(e) = source.maintain().await {
             last_error = Some(e);
         }
-        match source.fetch(100, &HashSet::new(), Duration::from_millis(100)).await {
+        match source.fetch(&Room::up_to(100), Duration::from_millis(100)).await {
             Ok(batch) => {
                 for d in batch {
                     ack(&d).await;
@@ -149,7 +150,7 @@ async fn a_stopped_group_keeps_every_message_while_another_group_trims_and_reaps
     while tokio::time::Instant::now() < until {
         billing.maintain().await.unwrap();
         let _ = billing
-            .fetch(100, &HashSet::new(), Duration::from_millis(200))
+            .fetch(&Room::up_to(100), Duration::from_millis(200))
             .await
             .unwrap();
     }
@@ -197,7 +198,7 @@ async fn a_group_holding_a_reaped_key_reads_it_again_after_a_publish() {
         assert!(tokio::time::Instant::now() < until, "no stream was reaped");
         for s in [&mut a, &mut b] {
             s.maintain().await.unwrap();
-            let _ = s.fetch(100, &HashSet::new(), Duration::from_millis(100)).await.unwrap();
+            let _ = s.fetch(&Room::up_to(100), Duration::from_millis(100)).await.unwrap();
         }
     }
 
@@ -334,7 +335,7 @@ async fn a_plain_group_reads_a_reaped_key_again_after_a_publish() {
         assert!(tokio::time::Instant::now() < until, "no stream was reaped");
         for s in [&mut billing, &mut audit] {
             s.maintain().await.unwrap();
-            let _ = s.fetch(100, &HashSet::new(), Duration::from_millis(100)).await;
+            let _ = s.fetch(&Room::up_to(100), Duration::from_millis(100)).await;
         }
     }
     let again = publish(&t, &cat, &ks, 2..4).await;
@@ -384,7 +385,7 @@ async fn removal_waits_for_the_longest_ttl_and_leases_and_a_removed_member_stops
         .open(&spec_ttl(&cat, "g3", "s", Duration::from_secs(2), true))
         .await
         .unwrap();
-    let _ = s.fetch(10, &HashSet::new(), Duration::from_millis(200)).await.unwrap();
+    let _ = s.fetch(&Room::up_to(10), Duration::from_millis(200)).await.unwrap();
     let until = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
         match admin.remove_group(&cat, "g3").await {
@@ -436,7 +437,7 @@ async fn an_upgraded_category_registers_its_existing_groups() {
     while tokio::time::Instant::now() < until {
         billing.maintain().await.unwrap();
         let _ = billing
-            .fetch(100, &HashSet::new(), Duration::from_millis(100))
+            .fetch(&Room::up_to(100), Duration::from_millis(100))
             .await
             .unwrap();
     }
@@ -495,7 +496,7 @@ async fn a_removed_plain_member_recreates_nothing_and_stops() {
     let mut stopped = None;
     for _ in 0..20 {
         // A fetch first: a member that resumes in the middle of its loop.
-        let r = match p.fetch(10, &HashSet::new(), Duration::from_millis(50)).await {
+        let r = match p.fetch(&Room::up_to(10), Duration::from_millis(50)).await {
             Ok(_) => p.maintain().await.map(|_| ()),
             Err(e) => Err(e),
         };

@@ -6,6 +6,7 @@
 //! sees each key under its own label, and halts and dead letters of such
 //! keys are found again.
 
+use keyorder_core::raw::Room;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::time::Duration;
 
@@ -112,7 +113,7 @@ async fn consume(
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         }
-        let batch = match source.fetch(100, &HashSet::new(), Duration::from_millis(100)).await {
+        let batch = match source.fetch(&Room::up_to(100), Duration::from_millis(100)).await {
             Ok(batch) => batch,
             Err(e) => {
                 seen.errors.insert(format!("fetch: {e}"));
@@ -317,7 +318,7 @@ async fn a_key_named_like_a_dead_letter_stream_is_not_one() {
         assert!(tokio::time::Instant::now() < until, "the message of key `a` never ran");
         source.maintain().await.unwrap();
         let mut got = source
-            .fetch(10, &HashSet::new(), Duration::from_millis(100))
+            .fetch(&Room::up_to(10), Duration::from_millis(100))
             .await
             .unwrap();
         if let Some(d) = got.pop() {
@@ -384,7 +385,7 @@ async fn halts_and_dead_letters_of_encoded_keys_are_found_again() {
         source.maintain().await.unwrap();
         got.extend(
             source
-                .fetch(10, &HashSet::new(), Duration::from_millis(100))
+                .fetch(&Room::up_to(10), Duration::from_millis(100))
                 .await
                 .unwrap(),
         );
@@ -439,7 +440,7 @@ async fn halts_and_dead_letters_of_encoded_keys_are_found_again() {
         );
         source.maintain().await.unwrap();
         let mut got = source
-            .fetch(10, &HashSet::new(), Duration::from_millis(100))
+            .fetch(&Room::up_to(10), Duration::from_millis(100))
             .await
             .unwrap();
         if let Some(d) = got.pop() {

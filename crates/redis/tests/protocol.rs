@@ -4,7 +4,7 @@
 //! survive an owner change, a read whose reply was lost is recovered from the
 //! holder's own pending entries, and acknowledged entries are trimmed.
 
-use std::collections::HashSet;
+use keyorder_core::raw::Room;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -75,7 +75,7 @@ async fn fetch_n(source: &mut Box<dyn TransportSource>, n: usize) -> Vec<Inbound
         source.maintain().await.unwrap();
         out.extend(
             source
-                .fetch(n - out.len(), &HashSet::new(), Duration::from_millis(100))
+                .fetch(&Room::up_to(n - out.len()), Duration::from_millis(100))
                 .await
                 .unwrap(),
         );
@@ -146,7 +146,7 @@ async fn a_stale_owner_is_fenced_and_the_next_owner_applies_reclaimed_entries_fi
         Err(Error::Fenced { generation, .. }) => assert_eq!(generation, gen_a),
         other => panic!("a stale acknowledgement was not fenced: {other:?}"),
     }
-    let late = a.fetch(10, &HashSet::new(), Duration::from_millis(50)).await.unwrap();
+    let late = a.fetch(&Room::up_to(10), Duration::from_millis(50)).await.unwrap();
     assert!(late.is_empty(), "a stale owner read {:?}", ids(&late));
     assert!(first[1].lease.is_lost(), "the stale owner's lease is not marked lost");
 
@@ -186,7 +186,7 @@ async fn a_read_whose_reply_was_lost_is_recovered_from_the_holders_pending_entri
         .query_async(&mut c)
         .await
         .unwrap();
-    let err = a.fetch(10, &HashSet::new(), Duration::from_millis(10)).await;
+    let err = a.fetch(&Room::up_to(10), Duration::from_millis(10)).await;
     assert!(err.is_err(), "the read did not time out: {err:?}");
     let stream = Names::new(&cat).unwrap().stream("k");
     poll("the timed-out read to run on the server", || {
@@ -347,7 +347,7 @@ async fn a_fenced_read_renews_the_lease_it_confirms() {
     })
     .await;
     publish(&t, &cat, "r", 1..2).await;
-    let more = a.fetch(10, &HashSet::new(), Duration::from_millis(200)).await.unwrap();
+    let more = a.fetch(&Room::up_to(10), Duration::from_millis(200)).await.unwrap();
     assert_eq!(ids(&more), ["m1"]);
     let left: i64 = c.pttl(&lease_key).await.unwrap();
     assert!(

@@ -1,12 +1,12 @@
 //! A deliberately broken transport: the in-memory transport with one defect,
 //! so tests can prove the checker catches each defect by name.
 
-use std::collections::HashSet;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use keyorder_core::raw::Room;
 use keyorder_core::{
     Admin, Capabilities, Inbound, MemoryTransport, Result, SourceEvent, SourceSpec, Transport, TransportPublisher,
     TransportSource,
@@ -85,8 +85,8 @@ impl fmt::Debug for BrokenSource {
 
 #[async_trait]
 impl TransportSource for BrokenSource {
-    async fn fetch(&mut self, max: usize, paused: &HashSet<Arc<str>>, wait: Duration) -> Result<Vec<Inbound>> {
-        let mut batch = self.inner.fetch(max, paused, wait).await?;
+    async fn fetch(&mut self, room: &Room, wait: Duration) -> Result<Vec<Inbound>> {
+        let mut batch = self.inner.fetch(room, wait).await?;
         match self.defect {
             Defect::Reorder => batch.reverse(),
             Defect::Lose => {

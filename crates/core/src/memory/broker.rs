@@ -82,12 +82,6 @@ impl GroupPart {
     pub(super) fn is_acked(&self, offset: u64) -> bool {
         offset < self.acked_upto || self.acked.contains(&offset)
     }
-    /// Delivered to the owner and not settled yet.
-    pub(super) fn unsettled(&self) -> usize {
-        // Acknowledgements at or past `next` (a new owner reads again from
-        // `acked_upto`) are not among the delivered ones.
-        (self.next.saturating_sub(self.acked_upto) as usize).saturating_sub(self.acked.range(..self.next).count())
-    }
     pub(super) fn hand_back(&mut self) {
         self.owner = None;
         self.revoking = false;

@@ -1,7 +1,7 @@
 //! `MemorySource`, the ordered source: takes partitions by lease and reads
 //! what their owner has not settled.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use crate::error::{Error, Result};
 use crate::lease::{LeaseConfig, ScopeLease};
 use crate::message::Message;
-use crate::transport::{Inbound, SourceEvent, TransportSource};
+use crate::transport::{Inbound, Room, SourceEvent, TransportSource};
 
 use super::broker::{Broker, BrokerState, Category, Group, PartLog};
 use super::names::{parse_scope, scope_name};
@@ -98,7 +98,8 @@ impl MemorySource {
         Ok(())
     }
 
-    pub(super) fn try_fetch(&mut self, max: usize, paused: &HashSet<Arc<str>>) -> Result<Vec<Inbound>> {
+    pub(super) fn try_fetch(&mut self, room: &Room) -> Result<Vec<Inbound>> {
+        let max = room.max();
         let broker = self.broker.clone();
         let mut st = broker.lock();
         self.round_trip(&mut st)?;
@@ -125,18 +126,15 @@ impl MemorySource {
             let readable: Vec<u32> = (0..partitions)
                 .map(|i| (self.cursor + i) % partitions)
                 .filter(|p| {
-                    self.leases.get(p).is_some_and(|l| !paused.contains(l.scope()))
+                    self.leases.get(p).is_some_and(|l| !room.is_paused(l.scope()))
                         && !group.parts[*p as usize].revoking
                         && group.parts[*p as usize].next < logs[*p as usize].end()
                 })
                 .collect();
-            // The room goes to the partitions holding the fewest unsettled
-            // deliveries (`share_room`): a partition of many keys consumes
-            // fastest and gets the most, so its keys do not run dry while a
-            // partition of few keys fills the budget. What a partition
-            // cannot use goes round the others one at a time.
-            let held: Vec<usize> = readable.iter().map(|p| group.parts[*p as usize].unsettled()).collect();
-            let levels = crate::transport::share_room(&held, max - out.len(), 0);
+            // The room is shared by the one policy (`Room::split`); what a
+            // partition cannot use goes round the others one at a time.
+            let scopes: Vec<&str> = readable.iter().map(|p| &**self.leases[p].scope()).collect();
+            let levels = room.split(&scopes, max - out.len(), 0);
             for (p, level) in readable.iter().zip(levels) {
                 self.take_from(group, logs, *p, level, max, &mut out);
             }
@@ -157,7 +155,7 @@ impl MemorySource {
                 }
                 let p = (self.cursor + i) % partitions;
                 let Some(lease) = self.leases.get(&p) else { continue };
-                if paused.contains(lease.scope()) || group.parts[p as usize].revoking {
+                if room.is_paused(lease.scope()) || group.parts[p as usize].revoking {
                     continue;
                 }
                 let share = (max - out.len()).div_ceil((partitions - i) as usize).max(1);
@@ -220,17 +218,17 @@ impl MemorySource {
 
 #[async_trait]
 impl TransportSource for MemorySource {
-    async fn fetch(&mut self, max: usize, paused: &HashSet<Arc<str>>, wait: Duration) -> Result<Vec<Inbound>> {
+    async fn fetch(&mut self, room: &Room, wait: Duration) -> Result<Vec<Inbound>> {
         let broker = self.broker.clone();
         let notified = broker.notify.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        let batch = self.try_fetch(max, paused)?;
+        let batch = self.try_fetch(room)?;
         if !batch.is_empty() {
             return Ok(batch);
         }
         let _ = tokio::time::timeout(wait, notified).await;
-        self.try_fetch(max, paused)
+        self.try_fetch(room)
     }
 
     async fn maintain(&mut self) -> Result<Vec<SourceEvent>> {

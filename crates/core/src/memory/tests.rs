@@ -1,13 +1,12 @@
 //! The memory transport's room tests.
 
-use std::collections::HashSet;
 use std::time::Duration;
 
 use super::MemoryTransport;
 use crate::key::{KeyRules, OrderingKey};
 use crate::lease::LeaseConfig;
 use crate::message::Message;
-use crate::transport::{Inbound, SourceSpec, Transport, TransportSource};
+use crate::transport::{Inbound, Room, SourceSpec, Transport, TransportSource};
 
 /// The partition a delivery came from (`category/pN`).
 fn part(i: &Inbound) -> u32 {
@@ -37,12 +36,12 @@ async fn open(t: &MemoryTransport, category: &str) -> Box<dyn TransportSource> {
 }
 
 async fn fetch(src: &mut Box<dyn TransportSource>, max: usize) -> Vec<Inbound> {
-    src.fetch(max, &HashSet::new(), Duration::ZERO).await.expect("fetch")
+    src.fetch(&Room::up_to(max), Duration::ZERO).await.expect("fetch")
 }
 
-/// A fetch lifts the partitions holding the fewest unsettled deliveries
-/// first, instead of splitting its room evenly: the partition whose keys
-/// consumed what they had gets the most.
+/// A fetch lifts the partitions the dispatcher holds fewest of first
+/// ([`Room::split`]), instead of splitting its room evenly: the partition
+/// whose keys consumed what they had gets the most.
 #[tokio::test]
 async fn the_room_goes_to_the_partitions_holding_least() {
     let t = MemoryTransport::with_partitions(2);
@@ -64,15 +63,15 @@ async fn the_room_goes_to_the_partitions_holding_least() {
         (4, 4),
         "both hold nothing: even shares"
     );
-    // Partition 1's deliveries are settled; partition 0 still holds 4.
-    for i in first.iter().filter(|i| part(i) == 1) {
-        i.settle.ack().await.unwrap();
-    }
-    let second = fetch(&mut src, 8).await;
+    // The dispatcher finished partition 1's deliveries; it still holds
+    // partition 0's 4.
+    let scope0 = first.iter().find(|i| part(i) == 0).unwrap().lease.scope().clone();
+    let room = Room::up_to(8).holding([(scope0, 4)]);
+    let second = src.fetch(&room, Duration::ZERO).await.expect("fetch");
     assert_eq!(
         (count(&second, 0), count(&second, 1)),
         (2, 6),
-        "partition 1 (holding 0) is lifted to partition 0's 4 first, then both by 2"
+        "a floor of 1 each, then the rest evens the holdings: partition 1 (holding 0) gets 6"
     );
 }
 

@@ -2,10 +2,11 @@
 //! takes them: pausing a full partition, and sharing the dispatcher's room
 //! among the partitions.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
+use keyorder_core::raw::Room;
 use keyorder_core::Inbound;
 use rdkafka::consumer::Consumer;
 use rdkafka::{Offset, TopicPartitionList};
@@ -56,29 +57,21 @@ pub(super) fn pace(shared: &Shared, parts: &mut HashMap<i32, Local>) {
     }
 }
 
-/// Hands out up to `max` held messages. The room goes first to the
-/// partitions whose messages the dispatcher holds fewest of
-/// (water-filling with a floor for every partition, `share_room`, so
-/// one holding a halted key's messages still gets some): a partition of many keys consumes
-/// fastest and gets the most, so its keys do not run dry while one of
-/// few keys fills the room. What a partition cannot use goes round the
+/// Hands out up to the room's `max` held messages, shared over the
+/// partitions by the one policy ([`Room::split`]: by what the dispatcher
+/// holds of each, with a floor for every partition, so one holding a halted
+/// key's messages still gets some). What a partition cannot use goes round the
 /// others one message at a time. Ties start one partition further each
 /// call. Draining partitions in map order gave the dispatcher's whole
 /// room to the first ones: their few keys ran while the keys of the
 /// others waited for them to finish (one partition of eight started
 /// 2.6 s into a 3.5 s run).
-pub(super) fn take(
-    shared: &Shared,
-    parts: &mut HashMap<i32, Local>,
-    turn: &mut usize,
-    max: usize,
-    paused: &HashSet<Arc<str>>,
-    out: &mut Vec<Inbound>,
-) {
+pub(super) fn take(parts: &mut HashMap<i32, Local>, turn: &mut usize, room: &Room, out: &mut Vec<Inbound>) {
+    let max = room.max();
     let mut order: Vec<i32> = parts
         .iter()
         .filter(|(_, l)| {
-            l.held.front().is_some_and(|f| !paused.contains(f.lease.scope()))
+            l.held.front().is_some_and(|f| !room.is_paused(f.lease.scope()))
                 && l.start_at.is_none_or(|t| t <= Instant::now())
         })
         .map(|(p, _)| *p)
@@ -90,16 +83,16 @@ pub(super) fn take(
     *turn = turn.wrapping_add(1);
     let start = *turn % order.len();
     order.rotate_left(start);
-    // Delivered to the dispatcher and unfinished: admitted, less what
-    // is still held here.
-    let in_dispatcher: Vec<usize> = order
+    let scopes: Vec<Arc<str>> = order
         .iter()
         .map(|p| {
-            let admitted = shared.part(*p).map_or(0, |part| part.track().unfinished());
-            admitted.saturating_sub(parts.get(p).map_or(0, |l| l.held.len()))
+            parts
+                .get(p)
+                .and_then(|l| l.held.front())
+                .map_or_else(|| Arc::from(""), |f| f.lease.scope().clone())
         })
         .collect();
-    let levels = keyorder_core::transport::share_room(&in_dispatcher, max - out.len(), 0);
+    let levels = room.split(&scopes, max - out.len(), 0);
     for (p, level) in order.iter().zip(levels) {
         let Some(l) = parts.get_mut(p) else { continue };
         for _ in 0..level {

@@ -44,6 +44,7 @@ use std::sync::{mpsc as std_mpsc, Arc};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use keyorder_core::raw::Room;
 use keyorder_core::{Inbound, Result, ScopeLease, SourceEvent, SourceSpec, TransportSource};
 use rdkafka::message::OwnedMessage;
 use rdkafka::Message as _;
@@ -381,16 +382,17 @@ impl Source {
 
 #[async_trait]
 impl TransportSource for Source {
-    async fn fetch(&mut self, max: usize, paused: &HashSet<Arc<str>>, wait: Duration) -> Result<Vec<Inbound>> {
+    async fn fetch(&mut self, room: &Room, wait: Duration) -> Result<Vec<Inbound>> {
         self.join().await?;
+        let max = room.max();
         let mut out = Vec::new();
         self.pump(4 * max.max(64));
-        held::take(&self.shared, &mut self.local, &mut self.turn, max, paused, &mut out);
+        held::take(&mut self.local, &mut self.turn, room, &mut out);
         if out.is_empty() {
             if let Ok(Some(ev)) = tokio::time::timeout(wait, self.rx.recv()).await {
                 self.apply(ev);
                 self.pump(4 * max.max(64));
-                held::take(&self.shared, &mut self.local, &mut self.turn, max, paused, &mut out);
+                held::take(&mut self.local, &mut self.turn, room, &mut out);
             }
         }
         Ok(out)

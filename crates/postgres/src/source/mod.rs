@@ -10,7 +10,7 @@ mod housekeep;
 mod own;
 mod read;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -18,6 +18,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::FutureExt;
 use keyorder_core::key::from_stored_text;
+use keyorder_core::raw::Room;
 use keyorder_core::{Error, Inbound, Result, SourceEvent, SourceSpec, TransportSource};
 use sqlx::postgres::PgListener;
 use sqlx::Row;
@@ -225,7 +226,7 @@ impl Source {
 
 #[async_trait]
 impl TransportSource for Source {
-    async fn fetch(&mut self, max: usize, paused: &HashSet<Arc<str>>, wait: Duration) -> Result<Vec<Inbound>> {
+    async fn fetch(&mut self, room: &Room, wait: Duration) -> Result<Vec<Inbound>> {
         let _busy = Busy::new(&self.own.kept);
         // What the LISTEN connection already holds is taken on every fetch,
         // busy or not: left unread, the server's notification queue would
@@ -233,7 +234,7 @@ impl TransportSource for Source {
         while let Some(Ok(n)) = self.listener.recv().now_or_never() {
             self.noticed(n.payload());
         }
-        let batch = self.reader.read(&mut self.own, max, paused).await?;
+        let batch = self.reader.read(&mut self.own, room).await?;
         if !batch.is_empty() {
             return Ok(batch);
         }
@@ -251,7 +252,7 @@ impl TransportSource for Source {
         // The polling fallback reads every slot (a notification may be lost).
         self.own.touch();
         self.own.all_wet();
-        self.reader.read(&mut self.own, max, paused).await
+        self.reader.read(&mut self.own, room).await
     }
 
     async fn maintain(&mut self) -> Result<Vec<SourceEvent>> {

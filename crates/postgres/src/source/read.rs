@@ -2,10 +2,11 @@
 //! room shared out so that the slots holding the least get the most, and
 //! each row becomes a delivery with its settlement (`PgSettle`).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
+use keyorder_core::raw::Room;
 use keyorder_core::{Inbound, Result};
 use sqlx::Row;
 use tokio::time::Instant;
@@ -27,38 +28,29 @@ pub(super) struct Reader {
 impl Reader {
     /// Reads the readable owned slots. When only slots with no dry mark
     /// were read and they had nothing, the dry ones are read at once.
-    pub(super) async fn read(
-        &mut self,
-        own: &mut Ownership,
-        max: usize,
-        paused: &HashSet<Arc<str>>,
-    ) -> Result<Vec<Inbound>> {
-        let (batch, skipped_dry) = self.read_once(own, max, paused).await?;
+    pub(super) async fn read(&mut self, own: &mut Ownership, room: &Room) -> Result<Vec<Inbound>> {
+        let (batch, skipped_dry) = self.read_once(own, room).await?;
         if !batch.is_empty() || !skipped_dry {
             return Ok(batch);
         }
         own.touch();
         own.all_wet();
-        Ok(self.read_once(own, max, paused).await?.0)
+        Ok(self.read_once(own, room).await?.0)
     }
 
     /// One read statement; also says whether slots with a dry mark were
     /// left out.
-    async fn read_once(
-        &mut self,
-        own: &mut Ownership,
-        max: usize,
-        paused: &HashSet<Arc<str>>,
-    ) -> Result<(Vec<Inbound>, bool)> {
+    async fn read_once(&mut self, own: &mut Ownership, room: &Room) -> Result<(Vec<Inbound>, bool)> {
+        let max = room.max();
         let mut out = Vec::new();
         // Every readable owned slot in one round trip (one statement per
         // slot cost a round trip each on every fetch: milliseconds of
         // latency with a few slots).
-        let readable: Vec<(u32, i64, Pos, usize)> = own
+        let readable: Vec<(u32, i64, Pos, Arc<str>)> = own
             .owned
             .iter()
-            .filter(|(_, o)| !o.revoking && !paused.contains(o.lease.scope()) && !o.lease.is_lost())
-            .map(|(slot, o)| (*slot, o.generation, o.read, lock(&o.track).unsettled.len()))
+            .filter(|(_, o)| !o.revoking && !room.is_paused(o.lease.scope()) && !o.lease.is_lost())
+            .map(|(slot, o)| (*slot, o.generation, o.read, o.lease.scope().clone()))
             .collect();
         if readable.is_empty() || max == 0 {
             return Ok((out, false));
@@ -76,23 +68,22 @@ impl Reader {
         // was smaller than the slot count, the read came back empty, and
         // the fetch waited for a notification (100 ms gaps in a key's run).
         let now = Instant::now();
-        let wet: Vec<(u32, i64, Pos, usize)> = readable
+        let wet: Vec<(u32, i64, Pos, Arc<str>)> = readable
             .iter()
             .filter(|r| !own.owned.get(&r.0).is_some_and(|o| o.is_dry(now)))
-            .copied()
+            .cloned()
             .collect();
         let skipped_dry = !wet.is_empty() && wet.len() < readable.len();
         let readable = if wet.is_empty() { readable } else { wet };
-        // The room goes to the slots holding the least (water-filling), not
-        // in even shares: a slot of few keys consumes slowly, and even
-        // shares let its backlog fill the budget while a slot of many keys
-        // starved. Ties start at the slot after the last read's start (by
-        // slot number, whichever slots are readable), so every slot gets its
-        // turn when there is less room than slots.
+        // The room is shared by the one policy (`Room::split`: the slots
+        // the dispatcher holds least of get the most). Ties start at the
+        // slot after the last read's start (by slot number, whichever slots
+        // are readable), so every slot gets its turn when there is less
+        // room than slots.
         let from = (self.rotate % own.slots.max(1) as usize) as u32;
         let start = readable.iter().position(|r| r.0 >= from).unwrap_or(0);
-        let limits =
-            keyorder_core::transport::fill_levels(&readable.iter().map(|r| r.3).collect::<Vec<_>>(), max, start);
+        let scopes: Vec<&Arc<str>> = readable.iter().map(|r| &r.3).collect();
+        let limits = room.split(&scopes, max, start);
         self.rotate = self.rotate.wrapping_add(1);
         let readable: Vec<(u32, i64, Pos, i32)> = readable
             .iter()

@@ -1,6 +1,6 @@
 //! Set-up shared by the PostgreSQL tests that drive a source by hand.
 
-use std::collections::HashSet;
+use keyorder_core::raw::Room;
 use std::time::Duration;
 
 use keyorder_core::{Inbound, KeyRules, LeaseConfig, SourceSpec, TransportSource};
@@ -46,10 +46,7 @@ pub(crate) async fn one(source: &mut Box<dyn TransportSource>) -> Inbound {
     loop {
         assert!(tokio::time::Instant::now() < deadline, "no delivery within 60 s");
         source.maintain().await.unwrap();
-        let mut got = source
-            .fetch(1, &HashSet::new(), Duration::from_millis(100))
-            .await
-            .unwrap();
+        let mut got = source.fetch(&Room::up_to(1), Duration::from_millis(100)).await.unwrap();
         if let Some(i) = got.pop() {
             return i;
         }
@@ -71,7 +68,7 @@ pub(crate) async fn take(source: &mut Box<dyn TransportSource>, n: usize) -> Vec
         source.maintain().await.unwrap();
         got.extend(
             source
-                .fetch(n - got.len(), &HashSet::new(), Duration::from_millis(100))
+                .fetch(&Room::up_to(n - got.len()), Duration::from_millis(100))
                 .await
                 .unwrap(),
         );

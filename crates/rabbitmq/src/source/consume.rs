@@ -3,12 +3,12 @@
 //! turned into the dispatcher's [`Inbound`]s (held while their scope is
 //! paused).
 
-use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU32};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use keyorder_core::raw::Room;
 use keyorder_core::{Inbound, Message, OrderingKey, Result, ScopeLease, KEY_HEADER};
 use lapin::message::Delivery;
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
@@ -277,11 +277,12 @@ impl Source {
         })
     }
 
-    pub(super) fn take(&mut self, max: usize, paused: &HashSet<Arc<str>>, out: &mut Vec<Inbound>) {
+    pub(super) fn take(&mut self, room: &Room, out: &mut Vec<Inbound>) {
+        let max = room.max();
         // Held deliveries of scopes no longer paused go first, in order.
         for (q, buf) in &mut self.held {
             let Some(o) = self.owned.get(q) else { continue };
-            if paused.contains(&o.scope) {
+            if room.is_paused(&o.scope) {
                 continue;
             }
             while out.len() < max {
@@ -299,7 +300,7 @@ impl Source {
             let Some(i) = self.inbound(&q, consumer, lease, d) else {
                 continue;
             };
-            let paused_now = self.held.contains_key(&q) || paused.contains(i.lease.scope());
+            let paused_now = self.held.contains_key(&q) || room.is_paused(i.lease.scope());
             if paused_now {
                 // Bounded by the queue's prefetch.
                 self.held.entry(q).or_default().push_back(i);

@@ -46,6 +46,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use keyorder_core::raw::Room;
 use keyorder_core::{Inbound, Result, SourceEvent, SourceSpec, TransportSource};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -96,19 +97,19 @@ impl Source {
 
 #[async_trait]
 impl TransportSource for Source {
-    async fn fetch(&mut self, max: usize, paused: &HashSet<Arc<str>>, wait: Duration) -> Result<Vec<Inbound>> {
+    async fn fetch(&mut self, room: &Room, wait: Duration) -> Result<Vec<Inbound>> {
         let mut out = Vec::new();
-        self.take(max, paused, &mut out);
+        self.take(room, &mut out);
         if out.is_empty() {
             if let Ok(Some((q, consumer, lease, d))) = tokio::time::timeout(wait, self.rx.recv()).await {
                 if let Some(i) = self.inbound(&q, consumer, lease, d) {
-                    if paused.contains(i.lease.scope()) || self.held.contains_key(&q) {
+                    if room.is_paused(i.lease.scope()) || self.held.contains_key(&q) {
                         self.held.entry(q).or_default().push_back(i);
                     } else {
                         out.push(i);
                     }
                 }
-                self.take(max, paused, &mut out);
+                self.take(room, &mut out);
             }
         }
         Ok(out)

@@ -11,11 +11,12 @@ mod own;
 mod read;
 mod state;
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use keyorder_core::raw::Room;
 use keyorder_core::{Inbound, Result, SourceEvent, SourceSpec, TransportSource};
 use tokio::time::Instant;
 
@@ -101,15 +102,15 @@ impl Source {
 
 #[async_trait]
 impl TransportSource for Source {
-    async fn fetch(&mut self, max: usize, paused: &HashSet<Arc<str>>, wait: Duration) -> Result<Vec<Inbound>> {
+    async fn fetch(&mut self, room: &Room, wait: Duration) -> Result<Vec<Inbound>> {
         self.take_wakes();
-        let batch = self.read(max, paused).await?;
+        let batch = self.read(room).await?;
         if !batch.is_empty() {
             return Ok(batch);
         }
         let _ = tokio::time::timeout(wait, self.wake.notify.notified()).await;
         self.take_wakes();
-        self.read(max, paused).await
+        self.read(room).await
     }
 
     async fn maintain(&mut self) -> Result<Vec<SourceEvent>> {

@@ -2,10 +2,10 @@
 //! fenced script call reads a chunk of them (each read renews its lease),
 //! then the keyless streams.
 
-use std::collections::HashSet;
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
+use keyorder_core::raw::Room;
 use keyorder_core::{Error, Inbound, Result};
 use redis::Value;
 use tokio::time::Instant;
@@ -47,10 +47,11 @@ impl Source {
     }
 
     /// One fenced read over the readable owned streams, then the keyless streams.
-    pub(super) async fn read(&mut self, max: usize, paused: &HashSet<Arc<str>>) -> Result<Vec<Inbound>> {
+    pub(super) async fn read(&mut self, room: &Room) -> Result<Vec<Inbound>> {
+        let max = room.max();
         let mut out = Vec::new();
         let mut ready = self.streams_where(
-            |p| !paused.contains(p.lease.scope()) && !p.lease.is_lost(),
+            |p| !room.is_paused(p.lease.scope()) && !p.lease.is_lost(),
             |_, s| s.joined && (s.dirty || s.pending_after.is_some()),
         );
         ready.sort_unstable();
@@ -58,12 +59,22 @@ impl Source {
             let n = ready.len();
             ready.rotate_left(self.rotate % n);
             self.rotate = self.rotate.wrapping_add(1);
-            let share = (max / n).clamp(1, 1000);
+            // The room is shared by the one policy (`Room::split`); a
+            // stream given none now stays readable for the next fetch,
+            // whose rotation starts elsewhere.
+            let scopes: Vec<Arc<str>> = ready.iter().map(|(k, _)| self.parts[k].lease.scope().clone()).collect();
+            let shares = room.split(&scopes, max, 0);
+            let ready: Vec<(String, usize, usize)> = ready
+                .into_iter()
+                .zip(shares)
+                .filter(|(_, share)| *share > 0)
+                .map(|((k, i), share)| (k, i, share.min(1000)))
+                .collect();
             for chunk in ready.chunks(CHUNK) {
                 if out.len() >= max {
                     break;
                 }
-                match self.read_chunk(chunk, share, &mut out).await {
+                match self.read_chunk(chunk, &mut out).await {
                     Ok(()) => {}
                     Err(e) if !out.is_empty() => {
                         tracing::warn!(error = %e, "redis: read failed; delivering what was read");
@@ -101,26 +112,26 @@ impl Source {
         Ok(out)
     }
 
-    async fn read_chunk(&mut self, chunk: &[(String, usize)], share: usize, out: &mut Vec<Inbound>) -> Result<()> {
+    async fn read_chunk(&mut self, chunk: &[(String, usize, usize)], out: &mut Vec<Inbound>) -> Result<()> {
         let sent = Instant::now();
         let mut inv = scripts::READ.prepare_invoke();
         inv.arg(&*self.group)
             .arg(&self.spec.instance)
             .arg(self.spec.lease.ttl.as_millis() as u64);
-        for (k, i) in chunk {
+        for (k, i, share) in chunk {
             let p = &self.parts[k];
             let s = &p.streams[*i];
             inv.key(&p.lease_key).key(&s.stream);
             inv.arg(p.generation)
                 .arg(s.pending_after.as_deref().unwrap_or(">"))
-                .arg(share);
+                .arg(*share);
         }
         let reply = match inv.invoke_async::<Value>(&mut self.t.conn.clone()).await {
             Ok(v) => v,
             Err(e) => {
                 // The read may have run: its entries would now be pending at
                 // this holder. Re-read them before anything new.
-                for (k, i) in chunk {
+                for (k, i, _) in chunk {
                     if let Some(p) = self.parts.get_mut(k) {
                         let s = &mut p.streams[*i];
                         if s.pending_after.is_none() {
@@ -134,7 +145,7 @@ impl Source {
         let Value::Array(results) = reply else {
             return Err(Error::broker("redis: unexpected read reply"));
         };
-        for ((k, i), r) in chunk.iter().zip(results) {
+        for ((k, i, share), r) in chunk.iter().zip(results) {
             if matches!(r, Value::Int(0)) {
                 if let Some(p) = self.drop_part(k) {
                     metrics::counter!("keyorder_redis_fence_rejections_total").increment(1);
@@ -203,7 +214,7 @@ impl Source {
                 } else {
                     s.pending_after = Some(s.last.clone());
                 }
-            } else if count < share {
+            } else if count < *share {
                 s.dirty = false;
             }
         }
