@@ -16,6 +16,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use keyorder_core::raw::assign;
 use keyorder_core::key::from_stored_text;
 use keyorder_core::{Client, Error, Result};
 use sqlx::Row;
@@ -322,8 +323,11 @@ impl Relay {
         if live.is_empty() {
             return Ok(());
         }
-        for slot in 0..self.slots.unwrap_or(0) {
-            let mine = &live[slot as usize % live.len()] == me;
+        let slots = self.slots.unwrap_or(0);
+        let names: Vec<String> = (0..slots).map(|s| s.to_string()).collect();
+        let owners = assign(&live, &names);
+        for slot in 0..slots {
+            let mine = owners.get(names[slot as usize].as_str()) == Some(&me.as_str());
             if let Some(o) = self.owned.get_mut(&slot) {
                 if !mine {
                     o.revoking = true;

@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use keyorder_core::raw::assign;
 use keyorder_core::{Result, ScopeLease, SourceEvent, SourceSpec};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::Row;
@@ -293,7 +294,8 @@ impl Ownership {
     }
 
     /// A fair share of the slots over the group's live members (by the
-    /// database's clock): a slot another member should own is revoked (its
+    /// database's clock; `keyorder_core::raw::assign`, so a join or leave
+    /// moves few slots): a slot another member should own is revoked (its
     /// `Revoke` goes to `events`), those this member should own are taken;
     /// while one is still held by another member, `waiting` is set and a
     /// group found gone stops the source.
@@ -317,9 +319,10 @@ impl Ownership {
         // failing) leaves the shares as they are.
         if live.iter().any(|m| m == me) {
             let mut wanted = Vec::new();
+            let names: Vec<String> = (0..self.slots).map(|s| s.to_string()).collect();
+            let owners = assign(&live, &names);
             for slot in 0..self.slots {
-                let want = &live[slot as usize % live.len()];
-                let mine = want == me;
+                let mine = owners.get(names[slot as usize].as_str()) == Some(&me.as_str());
                 if let Some(o) = self.owned.get_mut(&slot) {
                     if !mine && !o.revoking {
                         o.revoking = true;
