@@ -34,6 +34,11 @@ pub struct Capabilities {
     pub dynamic_partitions: bool,
     /// Affinity can move on a topology change (consistent hash).
     pub remap_window: bool,
+    /// The broker checks a fenced publish
+    /// ([`crate::Publisher::publish_fenced`]): once a publisher of a higher
+    /// generation published for a scope, a lower generation's late publish
+    /// is refused and stores nothing (the outbox relay's hand-over).
+    pub publish_fencing: bool,
     /// Consumers may run as separate OS processes sharing the broker.
     pub multi_process: bool,
     /// The broker keeps acknowledged writes across a restart (in the test set-up).
@@ -42,7 +47,7 @@ pub struct Capabilities {
 
 impl Capabilities {
     /// Every flag with its name, in declaration order.
-    pub fn flags(&self) -> [(&'static str, bool); 11] {
+    pub fn flags(&self) -> [(&'static str, bool); 12] {
         [
             ("cross_instance_affinity", self.cross_instance_affinity),
             ("fencing", self.fencing),
@@ -53,6 +58,7 @@ impl Capabilities {
             ("correlated_ownership", self.correlated_ownership),
             ("dynamic_partitions", self.dynamic_partitions),
             ("remap_window", self.remap_window),
+            ("publish_fencing", self.publish_fencing),
             ("multi_process", self.multi_process),
             ("persistent", self.persistent),
         ]

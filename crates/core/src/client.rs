@@ -89,6 +89,7 @@ impl Client {
         Ok(Publisher {
             inner: self.transport.publisher(category).await?,
             rules: self.rules.clone(),
+            fences: self.transport.capabilities().publish_fencing,
         })
     }
 }
@@ -118,6 +119,8 @@ pub(crate) fn check_name(what: &str, name: &str) -> Result<()> {
 pub struct Publisher {
     inner: Arc<dyn TransportPublisher>,
     rules: KeyRules,
+    /// The transport's [`crate::Capabilities::publish_fencing`].
+    fences: bool,
 }
 
 impl fmt::Debug for Publisher {
@@ -138,10 +141,11 @@ impl Publisher {
         self.inner.publish(message).await
     }
 
-    /// Whether this transport's broker checks [`Publisher::publish_fenced`]
-    /// (Redis and PostgreSQL do; elsewhere it publishes unfenced).
+    /// Whether this transport's broker checks [`Publisher::publish_fenced`]:
+    /// its [`crate::Capabilities::publish_fencing`] (memory, Redis and
+    /// PostgreSQL do; RabbitMQ and Kafka publish unfenced).
     pub fn fences_publishes(&self) -> bool {
-        self.inner.fences_publishes()
+        self.fences
     }
 
     /// Publishes one message unless the broker has already seen a higher
@@ -156,7 +160,11 @@ impl Publisher {
     pub async fn publish_fenced(&self, message: Message, fence: &PublishFence) -> Result<()> {
         fence.check()?;
         let message = self.checked(message)?;
-        self.inner.publish_fenced(message, fence).await
+        if self.fences {
+            self.inner.publish_fenced(message, fence).await
+        } else {
+            self.inner.publish(message).await
+        }
     }
 
     fn checked(&self, message: Message) -> Result<Message> {

@@ -38,7 +38,7 @@ pub use stats::{Stats, StatsSnapshot};
 pub use strategy::{GlobalBackoff, PoisonPolicy, Resolved, RetryPolicy, Strategy};
 pub use subscription::{RunReport, Subscription, SubscriptionBuilder};
 pub use transport::{
-    Admin, DeadLetter, GroupInfo, HaltedKey, HeadAction, HotKey, Inbound, PublishFence, ScopeInfo, Settle, SourceEvent,
+    Admin, DeadLetter, GroupInfo, HaltedKey, HeadAction, HotKey, Inbound, PublishFence, Room, ScopeInfo, Settle, SourceEvent,
     SourceSpec, Transport, TransportPublisher, TransportSource,
 };
 

@@ -122,22 +122,27 @@ pub trait TransportPublisher: Send + Sync + fmt::Debug {
     /// Appends one message; returns once the broker acknowledged it.
     async fn publish(&self, message: Message) -> Result<()>;
 
-    /// Whether [`TransportPublisher::publish_fenced`] is checked by the
-    /// broker (default `false`: it publishes unfenced).
-    fn fences_publishes(&self) -> bool {
-        false
-    }
-
     /// Appends one message unless the broker has seen a higher token for
     /// `fence.scope` in this category, recording `fence.token` as the
     /// highest seen, in one atomic step on the broker.
     ///
+    /// Called only on a transport that declares
+    /// [`Capabilities::publish_fencing`]; elsewhere [`crate::Publisher`]
+    /// publishes unfenced, as its documentation says.
+    ///
     /// # Errors
-    /// [`crate::Error::Fenced`] when refused (nothing stored). A transport
-    /// that cannot fence a publish (the default) publishes unfenced.
+    /// [`crate::Error::Fenced`] when refused (nothing stored).
+    /// [`crate::Error::Unsupported`] (the default): the transport declared
+    /// the capability without implementing it.
     async fn publish_fenced(&self, message: Message, fence: &PublishFence) -> Result<()> {
-        let _ = fence;
-        self.publish(message).await
+        let _ = (message, fence);
+        Err(crate::Error::Unsupported {
+            transport: format!("{self:?}"),
+            capability: "publish_fencing",
+            fix: "this adapter declares publish fencing but does not implement publish_fenced; \
+                  declare `publish_fencing: false` in its capabilities"
+                .into(),
+        })
     }
 }
 

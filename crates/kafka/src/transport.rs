@@ -27,6 +27,7 @@ pub const CAPABILITIES: Capabilities = Capabilities {
     correlated_ownership: false,
     dynamic_partitions: false,
     remap_window: false,
+    publish_fencing: false,
     multi_process: true,
     persistent: false,
 };

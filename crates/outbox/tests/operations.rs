@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{
-    async_trait, Admin, Capabilities, Client, Error, LeaseConfig, MemoryTransport, Message, PoisonPolicy, Result,
+    async_trait, Admin, Capabilities, Client, Error, LeaseConfig, MemoryTransport, Message, PoisonPolicy, PublishFence, Result,
     RetryPolicy, SourceSpec, Transport, TransportPublisher, TransportSource,
 };
 use keyorder_outbox::sqlx;
@@ -135,6 +135,18 @@ struct FailingPublisher {
 #[async_trait]
 impl TransportPublisher for FailingPublisher {
     async fn publish(&self, message: Message) -> Result<()> {
+        self.check(&message)?;
+        self.inner.publish(message).await
+    }
+
+    async fn publish_fenced(&self, message: Message, fence: &PublishFence) -> Result<()> {
+        self.check(&message)?;
+        self.inner.publish_fenced(message, fence).await
+    }
+}
+
+impl FailingPublisher {
+    fn check(&self, message: &Message) -> Result<()> {
         if self.fail.lock().unwrap().contains(message.id()) {
             return Err(Error::broker("test broker refuses this message"));
         }
@@ -142,7 +154,7 @@ impl TransportPublisher for FailingPublisher {
             // A key error as the broker's stricter rules would give it.
             return Err(Error::Key(keyorder_core::OrderingKey::new("").unwrap_err()));
         }
-        self.inner.publish(message).await
+        Ok(())
     }
 }
 

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{
-    async_trait, Admin, Capabilities, Client, Error, LeaseConfig, MemoryTransport, Message, PoisonPolicy, Result,
+    async_trait, Admin, Capabilities, Client, Error, LeaseConfig, MemoryTransport, Message, PoisonPolicy, PublishFence, Result,
     RetryPolicy, SourceSpec, Transport, TransportPublisher, TransportSource,
 };
 use keyorder_outbox::sqlx;
@@ -382,6 +382,16 @@ struct WrapPublisher {
 #[async_trait]
 impl TransportPublisher for WrapPublisher {
     async fn publish(&self, message: Message) -> Result<()> {
+        self.go(message, None).await
+    }
+
+    async fn publish_fenced(&self, message: Message, fence: &PublishFence) -> Result<()> {
+        self.go(message, Some(fence)).await
+    }
+}
+
+impl WrapPublisher {
+    async fn go(&self, message: Message, fence: Option<&PublishFence>) -> Result<()> {
         let start = Instant::now();
         if let Some(hold) = &self.wrap.hold {
             if hold.id == message.id() {
@@ -396,7 +406,10 @@ impl TransportPublisher for WrapPublisher {
         let seq = keyorder_outbox::sequence_of(&message).unwrap_or(0);
         // Let other tasks run inside the interval, so overlaps could show.
         tokio::task::yield_now().await;
-        self.inner.publish(message).await?;
+        match fence {
+            Some(f) => self.inner.publish_fenced(message, f).await?,
+            None => self.inner.publish(message).await?,
+        }
         tokio::task::yield_now().await;
         self.wrap.log.lock().unwrap().push(Interval {
             relay: self.wrap.relay.clone(),

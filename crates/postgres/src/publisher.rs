@@ -35,10 +35,6 @@ impl fmt::Debug for PgPublisher {
 
 #[async_trait]
 impl TransportPublisher for PgPublisher {
-    fn fences_publishes(&self) -> bool {
-        true
-    }
-
     /// One statement records the fence in `publish_fences` and inserts the
     /// event only where the fence held no higher token.
     async fn publish_fenced(&self, message: Message, fence: &PublishFence) -> Result<()> {

@@ -25,7 +25,8 @@ use crate::schema;
 use crate::source::Source;
 use crate::sql::Sql;
 
-/// What the PostgreSQL transport can do (the same for every configuration).
+/// What the PostgreSQL transport can do (with `layout=plain`, the benchmark
+/// baseline, its publisher does not fence: `publish_fencing` is off).
 pub const CAPABILITIES: Capabilities = Capabilities {
     cross_instance_affinity: true,
     fencing: true,
@@ -36,6 +37,7 @@ pub const CAPABILITIES: Capabilities = Capabilities {
     correlated_ownership: false,
     dynamic_partitions: false,
     remap_window: false,
+    publish_fencing: true,
     multi_process: true,
     persistent: false,
 };
@@ -335,7 +337,15 @@ impl Transport for PgTransport {
     }
 
     fn capabilities(&self) -> Capabilities {
-        CAPABILITIES
+        if self.pg.cfg.layout == Layout::Plain {
+            // The plain baseline's publisher appends without a fence.
+            Capabilities {
+                publish_fencing: false,
+                ..CAPABILITIES
+            }
+        } else {
+            CAPABILITIES
+        }
     }
 
     fn affinity_fix(&self) -> String {

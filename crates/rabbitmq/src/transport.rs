@@ -30,6 +30,7 @@ pub const CAPABILITIES: Capabilities = Capabilities {
     correlated_ownership: false,
     dynamic_partitions: false,
     remap_window: false,
+    publish_fencing: false,
     multi_process: true,
     persistent: false,
 };
@@ -45,6 +46,7 @@ pub const PLAIN_CAPABILITIES: Capabilities = Capabilities {
     correlated_ownership: false,
     dynamic_partitions: false,
     remap_window: false,
+    publish_fencing: false,
     multi_process: true,
     persistent: false,
 };

@@ -34,10 +34,6 @@ impl TransportPublisher for RedisPublisher {
         self.append(message, None).await.map(|_| ())
     }
 
-    fn fences_publishes(&self) -> bool {
-        true
-    }
-
     /// One script checks and records the fence and appends, as
     /// [`TransportPublisher::publish`] would (the fence key is
     /// `{category}:__fence__:{scope}`).

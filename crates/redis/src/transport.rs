@@ -29,6 +29,7 @@ pub const CAPABILITIES: Capabilities = Capabilities {
     correlated_ownership: true,
     dynamic_partitions: true,
     remap_window: false,
+    publish_fencing: true,
     multi_process: true,
     persistent: false,
 };
@@ -45,6 +46,7 @@ pub const SINGLE_CAPABILITIES: Capabilities = Capabilities {
     correlated_ownership: false,
     dynamic_partitions: false,
     remap_window: false,
+    publish_fencing: true,
     multi_process: true,
     persistent: false,
 };

@@ -173,12 +173,12 @@ impl Group {
         if !self.ordered || self.members.is_empty() {
             return;
         }
-        let members: Vec<String> = self.members.keys().cloned().collect();
+        let wanted = self.wanted(partitions);
         for p in 0..partitions {
-            let want = &members[p as usize % members.len()];
+            let want = &wanted[p as usize];
             let part = &mut self.parts[p as usize];
             if let Some((owner, _)) = &part.owner {
-                if owner != want && !part.revoking {
+                if Some(owner) != want.as_ref() && !part.revoking {
                     part.revoking = true;
                     let owner = owner.clone();
                     if let Some(m) = self.members.get_mut(&owner) {
@@ -187,6 +187,15 @@ impl Group {
                 }
             }
         }
+    }
+
+    /// Which live member should own each partition: [`crate::assign::assign`]
+    /// over the partitions' numbers, the policy every adapter uses.
+    pub(super) fn wanted(&self, partitions: u32) -> Vec<Option<String>> {
+        let members: Vec<String> = self.members.keys().cloned().collect();
+        let names: Vec<String> = (0..partitions).map(|p| p.to_string()).collect();
+        let owners = crate::assign::assign(&members, &names);
+        names.iter().map(|n| owners.get(n.as_str()).map(|m| (*m).to_owned())).collect()
     }
 
     pub(super) fn leave(&mut self, member: &str) {

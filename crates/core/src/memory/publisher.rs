@@ -30,10 +30,6 @@ impl TransportPublisher for MemoryPublisher {
         self.append(message, None)
     }
 
-    fn fences_publishes(&self) -> bool {
-        true
-    }
-
     async fn publish_fenced(&self, message: Message, fence: &PublishFence) -> Result<()> {
         self.append(message, Some(fence))
     }

@@ -63,11 +63,11 @@ impl MemorySource {
         };
         me.last_seen = sent;
         let events = std::mem::take(&mut me.events);
+        let wanted = if self.ordered { group.wanted(partitions) } else { Vec::new() };
         for p in 0..partitions {
             let part = &mut group.parts[p as usize];
             if self.ordered && part.owner.is_none() {
-                let want = group.members.keys().nth(p as usize % group.members.len());
-                if want == Some(&self.member) {
+                if wanted[p as usize].as_ref() == Some(&self.member) {
                     part.generation += 1;
                     part.owner = Some((self.member.clone(), part.generation));
                     part.next = part.acked_upto;

@@ -96,6 +96,7 @@ impl Transport for MemoryTransport {
             crash_reclaim: true,
             halt_on_poison: true,
             park_and_release: true,
+            publish_fencing: true,
             ..Capabilities::default()
         }
     }

@@ -124,7 +124,9 @@ pub(super) async fn publish_one(ctx: Arc<Ctx>, slot: u32, generation: i64, rec: 
         // The category refuses every publish (its scope layout changed while
         // in use, C23): no fault of this record. It waits, without being
         // parked or halted, until an operator fixes the category.
-        Err(e @ Error::Config(_)) => {
+        // A transport that cannot do what was asked of it is a deployment
+        // error, not this record's: it waits the same way.
+        Err(e @ (Error::Config(_) | Error::Unsupported { .. })) => {
             tracing::error!(key = %key_label, seq = rec.seq, error = %e, "outbox relay: the category refuses publishes; waiting");
             Outcome::Retry(ctx.retry.max_backoff)
         }

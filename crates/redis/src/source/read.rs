@@ -59,29 +59,29 @@ impl Source {
             let n = ready.len();
             ready.rotate_left(self.rotate % n);
             self.rotate = self.rotate.wrapping_add(1);
-            // The room is shared by the one policy (`Room::split`); a
-            // stream given none now stays readable for the next fetch,
-            // whose rotation starts elsewhere.
+            // The room is shared by the one policy (`Room::split`). When
+            // there is less room than streams, some get none in the first
+            // pass; what the read streams left unused (a stream marked
+            // readable can turn out empty) goes to those in a second pass,
+            // so a fetch does not come back empty while streams it skipped
+            // hold entries. A stream still given none stays readable for the
+            // next fetch, whose rotation starts elsewhere.
             let scopes: Vec<Arc<str>> = ready.iter().map(|(k, _)| self.parts[k].lease.scope().clone()).collect();
             let shares = room.split(&scopes, max, 0);
-            let ready: Vec<(String, usize, usize)> = ready
+            let (first, skipped): (Vec<_>, Vec<_>) =
+                ready.into_iter().zip(shares).partition(|(_, share)| *share > 0);
+            self.read_streams(first, &mut out).await?;
+            let left = max.saturating_sub(out.len());
+            // (The first pass may have dropped a fenced partition.)
+            let skipped: Vec<((String, usize), Arc<str>)> = skipped
                 .into_iter()
-                .zip(shares)
-                .filter(|(_, share)| *share > 0)
-                .map(|((k, i), share)| (k, i, share.min(1000)))
+                .filter_map(|(s, _)| Some((s.clone(), self.parts.get(&s.0)?.lease.scope().clone())))
                 .collect();
-            for chunk in ready.chunks(CHUNK) {
-                if out.len() >= max {
-                    break;
-                }
-                match self.read_chunk(chunk, &mut out).await {
-                    Ok(()) => {}
-                    Err(e) if !out.is_empty() => {
-                        tracing::warn!(error = %e, "redis: read failed; delivering what was read");
-                        break;
-                    }
-                    Err(e) => return Err(e),
-                }
+            if left > 0 && !skipped.is_empty() {
+                let scopes: Vec<&Arc<str>> = skipped.iter().map(|(_, scope)| scope).collect();
+                let shares = room.split(&scopes, left, 0);
+                let second = skipped.iter().map(|(s, _)| s.clone()).zip(shares).collect();
+                self.read_streams(second, &mut out).await?;
             }
         }
         if out.len() < max && self.keyless_dirty {
@@ -110,6 +110,28 @@ impl Source {
             self.keyless_dirty = more;
         }
         Ok(out)
+    }
+
+    /// Reads `streams` (each with its count; those given none are left
+    /// out) in chunks of one script call each. A failed call ends the read
+    /// with what was read, unless nothing was.
+    async fn read_streams(&mut self, streams: Vec<((String, usize), usize)>, out: &mut Vec<Inbound>) -> Result<()> {
+        let streams: Vec<(String, usize, usize)> = streams
+            .into_iter()
+            .filter(|(_, share)| *share > 0)
+            .map(|((k, i), share)| (k, i, share.min(1000)))
+            .collect();
+        for chunk in streams.chunks(CHUNK) {
+            match self.read_chunk(chunk, out).await {
+                Ok(()) => {}
+                Err(e) if !out.is_empty() => {
+                    tracing::warn!(error = %e, "redis: read failed; delivering what was read");
+                    break;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 
     async fn read_chunk(&mut self, chunk: &[(String, usize, usize)], out: &mut Vec<Inbound>) -> Result<()> {

@@ -94,10 +94,6 @@ impl TransportPublisher for HoldPublisher {
         self.go(message, None).await
     }
 
-    fn fences_publishes(&self) -> bool {
-        self.inner.fences_publishes()
-    }
-
     async fn publish_fenced(&self, message: Message, fence: &PublishFence) -> Result<()> {
         self.go(message, Some(fence)).await
     }
