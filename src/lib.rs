@@ -43,6 +43,33 @@ pub use keyorder_rabbitmq as rabbitmq;
 #[cfg(feature = "kafka")]
 pub use keyorder_kafka as kafka;
 
+/// How a demo or a bench runs the transport `url` names
+/// ([`raw::BenchHints`]), as its adapter declares them, without connecting:
+/// a tool asks here instead of reading the scheme. A URL no compiled-in
+/// adapter serves gets the defaults (the URL as it is), and [`connect`]
+/// then says what is wrong with it.
+///
+/// ```
+/// let hints = keyorder::bench_hints("memory://");
+/// assert!(!hints.connects_share_broker());
+/// assert_eq!(hints.setup("memory://", "keyorder"), "memory://");
+/// ```
+pub fn bench_hints(url: &str) -> &'static dyn raw::BenchHints {
+    let scheme = url::Url::parse(url).map(|u| u.scheme().to_owned()).unwrap_or_default();
+    match scheme.as_str() {
+        "memory" => &keyorder_core::memory::MemoryBenchHints,
+        #[cfg(feature = "postgres")]
+        "postgres" | "postgresql" => &keyorder_postgres::PgBenchHints,
+        #[cfg(feature = "redis")]
+        "redis" | "rediss" => &keyorder_redis::RedisBenchHints,
+        #[cfg(feature = "rabbitmq")]
+        "amqp" | "amqps" => &keyorder_rabbitmq::RabbitBenchHints,
+        #[cfg(feature = "kafka")]
+        "kafka" => &keyorder_kafka::KafkaBenchHints,
+        _ => &raw::DefaultBenchHints,
+    }
+}
+
 /// Connects to the transport a URL names; the rest of the URL (host, query
 /// string) is the adapter's configuration, so a deployment swaps brokers by
 /// changing one URL and no code.

@@ -26,6 +26,13 @@ pub struct PgEventLog {
 const NOW_US: &str = "(extract(epoch from clock_timestamp()) * 1000000)::bigint";
 
 impl PgEventLog {
+    /// Whether `url` names a store this log can live in: a PostgreSQL
+    /// database (`postgres://`, `postgresql://`). A tool whose transport
+    /// URL is one keeps its event log there unless told otherwise.
+    pub fn can_open(url: &str) -> bool {
+        url.starts_with("postgres://") || url.starts_with("postgresql://")
+    }
+
     /// Connects and creates the table if needed.
     pub async fn connect(url: &str, run: &str) -> Result<Self> {
         let pool = PgPoolOptions::new().max_connections(4).connect(url).await.map_err(db)?;

@@ -118,9 +118,11 @@ fn first_starts<'a>(
     first
 }
 
-/// `x-expires` of a bench side's RabbitMQ queues (30 minutes): the fallback
-/// that removes an interrupted run's queues, long enough for any publish.
-const BENCH_QUEUE_EXPIRY_MS: &str = "1800000";
+/// How long a bench side's categories outlive their last use where the
+/// broker can drop them itself (RabbitMQ's `x-expires`, 30 minutes): the
+/// fallback that removes an interrupted run's queues, long enough for any
+/// publish.
+const BENCH_CATEGORY_EXPIRY: Duration = Duration::from_secs(30 * 60);
 
 /// At most this many concurrent publishers of the backlog, each owning a
 /// subset of the keys (so each key's publish order holds). A publish awaits
@@ -142,21 +144,6 @@ fn producers(keys: usize) -> usize {
         .unwrap_or(1)
 }
 
-/// The time between launching one instance of a side and the next. Zero,
-/// except on Kafka: a member joins its group when its subscription starts
-/// running, and the test broker (tansu) settles a group by polling in 1 s
-/// steps, so members that join within about 0.1 s of each other leave the
-/// group's follower waiting a whole poll (1 s) for its assignment, while a
-/// follower that joins 0.25 s after the leader gets it 0.25 s after the
-/// leader. The spacing is the same on both sides of a run.
-fn launch_spacing(url: &str) -> Duration {
-    if run::is_kafka(url) {
-        Duration::from_millis(250)
-    } else {
-        Duration::ZERO
-    }
-}
-
 async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Result<Side> {
     let label = match (ordered, concurrency == 1) {
         (true, true) => "partition",
@@ -174,11 +161,8 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
     // a queue that expires while its backlog is published is deleted with
     // the messages (a minute was too short on a slow machine: the broker
     // closed the publishing channels with INTERNAL_ERROR mid-publish).
-    let url = if run::is_amqp(&url) {
-        run::with_default(&url, "expires_ms", BENCH_QUEUE_EXPIRY_MS)
-    } else {
-        url
-    };
+    let hints = keyorder::bench_hints(&url);
+    let url = hints.expiring(&url, BENCH_CATEGORY_EXPIRY);
     let clients = run::clients(&url, a.instances).await?;
     let category = format!("keyorder-bench-{label}-{}", &uuid_like()[..8]);
     let keys: Vec<String> = (0..a.keys).map(|i| format!("key-{i}")).collect();
@@ -201,25 +185,31 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
         None,
     )
     .await?;
-    // After publishing, not before: see `vacuum_pg`.
-    #[cfg(feature = "all-adapters")]
-    if run::is_pg(&url) {
-        run::vacuum_pg(&url).await?;
-    }
+    // `VACUUM (ANALYZE)` of keyorder's tables on PostgreSQL (`Admin::vacuum`;
+    // nothing elsewhere) once the backlog is published and before it is
+    // consumed, so that each side starts on tables without the dead rows of
+    // the sides before it and with statistics that count its backlog (what
+    // autovacuum does on a server where it is on; measured here, where it is
+    // off, the ratio fell run by run). Analyzed before publishing, on a
+    // near-empty table, the baseline's claim sorted the whole backlog on
+    // every call.
+    clients[0].admin().vacuum().await?;
     let rec = run::Recorder::with_clock(a.handler_clock);
     // Every instance is built (its transport open) first and then all are
-    // launched together (on Kafka `launch_spacing` apart), on both sides: a
-    // side's timing (first handler to last) then holds no instance's
-    // start-up (16 queues declared and verified take an ordered RabbitMQ
-    // instance 0.1-0.2 s) while another instance already consumes. The
-    // spreading of scopes over the instances still happens inside the
-    // timing.
+    // launched together (`launch_spacing` apart where the transport asks
+    // for it), on both sides: a side's timing (first handler to last) then
+    // holds no instance's start-up (16 queues declared and verified take an
+    // ordered RabbitMQ instance 0.1-0.2 s) while another instance already
+    // consumes. The spreading of scopes over the instances still happens
+    // inside the timing.
     let mut built = Vec::new();
     for (i, client) in clients.iter().enumerate() {
         let b = run::builder(client, &category, ordered, concurrency);
         built.push(run::build(b, format!("{label}-{i}"), rec.clone()).await?);
     }
-    let spacing = launch_spacing(&url);
+    // The transport's spacing between launches (Kafka: its group handling),
+    // the same on both sides of a run.
+    let spacing = hints.launch_spacing();
     let mut instances = Vec::new();
     for b in built {
         if !instances.is_empty() && !spacing.is_zero() {
@@ -371,20 +361,13 @@ pub(crate) async fn run(a: BenchArgs) -> anyhow::Result<()> {
         a.instances >= 1 && a.keys >= 1 && a.messages >= 1,
         "instances, keys and messages must be >= 1"
     );
-    let transport = keyorder::connect(&run::with_setup(&a.url))
-        .await?
-        .transport_name()
-        .to_owned();
+    let client = keyorder::connect(&run::with_setup(&a.url)).await?;
+    let transport = client.transport_name().to_owned();
     anyhow::ensure!(a.rounds >= 1, "rounds must be >= 1");
     // A result measured with durability relaxed says so.
-    #[cfg(feature = "all-adapters")]
-    let durability = if run::is_pg(&a.url) {
-        Some(run::pg_durability(&run::with_setup(&a.url)).await?)
-    } else {
-        None
-    };
-    #[cfg(not(feature = "all-adapters"))]
-    let durability: Option<String> = None;
+    let durability = client.admin().durability().await?;
+    // The sides connect clients of their own.
+    drop(client);
     if let Some(d) = &durability {
         println!("{transport}: commits with {d}");
     }

@@ -69,7 +69,7 @@ pub(crate) async fn run(a: DemoArgs) -> anyhow::Result<()> {
                 let want = a.instances;
                 async move {
                     let owners: std::collections::HashSet<String> = admin
-                        .scopes(&category, "keyorder")
+                        .scopes(&category, run::GROUP)
                         .await
                         .unwrap_or_default()
                         .into_iter()

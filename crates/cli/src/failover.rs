@@ -49,7 +49,7 @@ pub(crate) struct FailoverArgs {
 
 pub(crate) async fn run(a: FailoverArgs) -> anyhow::Result<()> {
     let url = run::with_setup(&a.url);
-    let log_url = match (&a.log_url, url.starts_with("postgres")) {
+    let log_url = match (&a.log_url, PgEventLog::can_open(&url)) {
         (Some(u), _) => u.clone(),
         (None, true) => a.url.clone(),
         (None, false) => anyhow::bail!("--log-url (or POSTGRES_URL) is needed for the event log"),

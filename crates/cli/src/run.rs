@@ -12,110 +12,40 @@ use keyorder_check::{EventLog, EventStart, MemoryEventLog, Published};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-/// Whether `url` names RabbitMQ (`amqp://` or `amqps://`).
-pub(crate) fn is_amqp(url: &str) -> bool {
-    url.starts_with("amqp://") || url.starts_with("amqps://")
-}
+/// The consumer group of every `demo` and `bench` subscription.
+pub(crate) const GROUP: &str = "keyorder";
 
-pub(crate) fn is_pg(url: &str) -> bool {
-    url.starts_with("postgres://") || url.starts_with("postgresql://")
-}
-
-pub(crate) fn is_kafka(url: &str) -> bool {
-    url.starts_with("kafka://")
-}
-
-/// `url` with the query option `name=value` added, unless it already sets
-/// `name`.
-pub(crate) fn with_default(url: &str, name: &str, value: &str) -> String {
-    if url.contains(&format!("{name}=")) {
-        return url.to_owned();
-    }
-    let sep = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{sep}{name}={value}")
-}
-
-/// The URL with the set-up `demo` and `bench` do themselves: PostgreSQL
-/// migrations (`migrate=true`) unless the URL says otherwise.
+/// The URL with the set-up `demo` and `bench` do themselves, as the
+/// transport's adapter declares it ([`keyorder::raw::BenchHints::setup`]):
+/// PostgreSQL's migrations, RabbitMQ's consistent-hash topology with the
+/// run's group declared by its publishers, unless the URL says otherwise.
 pub(crate) fn with_setup(url: &str) -> String {
-    if is_pg(url) {
-        with_default(url, "migrate", "true")
-    } else if is_amqp(url) {
-        // The consistent-hash topology is what demo and bench run by default.
-        // Each consumer group has queues of its own on RabbitMQ, declared
-        // when its subscription is built or by a publisher that names it:
-        // bench publishes its backlog before its subscriptions (group
-        // `keyorder`, see `builder`) are built.
-        with_default(&with_default(url, "topology", "hash&queues=8"), "groups", "keyorder")
-    } else {
-        url.to_owned()
-    }
+    keyorder::bench_hints(url).setup(url, GROUP)
 }
 
-/// The URL of the plain, unordered baseline on the same broker: Redis reads
-/// one stream with a competing-consumer group (`layout=single`), RabbitMQ one
-/// queue with competing consumers (`topology=plain`), PostgreSQL one table
-/// with `FOR UPDATE SKIP LOCKED` competing consumers (`layout=plain`); every
-/// other transport's unordered subscription is already its plain path.
-///
-/// On RabbitMQ the baseline's `instances` consumers share the ordered side's
-/// total prefetch (its active queues' prefetch, summed), so both sides hold
-/// as many unacknowledged messages.
+/// The URL of the plain, unordered baseline on the same broker, as the
+/// transport's adapter declares it ([`keyorder::raw::BenchHints::baseline`]):
+/// Redis reads one stream with a competing-consumer group, RabbitMQ one
+/// queue with competing consumers that share the ordered side's total
+/// prefetch, PostgreSQL one table with `FOR UPDATE SKIP LOCKED` competing
+/// consumers; every other transport's unordered subscription is already its
+/// plain path.
 pub(crate) fn baseline_url(url: &str, instances: usize) -> String {
-    if is_amqp(url) {
-        let mut u = match url::Url::parse(&with_setup(url)) {
-            Ok(u) => u,
-            Err(_) => return url.to_owned(),
-        };
-        let opt = |name: &str| u.query_pairs().find(|(k, _)| k == name).map(|(_, v)| v.into_owned());
-        let prefetch: usize = opt("prefetch").and_then(|v| v.parse().ok()).unwrap_or(32);
-        let queues: usize = match opt("topology").as_deref() {
-            Some("sac") => 1,
-            Some("plain") => instances,
-            _ => opt("queues").and_then(|v| v.parse().ok()).unwrap_or(8),
-        };
-        let share = (prefetch * queues / instances.max(1)).clamp(1, usize::from(u16::MAX));
-        let keep: Vec<(String, String)> = u
-            .query_pairs()
-            .filter(|(k, _)| k != "topology" && k != "queues" && k != "prefetch")
-            .map(|(k, v)| (k.into_owned(), v.into_owned()))
-            .collect();
-        u.set_query(None);
-        u.query_pairs_mut()
-            .extend_pairs(keep)
-            .append_pair("topology", "plain")
-            .append_pair("prefetch", &share.to_string());
-        return u.to_string();
-    }
-    if is_pg(url) {
-        return with_default(url, "layout", "plain");
-    }
-    let redis = url.starts_with("redis://") || url.starts_with("rediss://");
-    if redis && !url.contains("layout=") {
-        let sep = if url.contains('?') {
-            "&"
-        } else if url.ends_with('/') {
-            "?"
-        } else {
-            "/?"
-        };
-        format!("{url}{sep}layout=single")
-    } else {
-        url.to_owned()
-    }
+    keyorder::bench_hints(url).baseline(url, GROUP, instances)
 }
 
-/// One client per instance: each its own connections. `memory://` instances
-/// share one in-process broker (a fresh `connect` would be another broker).
+/// One client per instance: each its own connections. Where every connect
+/// is a broker of its own (`memory://`), the instances share one client.
 pub(crate) async fn clients(url: &str, n: usize) -> anyhow::Result<Vec<Client>> {
     let url = &with_setup(url);
     let first = keyorder::connect(url).await.with_context(|| "connecting")?;
+    let shared = keyorder::bench_hints(url).connects_share_broker();
     let mut out = vec![first.clone()];
     for _ in 1..n {
-        out.push(if url.starts_with("memory:") {
-            first.clone()
-        } else {
+        out.push(if shared {
             keyorder::connect(url).await?
+        } else {
+            first.clone()
         });
     }
     Ok(out)
@@ -357,7 +287,7 @@ impl Built {
 /// The builder every run uses.
 pub(crate) fn builder(client: &Client, category: &str, ordered: bool, concurrency: usize) -> SubscriptionBuilder {
     let b = client
-        .subscribe(category, "keyorder")
+        .subscribe(category, GROUP)
         .concurrency(concurrency)
         .budget(concurrency * 16);
     if ordered {
@@ -454,41 +384,6 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     Ok(())
-}
-
-/// `VACUUM (ANALYZE)` of keyorder's tables on PostgreSQL once a bench side's
-/// backlog is published and before it is consumed, so that each side starts
-/// on tables without the dead rows of the sides before it and with
-/// statistics that count its backlog (what autovacuum does on a server where
-/// it is on; measured here, where it is off, the ratio fell run by run).
-/// Analyzed before publishing, on a near-empty table, the baseline's claim
-/// sorted the whole backlog on every call.
-#[cfg(feature = "all-adapters")]
-pub(crate) async fn vacuum_pg(url: &str) -> anyhow::Result<()> {
-    let t = keyorder::postgres::PgTransport::from_url(&url.parse()?).await?;
-    Ok(t.vacuum().await?)
-}
-
-/// What the PostgreSQL sessions of `url` commit with, as one line for a
-/// bench's report: `synchronous_commit=on fsync=on`, with a warning when
-/// either is relaxed (the ordering guarantee assumes both on).
-#[cfg(feature = "all-adapters")]
-pub(crate) async fn pg_durability(url: &str) -> anyhow::Result<String> {
-    let t = keyorder::postgres::PgTransport::from_url(&url.parse()?).await?;
-    let settings = t.durability().await?;
-    let relaxed = settings.iter().any(|(_, v)| v == "off");
-    let mut line = settings
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(" ");
-    if relaxed {
-        line.push_str(
-            " (relaxed: a crash of the server itself can lose acknowledgements; \
-             the ordering guarantee assumes both on)",
-        );
-    }
-    Ok(line)
 }
 
 #[cfg(test)]

@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 pub mod assign;
+pub mod bench;
 pub mod capability;
 pub mod client;
 pub mod dispatch;
@@ -53,6 +54,7 @@ pub use transport::{
 /// the application face stays put.
 pub mod raw {
     pub use crate::assign::assign;
+    pub use crate::bench::{with_default, BenchHints, DefaultBenchHints};
     pub use crate::dispatch::{DispatchConfig, Dispatcher, Job, Submit, Widening, ISOLATION_WAIT};
     pub use crate::lease::{lost_epoch, LeaseState, ScopeLease};
     pub use crate::transport::{

@@ -428,6 +428,21 @@ pub trait Admin: Send + Sync + fmt::Debug {
             fix: "it keeps no category that keyorder can delete; nothing was deleted".into(),
         })
     }
+    /// Reclaims the room that consumed messages left behind and refreshes
+    /// the statistics the broker plans its reads with, where keyorder's
+    /// tables need it (PostgreSQL: `VACUUM (ANALYZE)` of keyorder's tables,
+    /// what autovacuum does on a server where it is on). Nothing on a
+    /// transport whose broker keeps its own house.
+    async fn vacuum(&self) -> Result<()> {
+        Ok(())
+    }
+    /// What a durable acknowledgement waits for on the broker, as one line
+    /// for a report (PostgreSQL: `synchronous_commit=on fsync=on`), with a
+    /// warning when it is relaxed below what the ordering guarantee
+    /// assumes; `None` where the adapter has nothing to report.
+    async fn durability(&self) -> Result<Option<String>> {
+        Ok(None)
+    }
 }
 
 /// The room a fetch may fill, as the subscription hands it to

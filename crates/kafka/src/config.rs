@@ -191,11 +191,13 @@ impl KafkaConfig {
                         .ok_or_else(|| bad(k, v, "0..=10000"))?;
                 }
                 "max_unfinished" => {
-                    cfg.max_unfinished = v
-                        .parse()
-                        .ok()
-                        .filter(|n| (1..=4_096).contains(n))
-                        .ok_or_else(|| bad(k, v, "1..=4096 (commit metadata lists every unfinished offset)"))?;
+                    cfg.max_unfinished = v.parse().ok().filter(|n| (1..=4_096).contains(n)).ok_or_else(|| {
+                        bad(
+                            k,
+                            v,
+                            "1..=4096 (the partition's state record lists every unfinished offset)",
+                        )
+                    })?;
                 }
                 "static_membership" => {
                     cfg.static_membership = v.parse().map_err(|_| bad(k, v, "true or false"))?;

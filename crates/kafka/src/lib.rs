@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 mod admin;
+mod bench;
 mod broker;
 mod config;
 mod control;
@@ -17,6 +18,7 @@ mod track;
 mod transport;
 mod wire;
 
+pub use crate::bench::KafkaBenchHints;
 pub use crate::broker::{KafkaTransport, LAYOUT_CHECK, STATE_MIN_COMPACTION_LAG_MS};
 pub use crate::config::{Assignor, KafkaConfig, StartAt};
 pub use crate::names::Names;

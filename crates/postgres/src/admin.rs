@@ -1,6 +1,7 @@
 //! `PgAdmin`: `impl Admin`, the operator's verbs (scopes, halted keys,
 //! hot keys, dead letters, resolving a halt, groups and their removal), and
-//! a queue's deletion (`PgTransport::delete_queue`).
+//! a queue's deletion (`PgTransport::delete_queue`), `VACUUM` and the
+//! sessions' durability settings.
 
 use std::fmt;
 use std::sync::Arc;
@@ -217,6 +218,27 @@ impl Admin for PgAdmin {
         Ok(format!("{rows} rows"))
     }
 
+    async fn vacuum(&self) -> Result<()> {
+        crate::schema::vacuum(self.t.direct_url(), &self.t.cfg.schema).await
+    }
+
+    async fn durability(&self) -> Result<Option<String>> {
+        let settings = durability(&self.t).await?;
+        let relaxed = settings.iter().any(|(_, v)| v == "off");
+        let mut line = settings
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(" ");
+        if relaxed {
+            line.push_str(
+                " (relaxed: a crash of the server itself can lose acknowledgements; \
+                 the ordering guarantee assumes both on)",
+            );
+        }
+        Ok(Some(line))
+    }
+
     async fn remove_group(&self, category: &str, group: &str) -> Result<()> {
         let what = format!("removing consumer group `{group}` of queue `{category}`");
         let pooled = self.t.cfg.pooled;
@@ -291,6 +313,17 @@ impl Admin for PgAdmin {
 }
 
 /// Deletes `queue` and everything kept for it (see `PgTransport::delete_queue`).
+/// `synchronous_commit` and `fsync` of the schema's sessions (see
+/// `PgTransport::durability`).
+pub(crate) async fn durability(t: &Pg) -> Result<Vec<(String, String)>> {
+    let q = sqlx::query("select current_setting('synchronous_commit'), current_setting('fsync')").persistent(false);
+    let row = t.db.one(q).await.map_err(broker)?;
+    Ok(vec![
+        ("synchronous_commit".to_owned(), row.try_get(0).map_err(broker)?),
+        ("fsync".to_owned(), row.try_get(1).map_err(broker)?),
+    ])
+}
+
 pub(crate) async fn delete_queue(t: &Pg, queue: &str) -> Result<u64> {
     let s = &t.cfg.schema;
     let what = format!("deleting queue `{queue}`");

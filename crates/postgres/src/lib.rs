@@ -3,6 +3,7 @@
 
 mod admin;
 mod batch;
+mod bench;
 mod config;
 mod error;
 mod exec;
@@ -19,6 +20,7 @@ mod track;
 mod transport;
 mod wire;
 
+pub use bench::PgBenchHints;
 pub use config::{Layout, PgConfig, DEFAULT_SLOTS};
 pub use error::{broker_error, PgCause};
 pub use names::slot_of;

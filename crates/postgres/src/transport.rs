@@ -168,12 +168,7 @@ impl PgTransport {
     /// # Ok(()) }
     /// ```
     pub async fn durability(&self) -> Result<Vec<(String, String)>> {
-        let q = sqlx::query("select current_setting('synchronous_commit'), current_setting('fsync')").persistent(false);
-        let row = self.pg.db.one(q).await.map_err(broker)?;
-        Ok(vec![
-            ("synchronous_commit".to_owned(), row.try_get(0).map_err(broker)?),
-            ("fsync".to_owned(), row.try_get(1).map_err(broker)?),
-        ])
+        admin::durability(&self.pg).await
     }
 
     /// Connects from a `postgres://` URL (see [`PgConfig::from_url`]).

@@ -3,6 +3,7 @@
 
 mod admin;
 mod attempts;
+mod bench;
 mod channel;
 mod claims;
 mod config;
@@ -22,6 +23,7 @@ mod topology;
 mod transport;
 mod wire;
 
+pub use crate::bench::RabbitBenchHints;
 pub use crate::config::{ConsumerTimeout, QueueType, RabbitConfig, Topology, QUORUM_MAX_PREFETCH};
 pub use crate::names::{GroupNames, Names, MAX_CATEGORY_AND_GROUP};
 pub use crate::transport::{RabbitTransport, CAPABILITIES, PLAIN_CAPABILITIES};

@@ -3,6 +3,7 @@
 
 mod admin;
 mod batch;
+mod bench;
 mod config;
 mod conn;
 mod error;
@@ -16,6 +17,7 @@ mod transport;
 mod wake;
 mod wire;
 
+pub use crate::bench::RedisBenchHints;
 pub use crate::config::{Layout, RedisConfig};
 pub use crate::names::Names;
 pub use crate::transport::{RedisTransport, CAPABILITIES, SINGLE_CAPABILITIES};

@@ -12,6 +12,7 @@
 //! disk and lives inside one process (`connect("memory://")`).
 
 mod admin;
+mod bench;
 mod broker;
 mod names;
 mod publisher;
@@ -19,6 +20,7 @@ mod settle;
 mod source;
 mod transport;
 
+pub use bench::MemoryBenchHints;
 pub use transport::{MemoryTransport, DEFAULT_PARTITIONS};
 
 #[cfg(test)]
