@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use keyorder_core::{KeyRules, Message, SourceSpec, Transport, TransportSource};
 use keyorder_kafka::{partition_for, KafkaTransport};
+use keyorder_testkit::instance::wait_until;
 
 fn spec(category: &str, instance: &str) -> SourceSpec {
     SourceSpec {
@@ -29,16 +30,14 @@ fn spec(category: &str, instance: &str) -> SourceSpec {
 
 /// Fetches (and maintains) until a message arrives, up to `limit`.
 async fn until_a_message(s: &mut Box<dyn TransportSource>, limit: Duration) -> bool {
-    let deadline = Instant::now() + limit;
     let none = HashSet::<Arc<str>>::new();
-    while Instant::now() < deadline {
+    wait_until("a message", limit, async || {
         let got = s.fetch(16, &none, Duration::from_millis(200)).await.unwrap();
         s.maintain().await.unwrap();
-        if !got.is_empty() {
-            return true;
-        }
-    }
-    false
+        !got.is_empty()
+    })
+    .await
+    .is_ok()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

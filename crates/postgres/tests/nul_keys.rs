@@ -16,6 +16,7 @@ use keyorder_core::{
     SourceSpec, Transport, KEY_HEADER,
 };
 use keyorder_postgres::{PgConfig, PgTransport};
+use keyorder_testkit::until;
 
 // Shared set-up; this file uses only part of it.
 #[allow(dead_code)]
@@ -31,14 +32,6 @@ const HALT_KEY: &str = "halt\u{0}me";
 
 fn url() -> String {
     std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-async fn until(what: &str, mut cond: impl AsyncFnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while !cond().await {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// What the handler saw: (the delivery's key, the payload).
@@ -117,9 +110,13 @@ async fn nul_and_escape_keys_are_delivered_under_their_own_key_in_order() {
     }));
 
     let admin = client.admin();
-    until("every message of the carried keys and the halt", async || {
-        seen.lock().unwrap().len() > KEYS.len() * PER_KEY && admin.halted(&queue, "g").await.unwrap().len() == 1
-    })
+    until(
+        "every message of the carried keys and the halt",
+        Duration::from_secs(60),
+        async || {
+            seen.lock().unwrap().len() > KEYS.len() * PER_KEY && admin.halted(&queue, "g").await.unwrap().len() == 1
+        },
+    )
     .await;
     // Each message under exactly its own key, each key in publish order.
     let mut per_key: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
@@ -157,9 +154,11 @@ async fn nul_and_escape_keys_are_delivered_under_their_own_key_in_order() {
         .resolve(&queue, "g", HALT_KEY, HeadAction::DeadLetter)
         .await
         .unwrap();
-    until("the held message to run under its key", async || {
-        seen.lock().unwrap().iter().any(|(k, b)| k == HALT_KEY && b == "after")
-    })
+    until(
+        "the held message to run under its key",
+        Duration::from_secs(60),
+        async || seen.lock().unwrap().iter().any(|(k, b)| k == HALT_KEY && b == "after"),
+    )
     .await;
     let dead = admin.dead_letters(&queue, "g").await.unwrap();
     assert_eq!(dead.len(), 1);
@@ -284,7 +283,10 @@ async fn a_key_from_a_user_header_and_a_correlation_id_may_hold_nul() {
     let run = tokio::spawn(subscription.run(handler, async move {
         let _ = stopped.await;
     }));
-    until("every message", async || seen.lock().unwrap().len() >= 9).await;
+    until("every message", Duration::from_secs(60), async || {
+        seen.lock().unwrap().len() >= 9
+    })
+    .await;
     let _ = stop.send(());
     run.await.unwrap().unwrap();
     let mut order: BTreeMap<usize, Vec<usize>> = BTreeMap::new();

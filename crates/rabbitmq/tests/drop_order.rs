@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig, Message};
 use keyorder_rabbitmq::RabbitTransport;
+use keyorder_testkit::until;
 use tokio::time::Instant;
 
 /// Three times the prefetch (`prefetch=10` below): the standby has later
@@ -29,15 +30,6 @@ async fn client(url: &str) -> Client {
         .await
         .expect("RabbitMQ must be reachable (run scripts/services)");
     Client::new(Arc::new(t))
-}
-
-/// Polls `cond` every 20 ms until it holds, failing after `secs` seconds.
-async fn wait_for(what: &str, secs: u64, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !cond() {
-        assert!(Instant::now() < deadline, "{what}: not within {secs} s");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 fn lease() -> LeaseConfig {
@@ -84,9 +76,11 @@ async fn dropped_owner_hands_the_key_on_in_order(options: &str) {
             .unwrap();
     }
     let seen = started_a.clone();
-    wait_for("A to start the key's first message", 60, || {
-        !seen.lock().unwrap().is_empty()
-    })
+    until(
+        "A to start the key's first message",
+        Duration::from_secs(60),
+        async || !seen.lock().unwrap().is_empty(),
+    )
     .await;
     assert_eq!(
         started_a.lock().unwrap().as_slice(),

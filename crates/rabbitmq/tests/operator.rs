@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig, Message};
 use keyorder_rabbitmq::RabbitTransport;
+use keyorder_testkit::until;
 
 fn url() -> String {
     let base = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
@@ -21,18 +22,6 @@ async fn client() -> Client {
         .await
         .expect("RabbitMQ must be reachable (run scripts/services)");
     Client::new(Arc::new(t))
-}
-
-async fn until<F, Fut>(what: &str, mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while !cond().await {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// Hot keys from another process: the consumers count, per key, the
@@ -88,7 +77,7 @@ async fn another_process_sees_the_keys_the_consumers_hold() {
             .await
             .unwrap();
     }
-    until("the flowing key to be applied", || async {
+    until("the flowing key to be applied", Duration::from_secs(60), || async {
         seen.lock().unwrap().iter().filter(|s| s.starts_with("flow-")).count() == 3
     })
     .await;
@@ -96,23 +85,27 @@ async fn another_process_sees_the_keys_the_consumers_hold() {
     let stuck = keyorder_core::key::label("stuck");
     // The stuck key's ten messages are delivered (one running, nine
     // waiting behind it); the flowing key's are settled.
-    until("the other transport to see the stuck key's ten deliveries", || async {
-        admin
-            .hot_keys(&category, "g", 10)
-            .await
-            .map(|h| h.len() == 1 && h[0].label == stuck && h[0].backlog == 10)
-            .unwrap_or(false)
-    })
+    until(
+        "the other transport to see the stuck key's ten deliveries",
+        Duration::from_secs(60),
+        || async {
+            admin
+                .hot_keys(&category, "g", 10)
+                .await
+                .map(|h| h.len() == 1 && h[0].label == stuck && h[0].backlog == 10)
+                .unwrap_or(false)
+        },
+    )
     .await;
     // The label, never the key itself.
     let hot = admin.hot_keys(&category, "g", 10).await.unwrap();
     assert!(hot.iter().all(|h| h.label != "stuck"), "{hot:?}");
     gate.add_permits(10);
-    until("the stuck key to be applied", || async {
+    until("the stuck key to be applied", Duration::from_secs(60), || async {
         seen.lock().unwrap().iter().filter(|s| s.starts_with("stuck-")).count() == 10
     })
     .await;
-    until("nothing held anywhere", || async {
+    until("nothing held anywhere", Duration::from_secs(60), || async {
         admin
             .hot_keys(&category, "g", 10)
             .await

@@ -78,15 +78,7 @@ impl Recording {
     /// Waits (polling, up to `limit`) until `n` payloads were recorded;
     /// panics with `what` and the count otherwise.
     pub(crate) async fn until(&self, n: usize, limit: Duration, what: &str) {
-        let deadline = tokio::time::Instant::now() + limit;
-        while self.len() < n {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{what}: {} of {n} messages ran in {limit:?}",
-                self.len()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        self.until_matching(n, |_| true, limit, what).await;
     }
 
     /// The payloads recorded so far, in run order.
@@ -97,18 +89,15 @@ impl Recording {
     /// Waits (polling, up to `limit`) until `n` payloads that `pick`
     /// accepts were recorded; panics with `what` and the count otherwise.
     pub(crate) async fn until_matching(&self, n: usize, pick: impl Fn(&str) -> bool, limit: Duration, what: &str) {
-        let deadline = tokio::time::Instant::now() + limit;
-        loop {
+        keyorder_testkit::until(what, limit, async || {
             let got = self.applied.lock().unwrap().iter().filter(|p| pick(p)).count();
             if got >= n {
-                return;
+                Ok(())
+            } else {
+                Err(format!("{got} of {n} messages ran"))
             }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{what}: {got} of {n} messages ran in {limit:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        })
+        .await;
     }
 
     /// Ends the run (draining it) and returns the payloads in run order.

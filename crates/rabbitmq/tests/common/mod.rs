@@ -5,7 +5,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{Delivery, HandlerResult};
-use tokio::time::Instant;
 
 /// What a run saw: per delivery, the key the handler got and the payload.
 pub(crate) type Seen = Arc<Mutex<Vec<(Option<String>, String)>>>;
@@ -44,15 +43,15 @@ impl Run {
     }
 
     pub(crate) async fn until(&self, n: usize, secs: u64) {
-        let deadline = Instant::now() + Duration::from_secs(secs);
-        while self.seen.lock().unwrap().len() < n {
-            assert!(
-                Instant::now() < deadline,
-                "{} of {n} deliveries in {secs} s",
-                self.seen.lock().unwrap().len()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        keyorder_testkit::until(&format!("{n} deliveries"), Duration::from_secs(secs), async || {
+            let got = self.seen.lock().unwrap().len();
+            if got >= n {
+                Ok(())
+            } else {
+                Err(format!("{got} of {n} deliveries"))
+            }
+        })
+        .await;
     }
 
     pub(crate) async fn stop(self) -> (Vec<(Option<String>, String)>, keyorder_core::RunReport) {
