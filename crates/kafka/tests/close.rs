@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use keyorder_core::{KeyRules, Message, SourceSpec, Transport, TransportSource};
-use keyorder_kafka::{partition_for, KafkaTransport};
+use keyorder_kafka::partition_for;
 use keyorder_testkit::instance::wait_until;
 
 fn spec(category: &str, instance: &str) -> SourceSpec {
@@ -43,9 +43,7 @@ async fn until_a_message(s: &mut Box<dyn TransportSource>, limit: Duration) -> b
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn close_does_not_wait_on_an_unread_revoke() {
     let url = format!("kafka://{}?partitions=2&fetch_wait_ms=10", common::brokers());
-    let t = KafkaTransport::from_url(&url.parse().unwrap())
-        .await
-        .expect("the test broker answers (run scripts/services)");
+    let t = common::connect(&url).await;
     let category = format!("close-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
     let publisher = t.publisher(&category).await.unwrap();
     // A message in each partition.

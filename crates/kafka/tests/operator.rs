@@ -17,9 +17,7 @@ fn url() -> String {
 }
 
 async fn client() -> Client {
-    let t = KafkaTransport::from_url(&url().parse().unwrap())
-        .await
-        .expect("the test broker answers (run scripts/services)");
+    let t = common::connect(&url()).await;
     Client::new(Arc::new(t))
 }
 

@@ -21,7 +21,7 @@ mod common;
 use common::*;
 
 fn redis_url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+    Broker::Redis.url()
 }
 
 /// A fresh, migrated outbox in a schema of its own.
@@ -311,9 +311,10 @@ async fn relays_to_postgres_in_per_key_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relays_to_redis_in_per_key_order() {
-    let transport = keyorder_redis::RedisTransport::from_url(&redis_url().parse().unwrap())
-        .await
-        .expect("Redis must be reachable (run scripts/services)");
+    let url = redis_url();
+    let transport = Broker::Redis
+        .require(&url, keyorder_redis::RedisTransport::from_url(&url.parse().unwrap()))
+        .await;
     end_to_end(Client::new(Arc::new(transport)), &unique("redis-")).await;
 }
 

@@ -3,16 +3,17 @@
 //! transaction id commits after another one; the consumer, which has already
 //! applied the other event, must still apply it (an id cursor would skip it).
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::url;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig};
-use keyorder_postgres::{slot_of, PgConfig, PgTransport};
+use keyorder_postgres::{slot_of, PgConfig};
 use keyorder_testkit::until;
-
-fn url() -> String {
-    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
 
 /// A transport on this file's schema (one slot), a client, a fresh queue
 /// (created with its slot count) and a plain pool for raw statements.
@@ -23,9 +24,7 @@ async fn fresh(prefix: &str) -> (Client, String, sqlx::PgPool) {
             .unwrap(),
     )
     .unwrap();
-    let transport = PgTransport::connect(cfg.clone())
-        .await
-        .expect("PostgreSQL must be reachable");
+    let transport = common::connect(cfg.clone()).await;
     let queue = format!("{prefix}-{}", uuid::Uuid::new_v4().simple());
     let client = Client::new(Arc::new(transport));
     // Creates the queue row (1 slot) so raw inserts are valid.

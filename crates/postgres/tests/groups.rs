@@ -106,7 +106,7 @@ async fn a_stopped_group_keeps_every_event_while_another_consumes_and_retention_
         .unwrap(),
     )
     .unwrap();
-    let t = PgTransport::connect(cfg).await.expect("PostgreSQL must be reachable");
+    let t = common::connect(cfg).await;
     let pool = sqlx::PgPool::connect(&common::url()).await.unwrap();
     let admin = t.admin();
     let q = queue("stopped");

@@ -4,18 +4,19 @@
 //! nothing widens to the slot.
 //! An operator skip then releases the held events in order.
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::url;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{
     Client, Delivery, HandlerError, HandlerResult, HeadAction, KeySource, LeaseConfig, Message, RetryPolicy,
 };
-use keyorder_postgres::{PgConfig, PgTransport};
+use keyorder_postgres::PgConfig;
 use keyorder_testkit::until;
-
-fn url() -> String {
-    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_halted_key_is_held_at_the_database_and_its_slot_keeps_going() {
@@ -26,11 +27,7 @@ async fn a_halted_key_is_held_at_the_database_and_its_slot_keeps_going() {
             .unwrap(),
     )
     .unwrap();
-    let client = Client::new(Arc::new(
-        PgTransport::connect(cfg.clone())
-            .await
-            .expect("PostgreSQL must be reachable"),
-    ));
+    let client = Client::new(Arc::new(common::connect(cfg.clone()).await));
     let pool = sqlx::PgPool::connect(&cfg.url).await.unwrap();
     let queue = format!("hold-{}", uuid::Uuid::new_v4().simple());
     let publisher = client.publisher(&queue).await.unwrap();

@@ -6,6 +6,7 @@
 //! (Both the key column and the key header, `jsonb`, hold the key's stored
 //! form: neither can hold NUL.)
 
+use common::url;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -15,7 +16,7 @@ use keyorder_core::{
     Client, Delivery, HandlerError, HandlerResult, HeadAction, KeyRules, KeySource, LeaseConfig, Message, RetryPolicy,
     SourceSpec, Transport, KEY_HEADER,
 };
-use keyorder_postgres::{PgConfig, PgTransport};
+use keyorder_postgres::PgConfig;
 use keyorder_testkit::until;
 
 // Shared set-up; this file uses only part of it.
@@ -30,10 +31,6 @@ const PER_KEY: usize = 5;
 /// The key halted on a poison message.
 const HALT_KEY: &str = "halt\u{0}me";
 
-fn url() -> String {
-    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
 /// What the handler saw: (the delivery's key, the payload).
 type Seen = Arc<Mutex<Vec<(String, String)>>>;
 
@@ -47,11 +44,7 @@ async fn nul_and_escape_keys_are_delivered_under_their_own_key_in_order() {
             .unwrap(),
     )
     .unwrap();
-    let client = Client::new(Arc::new(
-        PgTransport::connect(cfg.clone())
-            .await
-            .expect("PostgreSQL must be reachable"),
-    ));
+    let client = Client::new(Arc::new(common::connect(cfg.clone()).await));
     let queue = format!("nul-{}", uuid::Uuid::new_v4().simple());
     let publisher = client.publisher(&queue).await.unwrap();
     // The payload names the key (its index) and the message's place in it.
@@ -180,7 +173,7 @@ async fn the_plain_layout_carries_nul_keys() {
             .unwrap(),
     )
     .unwrap();
-    let transport = PgTransport::connect(cfg).await.expect("PostgreSQL must be reachable");
+    let transport = common::connect(cfg).await;
     let queue = format!("nulplain-{}", uuid::Uuid::new_v4().simple());
     // Through a client: its publisher stamps the key header too.
     let publisher = Client::new(Arc::new(transport.clone()))
@@ -235,9 +228,7 @@ async fn a_key_from_a_user_header_and_a_correlation_id_may_hold_nul() {
             .unwrap(),
     )
     .unwrap();
-    let client = Client::new(Arc::new(
-        PgTransport::connect(cfg).await.expect("PostgreSQL must be reachable"),
-    ));
+    let client = Client::new(Arc::new(common::connect(cfg).await));
     let queue = format!("nulh-{}", uuid::Uuid::new_v4().simple());
     let publisher = client.publisher(&queue).await.unwrap();
     let keys = ["t\u{0}1", "\u{1}1", "plain"];

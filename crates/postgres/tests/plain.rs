@@ -4,6 +4,7 @@
 //! stale consumer's acknowledgement is fenced; a renewed lock is kept; park
 //! moves the row to `dead`; dropped and closed deliveries go back at once.
 
+use common::url;
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -20,10 +21,6 @@ use common::take;
 
 const SCHEMA: &str = "keyorder_plain";
 
-fn url() -> String {
-    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
 fn config() -> PgConfig {
     let cfg = PgConfig::from_url(
         &format!("{}?schema={SCHEMA}&migrate=true&layout=plain", url())
@@ -36,9 +33,7 @@ fn config() -> PgConfig {
 }
 
 async fn transport() -> PgTransport {
-    PgTransport::connect(config())
-        .await
-        .expect("PostgreSQL must be reachable")
+    common::connect(config()).await
 }
 
 fn queue(name: &str) -> String {

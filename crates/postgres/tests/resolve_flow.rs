@@ -7,6 +7,11 @@
 //! consults, and its message ran again behind the key's next one
 //! (`b1, b2, b1`).
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::url;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -17,10 +22,6 @@ use keyorder_core::{
 };
 use keyorder_postgres::{PgConfig, PgTransport};
 use keyorder_testkit::until;
-
-fn url() -> String {
-    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
 
 /// Healthy keys sharing the poison key's slot (one slot: all of them).
 const HEALTHY: usize = 16;
@@ -39,11 +40,7 @@ async fn resolving_a_halt_under_flow_never_runs_an_acknowledged_message_again() 
             .unwrap(),
     )
     .unwrap();
-    let client = Client::new(Arc::new(
-        PgTransport::connect(cfg.clone())
-            .await
-            .expect("PostgreSQL must be reachable"),
-    ));
+    let client = Client::new(Arc::new(common::connect(cfg.clone()).await));
     // The operator works through a transport of its own, as from another process.
     let admin: Arc<dyn Admin> = Client::new(Arc::new(PgTransport::connect(cfg).await.unwrap())).admin();
     let queue = format!("resolve-{}", uuid::Uuid::new_v4().simple());

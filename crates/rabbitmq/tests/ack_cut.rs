@@ -10,21 +10,21 @@
 //! the proxy cuts every connection, `1` is released; after the worker
 //! reconnects, nothing of the key may start below what already started.
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::base;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig, Message};
-use keyorder_rabbitmq::RabbitTransport;
 use keyorder_testkit::proxy::FaultProxy;
 use keyorder_testkit::until;
 use tokio::sync::Notify;
 use tokio::time::Instant;
-
-fn base() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
 
 const SAC: &str = "topology=sac&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000";
 const HASH: &str = "topology=hash&queues=1&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000";
@@ -46,9 +46,7 @@ fn upstream() -> SocketAddr {
 }
 
 async fn client(url: &str) -> Client {
-    let t = RabbitTransport::from_url(&url.parse().unwrap())
-        .await
-        .expect("RabbitMQ must be reachable (run scripts/services)");
+    let t = common::connect(url).await;
     Client::new(Arc::new(t))
 }
 

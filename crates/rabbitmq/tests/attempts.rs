@@ -5,6 +5,11 @@
 //! the fix: `second` was halted after one attempt; the counts were
 //! `[1, 2, 5]` and `[1, 3, 4]`.)
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::base;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -15,10 +20,6 @@ use keyorder_core::{
 };
 use keyorder_rabbitmq::RabbitTransport;
 use keyorder_testkit::instance::wait_until;
-
-fn base() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
 
 fn url() -> String {
     format!(

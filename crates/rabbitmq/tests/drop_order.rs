@@ -8,11 +8,14 @@
 //! key's later messages while the dropped channel still held the earlier
 //! ones (the model's CANCEL_BEFORE_CLOSE, `verification/rabbitmq.pml`).
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig, Message};
-use keyorder_rabbitmq::RabbitTransport;
 use keyorder_testkit::until;
 use tokio::time::Instant;
 
@@ -21,14 +24,12 @@ use tokio::time::Instant;
 const N: u32 = 30;
 
 fn url(options: &str) -> String {
-    let base = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let base = keyorder_testkit::brokers::Broker::RabbitMq.url();
     format!("{base}?{options}")
 }
 
 async fn client(url: &str) -> Client {
-    let t = RabbitTransport::from_url(&url.parse().unwrap())
-        .await
-        .expect("RabbitMQ must be reachable (run scripts/services)");
+    let t = common::connect(url).await;
     Client::new(Arc::new(t))
 }
 

@@ -11,13 +11,17 @@
 //!   margin`) + 1 s (the AMQP heartbeat is half the self-fence's freshness),
 //!   not 2 to 3 TTLs.
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::base;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig, Message};
-use keyorder_rabbitmq::RabbitTransport;
 use keyorder_testkit::until;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
@@ -25,10 +29,6 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 use tokio::time::Instant;
-
-fn base() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
 
 const OPTIONS: &str = "topology=sac&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000";
 const HASH: &str = "topology=hash&queues=2&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000";
@@ -54,9 +54,7 @@ fn upstream() -> SocketAddr {
 }
 
 async fn client(url: &str) -> Client {
-    let t = RabbitTransport::from_url(&url.parse().unwrap())
-        .await
-        .expect("RabbitMQ must be reachable (run scripts/services)");
+    let t = common::connect(url).await;
     Client::new(Arc::new(t))
 }
 

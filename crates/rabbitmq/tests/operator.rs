@@ -4,6 +4,10 @@
 //! transport runs on every adapter as the conformance scenario
 //! `operator_from_another_transport`.
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -12,15 +16,13 @@ use keyorder_rabbitmq::RabbitTransport;
 use keyorder_testkit::until;
 
 fn url() -> String {
-    let base = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let base = keyorder_testkit::brokers::Broker::RabbitMq.url();
     // consumer_timeout_ms: what scripts/services configures.
     format!("{base}?topology=hash&queues=2&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000")
 }
 
 async fn client() -> Client {
-    let t = RabbitTransport::from_url(&url().parse().unwrap())
-        .await
-        .expect("RabbitMQ must be reachable (run scripts/services)");
+    let t = common::connect(&url()).await;
     Client::new(Arc::new(t))
 }
 
@@ -160,7 +162,7 @@ async fn read_only_commands_create_nothing() {
     rabbitmqctl(&["add_vhost", &vhost]);
     let _cleanup = DeleteVhost(vhost.clone());
     rabbitmqctl(&["set_permissions", "-p", &vhost, "guest", ".*", ".*", ".*"]);
-    let base = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let base = keyorder_testkit::brokers::Broker::RabbitMq.url();
     let mut url: url::Url = format!("{base}?topology=hash&queues=2&queue_type=classic&consumer_timeout_ms=3600000")
         .parse()
         .unwrap();

@@ -4,21 +4,22 @@
 //! both deep queues with one instance, which then works on alone while the
 //! other idles; the leader's plan splits them.
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::base;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig, KEY_HEADER};
-use keyorder_rabbitmq::{Names, RabbitTransport};
+use keyorder_rabbitmq::Names;
 use keyorder_testkit::until;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 
 const QUEUES: u16 = 4;
-
-fn base() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
 
 fn url() -> String {
     // consumer_timeout_ms: what scripts/services configures; groups: the
@@ -30,9 +31,7 @@ fn url() -> String {
 }
 
 async fn client() -> Client {
-    let t = RabbitTransport::from_url(&url().parse().unwrap())
-        .await
-        .expect("RabbitMQ must be reachable (run scripts/services)");
+    let t = common::connect(&url()).await;
     Client::new(Arc::new(t))
 }
 

@@ -4,6 +4,11 @@
 //! survive an owner change, a read whose reply was lost is recovered from the
 //! holder's own pending entries, and acknowledged entries are trimmed.
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::url;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,15 +18,9 @@ use keyorder_redis::{Names, RedisTransport};
 use keyorder_testkit::until;
 use redis::AsyncCommands;
 
-fn url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
-
 async fn transport(options: &str) -> RedisTransport {
     let url = format!("{}/?{options}", url().trim_end_matches('/'));
-    RedisTransport::from_url(&url.parse().unwrap())
-        .await
-        .expect("Redis must be reachable (run scripts/services)")
+    common::connect(&url).await
 }
 
 fn lease() -> LeaseConfig {

@@ -7,6 +7,10 @@
 //! shutdown. A loop that dropped its step there never recorded the lease,
 //! so close left it to its TTL and the key's next owner waited that long.
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,7 +24,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, watch};
 
 fn redis_addr() -> String {
-    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let url = keyorder_testkit::brokers::Broker::Redis.url();
     let url = url::Url::parse(&url).unwrap();
     format!(
         "{}:{}",
@@ -115,9 +119,7 @@ async fn start(
     oneshot::Sender<()>,
     tokio::task::JoinHandle<keyorder_core::Result<keyorder_core::RunReport>>,
 ) {
-    let transport = RedisTransport::from_url(&url.parse().unwrap())
-        .await
-        .expect("Redis must be reachable (run scripts/services)");
+    let transport = common::connect(url).await;
     let sub = Client::new(Arc::new(transport))
         .subscribe(category, "g")
         .ordered_by(KeySource::routing_key())

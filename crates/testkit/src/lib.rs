@@ -14,6 +14,7 @@ use async_trait::async_trait;
 use keyorder_core::{Capabilities, Client, LeaseConfig, Result};
 
 pub mod broken;
+pub mod brokers;
 pub use keyorder_check::{checker, eventlog, instance, pglog};
 pub mod logs;
 pub mod outbox;

@@ -1,13 +1,24 @@
-//! What the Kafka tests share: the test broker's address and the lease its
-//! consumer groups are timed by.
+//! What the Kafka tests share: the test broker's address, a connect that
+//! names a missing broker, and the lease its consumer groups are timed by.
 
 use std::time::Duration;
 
 use keyorder_core::LeaseConfig;
+use keyorder_kafka::KafkaTransport;
+use keyorder_testkit::brokers::Broker;
 
 /// The test broker (`KAFKA_BROKERS`, started by `scripts/services`).
 pub(crate) fn brokers() -> String {
-    std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
+    Broker::Kafka.url()
+}
+
+/// A transport on `url` (a `kafka://` URL on [`brokers`]); a broker that
+/// cannot be reached fails the test naming it, the URL and `scripts/services`.
+#[allow(dead_code)]
+pub(crate) async fn connect(url: &str) -> KafkaTransport {
+    Broker::Kafka
+        .require(url, KafkaTransport::from_url(&url.parse().unwrap()))
+        .await
 }
 
 /// The lease TTL is the group's session timeout; the test broker assigns

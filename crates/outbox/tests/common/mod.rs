@@ -9,12 +9,13 @@ use std::time::Duration;
 use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig, Result, RunReport};
 use keyorder_outbox::sqlx::{self, PgPool};
 use keyorder_outbox::{GuardStats, Outbox, OutboxConfig, Relay, RelayStats, SequenceGuard};
+pub(crate) use keyorder_testkit::brokers::Broker;
 pub(crate) use keyorder_testkit::until;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 pub(crate) fn pg_url() -> String {
-    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    Broker::Postgres.url()
 }
 
 pub(crate) fn unique(prefix: &str) -> String {
@@ -28,9 +29,8 @@ pub(crate) async fn outbox_in(prefix: &str) -> (Outbox, String) {
         schema: schema.clone(),
         ..OutboxConfig::default()
     };
-    let outbox = Outbox::connect(&pg_url(), 8, cfg)
-        .await
-        .expect("PostgreSQL must be reachable (run scripts/services)");
+    let url = pg_url();
+    let outbox = Broker::Postgres.require(&url, Outbox::connect(&url, 8, cfg)).await;
     outbox.migrate().await.unwrap();
     (outbox, schema)
 }
