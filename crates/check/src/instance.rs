@@ -291,19 +291,66 @@ pub fn keys(prefix: &str, n: usize) -> Vec<String> {
     (0..n).map(|i| format!("{prefix}-{i}")).collect()
 }
 
-/// Polls `cond` every 20 ms until it holds or `deadline` passes.
-pub async fn wait_until<F, Fut>(what: &str, deadline: Duration, mut cond: F) -> std::result::Result<(), String>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
+/// What a condition polled by [`wait_until`] answers: whether it holds
+/// yet and, once it does, the value the wait returns.
+///
+/// `bool` holds when `true` (the wait returns `()`); `Option<T>` holds when
+/// `Some(value)` (the wait returns `value`); `Result<T, String>` holds when
+/// `Ok(value)`, and while it answers `Err(progress)` the last `progress`
+/// (say "3 of 5 messages ran") is appended to the timeout's message.
+pub trait Ready {
+    /// What the wait returns once the condition holds.
+    type Value;
+    /// `Ok(value)` once the condition holds; `Err(progress)` while not,
+    /// with what the timeout message should add (empty: nothing).
+    fn ready(self) -> std::result::Result<Self::Value, String>;
+}
+
+impl Ready for bool {
+    type Value = ();
+    fn ready(self) -> std::result::Result<(), String> {
+        if self {
+            Ok(())
+        } else {
+            Err(String::new())
+        }
+    }
+}
+
+impl<T> Ready for Option<T> {
+    type Value = T;
+    fn ready(self) -> std::result::Result<T, String> {
+        self.ok_or_else(String::new)
+    }
+}
+
+impl<T> Ready for std::result::Result<T, String> {
+    type Value = T;
+    fn ready(self) -> std::result::Result<T, String> {
+        self
+    }
+}
+
+/// Polls `cond` every 20 ms until it holds (see [`Ready`]) or `deadline`
+/// passes: the value the condition yielded, or the timeout's message
+/// (naming `what` and the condition's last progress).
+pub async fn wait_until<O: Ready>(
+    what: &str,
+    deadline: Duration,
+    mut cond: impl AsyncFnMut() -> O,
+) -> std::result::Result<O::Value, String> {
     let until = tokio::time::Instant::now() + deadline;
     loop {
-        if cond().await {
-            return Ok(());
-        }
+        let progress = match cond().await.ready() {
+            Ok(value) => return Ok(value),
+            Err(progress) => progress,
+        };
         if tokio::time::Instant::now() >= until {
-            return Err(format!("timed out after {deadline:?} waiting for {what}"));
+            return Err(if progress.is_empty() {
+                format!("timed out after {deadline:?} waiting for {what}")
+            } else {
+                format!("timed out after {deadline:?} waiting for {what} ({progress})")
+            });
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -39,8 +39,8 @@ pub use stats::{Stats, StatsSnapshot};
 pub use strategy::{GlobalBackoff, PoisonPolicy, Resolved, RetryPolicy, Strategy};
 pub use subscription::{RunReport, Subscription, SubscriptionBuilder};
 pub use transport::{
-    Admin, DeadLetter, GroupInfo, HaltedKey, HeadAction, HotKey, Inbound, PublishFence, Room, ScopeInfo, Settle, SourceEvent,
-    SourceSpec, Transport, TransportPublisher, TransportSource,
+    Admin, DeadLetter, GroupInfo, HaltedKey, HeadAction, HotKey, Inbound, PublishFence, Room, ScopeInfo, Settle,
+    SourceEvent, SourceSpec, Transport, TransportPublisher, TransportSource,
 };
 
 /// What an adapter author needs and an application does not: the transport

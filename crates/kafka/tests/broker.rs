@@ -13,14 +13,11 @@ use rdkafka::{ClientConfig, Message as _, Offset, TopicPartitionList};
 use common::brokers;
 
 async fn transport(partitions: i32) -> KafkaTransport {
-    let url = url::Url::parse(&format!(
+    common::connect(&format!(
         "kafka://{}?partitions={partitions}&fetch_wait_ms=1",
         brokers()
     ))
-    .unwrap();
-    KafkaTransport::from_url(&url)
-        .await
-        .expect("the test broker answers (run scripts/services)")
+    .await
 }
 
 fn topic(prefix: &str) -> String {

@@ -8,12 +8,13 @@
 
 mod common;
 
-use keyorder_core::raw::Room;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use keyorder_core::raw::Room;
 use keyorder_core::{KeyRules, Message, SourceSpec, Transport, TransportSource};
-use keyorder_kafka::{partition_for, KafkaTransport};
+use keyorder_kafka::partition_for;
+use keyorder_testkit::instance::wait_until;
 
 fn spec(category: &str, instance: &str) -> SourceSpec {
     SourceSpec {
@@ -29,23 +30,19 @@ fn spec(category: &str, instance: &str) -> SourceSpec {
 
 /// Fetches (and maintains) until a message arrives, up to `limit`.
 async fn until_a_message(s: &mut Box<dyn TransportSource>, limit: Duration) -> bool {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
+    wait_until("a message", limit, async || {
         let got = s.fetch(&Room::up_to(16), Duration::from_millis(200)).await.unwrap();
         s.maintain().await.unwrap();
-        if !got.is_empty() {
-            return true;
-        }
-    }
-    false
+        !got.is_empty()
+    })
+    .await
+    .is_ok()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn close_does_not_wait_on_an_unread_revoke() {
     let url = format!("kafka://{}?partitions=2&fetch_wait_ms=10", common::brokers());
-    let t = KafkaTransport::from_url(&url.parse().unwrap())
-        .await
-        .expect("the test broker answers (run scripts/services)");
+    let t = common::connect(&url).await;
     let category = format!("close-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
     let publisher = t.publisher(&category).await.unwrap();
     // A message in each partition.

@@ -23,7 +23,7 @@ async fn an_unreachable_broker_is_temporary_and_keeps_the_client_error() {
 /// publish's error says so (not temporary) and keeps librdkafka's error.
 #[tokio::test]
 async fn a_record_too_large_is_permanent_and_keeps_the_client_error() {
-    let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
+    let brokers = keyorder_testkit::brokers::Broker::Kafka.url();
     let url = format!("kafka://{brokers}?partitions=2").parse().unwrap();
     let client = keyorder_core::Client::new(std::sync::Arc::new(KafkaTransport::from_url(&url).await.unwrap()));
     let category = format!("errors-{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);

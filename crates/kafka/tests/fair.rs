@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keyorder_core::{Client, KeySource, Message};
-use keyorder_kafka::{partition_for, KafkaTransport};
+use keyorder_kafka::partition_for;
 
 const PER_KEY: usize = 300;
 
@@ -31,9 +31,7 @@ fn key_in(p: i32) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_of_two_partitions_run_side_by_side_when_the_room_is_smaller_than_either_backlog() {
-    let t = KafkaTransport::from_url(&url().parse().unwrap())
-        .await
-        .expect("the test broker answers (run scripts/services)");
+    let t = common::connect(&url()).await;
     let client = Client::new(Arc::new(t));
     let category = format!("fair-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
     let keys = [key_in(0), key_in(1)];

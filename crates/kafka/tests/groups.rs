@@ -10,13 +10,10 @@ use std::time::Duration;
 
 use common::Recording;
 use keyorder_core::{Client, Error, KeySource, Message};
-use keyorder_kafka::KafkaTransport;
 
 async fn client() -> Client {
     let url = format!("kafka://{}?partitions=2&fetch_wait_ms=10", common::brokers());
-    let t = KafkaTransport::from_url(&url.parse().unwrap())
-        .await
-        .expect("the test broker answers (run scripts/services)");
+    let t = common::connect(&url).await;
     Client::new(Arc::new(t))
 }
 

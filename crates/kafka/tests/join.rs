@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keyorder_core::{Client, KeySource, Message};
-use keyorder_kafka::{partition_for, KafkaTransport};
+use keyorder_kafka::partition_for;
 
 /// Messages per partition.
 const PER_PARTITION: usize = 10;
@@ -22,9 +22,7 @@ fn url() -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_built_subscription_that_does_not_run_takes_no_partition() {
-    let t = KafkaTransport::from_url(&url().parse().unwrap())
-        .await
-        .expect("the test broker answers (run scripts/services)");
+    let t = common::connect(&url()).await;
     let client = Client::new(Arc::new(t));
     let category = format!("join-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
 

@@ -10,28 +10,15 @@ use std::time::Duration;
 
 use keyorder_core::{Client, Delivery, HandlerError, HandlerResult, HeadAction, KeySource, PoisonPolicy, RetryPolicy};
 use keyorder_kafka::KafkaTransport;
+use keyorder_testkit::until;
 
 fn url() -> String {
     format!("kafka://{}?partitions=2&fetch_wait_ms=10", common::brokers())
 }
 
 async fn client() -> Client {
-    let t = KafkaTransport::from_url(&url().parse().unwrap())
-        .await
-        .expect("the test broker answers (run scripts/services)");
+    let t = common::connect(&url()).await;
     Client::new(Arc::new(t))
-}
-
-async fn until<F, Fut>(what: &str, mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
-    while !cond().await {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// A foreign record's key that keyorder names by its text form (bytes that
@@ -112,10 +99,14 @@ async fn foreign_key_halts_and_resolves(name: &str, raw: Vec<u8>) {
     .await
     .expect("the resolve answers")
     .expect("the owner resolves it");
-    until(&format!("{name}: the key's later records to run"), || {
-        let seen = seen.clone();
-        async move { seen.lock().unwrap().len() >= 3 }
-    })
+    until(
+        &format!("{name}: the key's later records to run"),
+        Duration::from_secs(90),
+        || {
+            let seen = seen.clone();
+            async move { seen.lock().unwrap().len() >= 3 }
+        },
+    )
     .await;
     assert_eq!(*seen.lock().unwrap(), vec!["k-1", "k-3", "k-4"], "{name}");
     let _ = stop.send(());

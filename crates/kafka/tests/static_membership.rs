@@ -24,9 +24,7 @@ fn url(extra: &str) -> String {
 }
 
 async fn client(extra: &str) -> Client {
-    let t = KafkaTransport::from_url(&url(extra).parse().unwrap())
-        .await
-        .expect("the test broker answers (run scripts/services)");
+    let t = common::connect(&url(extra)).await;
     Client::new(Arc::new(t))
 }
 

@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{
-    async_trait, Admin, Capabilities, Client, Error, LeaseConfig, MemoryTransport, Message, PoisonPolicy, PublishFence, Result,
-    RetryPolicy, SourceSpec, Transport, TransportPublisher, TransportSource,
+    async_trait, Admin, Capabilities, Client, Error, LeaseConfig, MemoryTransport, Message, PoisonPolicy, PublishFence,
+    Result, RetryPolicy, SourceSpec, Transport, TransportPublisher, TransportSource,
 };
 use keyorder_outbox::sqlx;
 use keyorder_outbox::{Outbox, Outgoing, RecordState, RelayConfig, Staged};
@@ -208,10 +208,14 @@ async fn status_matches_the_table() {
     let relay = spawn_relay(outbox.relay(failing.client(), relay_cfg("r1")));
     // a, b, c (12) and h-1; then h halts on h-2 and the bad record is abandoned.
     consumer.wait_for(13).await;
-    until("key h held and the bad record abandoned", 30, || async {
-        let s = outbox.status().await.unwrap();
-        s.held_keys == 1 && s.abandoned == 1
-    })
+    until(
+        "key h held and the bad record abandoned",
+        Duration::from_secs(30),
+        || async {
+            let s = outbox.status().await.unwrap();
+            s.held_keys == 1 && s.abandoned == 1
+        },
+    )
     .await;
     // Age the waiting records by two minutes.
     sqlx::query(sqlx::AssertSqlSafe(format!(
@@ -264,10 +268,14 @@ async fn retention_deletes_only_published_records_in_batches() {
     let failing = Failing::new(broker.clone(), &["h-2"]);
     let relay = spawn_relay(outbox.relay(failing.client(), relay_cfg("r1")));
     consumer.wait_for(26).await;
-    until("key h held and the bad record abandoned", 30, || async {
-        let s = outbox.status().await.unwrap();
-        s.held_keys == 1 && s.abandoned == 1
-    })
+    until(
+        "key h held and the bad record abandoned",
+        Duration::from_secs(30),
+        || async {
+            let s = outbox.status().await.unwrap();
+            s.held_keys == 1 && s.abandoned == 1
+        },
+    )
     .await;
     relay.stop().await;
     assert_eq!(state_count(&outbox, &schema, "published").await, 26);
@@ -296,7 +304,7 @@ async fn retention_deletes_only_published_records_in_batches() {
     };
     let relay = spawn_relay(outbox.relay(failing.client(), cfg));
     consumer.wait_for(26 + 21).await;
-    until("every published record deleted", 30, || async {
+    until("every published record deleted", Duration::from_secs(30), || async {
         state_count(&outbox, &schema, "published").await == 0 && relay.stats.snapshot().published == 21
     })
     .await;
@@ -326,9 +334,11 @@ async fn retried_abandoned_records_are_published_in_order() {
     let a = spawn_relay(outbox.relay(strict, relay_cfg("a")));
     let staged = stage(&outbox, &category, &["retired", "other"], 3).await;
     consumer.wait_for(3).await;
-    until("the three records of `retired` abandoned", 30, || async {
-        outbox.status().await.unwrap().abandoned == 3
-    })
+    until(
+        "the three records of `retired` abandoned",
+        Duration::from_secs(30),
+        || async { outbox.status().await.unwrap().abandoned == 3 },
+    )
     .await;
     a.stop().await;
     let listed = outbox.abandoned(0, 100).await.unwrap();
@@ -360,9 +370,11 @@ async fn retried_abandoned_records_are_published_in_order() {
         assert_eq!((acted.seq, acted.was), (i, RecordState::Abandoned));
     }
     consumer.wait_for(7).await;
-    until("the retried records marked published", 30, || async {
-        state_count(&outbox, &schema, "published").await == 7
-    })
+    until(
+        "the retried records marked published",
+        Duration::from_secs(30),
+        || async { state_count(&outbox, &schema, "published").await == 7 },
+    )
     .await;
     assert_eq!(consumer.ids_of("retired"), ["retired-1", "retired-2", "retired-3"]);
     assert_eq!(consumer.guard.dropped(), 0);
@@ -399,7 +411,7 @@ async fn discard_releases_a_held_key_and_retry_resumes_one() {
     let failing = Failing::new(broker.clone(), &["p-2", "r-1"]);
     let staged = stage(&outbox, &category, &["p", "q", "r"], 3).await;
     let relay = spawn_relay(outbox.relay(failing.client(), relay_cfg("a")));
-    until("keys p and r held", 30, || async {
+    until("keys p and r held", Duration::from_secs(30), || async {
         outbox.status().await.unwrap().held_keys == 2
     })
     .await;
@@ -421,16 +433,22 @@ async fn discard_releases_a_held_key_and_retry_resumes_one() {
 
     let acted = outbox.discard(staged["p-2"].record_id).await.unwrap();
     assert_eq!(acted.was, RecordState::Held);
-    until("p-3 published", 30, || async { consumer.ids_of("p").len() == 2 }).await;
+    until("p-3 published", Duration::from_secs(30), || async {
+        consumer.ids_of("p").len() == 2
+    })
+    .await;
     assert_eq!(consumer.ids_of("p"), ["p-1", "p-3"]);
     assert_eq!(state_of(&outbox, &schema, staged["p-2"].record_id).await, "discarded");
 
     failing.fail.lock().unwrap().clear();
     let acted = outbox.retry(staged["r-1"].record_id).await.unwrap();
     assert_eq!(acted.was, RecordState::Held);
-    until("r published", 30, || async { consumer.ids_of("r").len() == 3 }).await;
+    until("r published", Duration::from_secs(30), || async {
+        consumer.ids_of("r").len() == 3
+    })
+    .await;
     assert_eq!(consumer.ids_of("r"), ["r-1", "r-2", "r-3"]);
-    until("nothing held or pending", 30, || async {
+    until("nothing held or pending", Duration::from_secs(30), || async {
         let status = outbox.status().await.unwrap();
         (status.held_keys, status.pending) == (0, 0)
     })
@@ -465,7 +483,7 @@ async fn halted_nul_keys_are_resumed_and_retried() {
     }
     tx.commit().await.unwrap();
     let relay = spawn_relay(outbox.relay(failing.client(), relay_cfg("a")));
-    until("both keys held", 30, || async {
+    until("both keys held", Duration::from_secs(30), || async {
         outbox.status().await.unwrap().held_keys == 2
     })
     .await;
@@ -479,14 +497,20 @@ async fn halted_nul_keys_are_resumed_and_retried() {
 
     failing.fail.lock().unwrap().clear();
     outbox.resume(&category, n_key).await.unwrap();
-    until("n published", 30, || async { consumer.ids_of(n_key).len() == 3 }).await;
+    until("n published", Duration::from_secs(30), || async {
+        consumer.ids_of(n_key).len() == 3
+    })
+    .await;
     assert_eq!(consumer.ids_of(n_key), ["n-1", "n-2", "n-3"]);
     let acted = outbox.retry(staged["z-1"].record_id).await.unwrap();
     assert_eq!(acted.was, RecordState::Held);
     assert_eq!(acted.label, keyorder_core::key::label(z_key));
-    until("z published", 30, || async { consumer.ids_of(z_key).len() == 3 }).await;
+    until("z published", Duration::from_secs(30), || async {
+        consumer.ids_of(z_key).len() == 3
+    })
+    .await;
     assert_eq!(consumer.ids_of(z_key), ["z-1", "z-2", "z-3"]);
-    until("nothing held or pending", 30, || async {
+    until("nothing held or pending", Duration::from_secs(30), || async {
         let status = outbox.status().await.unwrap();
         (status.held_keys, status.pending) == (0, 0)
     })
@@ -511,7 +535,7 @@ async fn a_parked_record_is_refused_out_of_order_and_discarded() {
     };
     let relay = spawn_relay(outbox.relay(failing.client(), cfg));
     consumer.wait_for(2).await;
-    until("s-2 parked", 30, || async {
+    until("s-2 parked", Duration::from_secs(30), || async {
         outbox.status().await.unwrap().parked == 1
     })
     .await;

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{
-    async_trait, Admin, Capabilities, Client, Error, LeaseConfig, MemoryTransport, Message, PoisonPolicy, PublishFence, Result,
-    RetryPolicy, SourceSpec, Transport, TransportPublisher, TransportSource,
+    async_trait, Admin, Capabilities, Client, Error, LeaseConfig, MemoryTransport, Message, PoisonPolicy, PublishFence,
+    Result, RetryPolicy, SourceSpec, Transport, TransportPublisher, TransportSource,
 };
 use keyorder_outbox::sqlx;
 use keyorder_outbox::{AppliedStore, MemoryApplied, Outbox, OutboxConfig, Outgoing, PgApplied, RelayConfig};
@@ -21,7 +21,7 @@ mod common;
 use common::*;
 
 fn redis_url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+    Broker::Redis.url()
 }
 
 /// A fresh, migrated outbox in a schema of its own.
@@ -178,7 +178,7 @@ async fn sequence_is_commit_order_with_concurrent_stagers() {
         t_b.commit().await.unwrap();
         staged
     });
-    until("B to wait on the counter row", 30, || {
+    until("B to wait on the counter row", Duration::from_secs(30), || {
         let pool = pool.clone();
         let schema = schema.clone();
         async move {
@@ -214,7 +214,7 @@ async fn sequence_is_commit_order_with_concurrent_stagers() {
     let client = Client::memory();
     let consumer = consume(&client, &category, lease()).await;
     let relay = spawn_relay(outbox.relay(client.clone(), relay_cfg("r1")));
-    until("the relay to hold back seq 2", 30, || async {
+    until("the relay to hold back seq 2", Duration::from_secs(30), || async {
         relay.stats.snapshot().blocked >= 1
     })
     .await;
@@ -249,7 +249,7 @@ async fn stage_many_takes_counters_in_key_order() {
         t2.commit().await.unwrap();
         staged
     });
-    until("T2 to wait on a's counter", 30, || {
+    until("T2 to wait on a's counter", Duration::from_secs(30), || {
         let pool = pool.clone();
         let schema = schema.clone();
         async move {
@@ -311,9 +311,10 @@ async fn relays_to_postgres_in_per_key_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relays_to_redis_in_per_key_order() {
-    let transport = keyorder_redis::RedisTransport::from_url(&redis_url().parse().unwrap())
-        .await
-        .expect("Redis must be reachable (run scripts/services)");
+    let url = redis_url();
+    let transport = Broker::Redis
+        .require(&url, keyorder_redis::RedisTransport::from_url(&url.parse().unwrap()))
+        .await;
     end_to_end(Client::new(Arc::new(transport)), &unique("redis-")).await;
 }
 
@@ -466,7 +467,10 @@ async fn two_relays_never_publish_one_key_at_once() {
     let (wa, wb) = (Wrap::new(broker.clone(), "a"), Wrap::new(broker.clone(), "b"));
     let a = spawn_relay(outbox.relay(wa.client(), relay_cfg("a")));
     let b = spawn_relay(outbox.relay(wb.client(), relay_cfg("b")));
-    until("both relays to hold slots", 30, || owners_is(&outbox, &schema, 2)).await;
+    until("both relays to hold slots", Duration::from_secs(30), || {
+        owners_is(&outbox, &schema, 2)
+    })
+    .await;
     let expected = stage_load(&outbox, &category, 12, 20).await;
     consumer.wait_for(12 * 20).await;
     a.stop().await;
@@ -547,13 +551,15 @@ async fn a_stalled_relay_is_fenced_and_its_late_publish_dropped() {
     assert_eq!(applied, [1, 2, 3], "B published the key in order after taking over");
     // A wakes up: its publish reaches the broker late, its mark is fenced.
     hold.gate.add_permits(1);
-    until("the late publish to be dropped", 30, || async {
+    until("the late publish to be dropped", Duration::from_secs(30), || async {
         consumer.guard.dropped() >= 1
     })
     .await;
-    until("A's late confirmation to be refused", 30, || async {
-        a_stats.snapshot().fenced >= 1
-    })
+    until(
+        "A's late confirmation to be refused",
+        Duration::from_secs(30),
+        || async { a_stats.snapshot().fenced >= 1 },
+    )
     .await;
     assert_eq!(a_stats.snapshot().published, 0, "A marked nothing published");
     let by_b = count(
@@ -678,7 +684,7 @@ async fn an_invalid_key_inserted_by_raw_sql_is_abandoned_and_others_flow() {
     let consumer = consume(&client, &category, lease()).await;
     let relay = spawn_relay(outbox.relay(client.clone(), relay_cfg("r1")));
     consumer.wait_for(20).await;
-    until("both bad records abandoned", 30, || async {
+    until("both bad records abandoned", Duration::from_secs(30), || async {
         count(
             outbox.pool(),
             &format!("select count(*) from {schema}.records where state = 'abandoned' and reason like 'abandoned: invalid ordering key%'"),
@@ -731,7 +737,7 @@ async fn a_crashed_relay_loses_nothing() {
     let hold = Hold::new("key-3-4");
     wa.hold = Some(hold.clone());
     let a = spawn_relay(outbox.relay(wa.client(), relay_cfg("a")));
-    until("relay A to be inside a publish", 30, || async {
+    until("relay A to be inside a publish", Duration::from_secs(30), || async {
         hold.entered.load(Ordering::SeqCst)
     })
     .await;
@@ -786,7 +792,7 @@ async fn poison_parks_or_halts_by_policy() {
                 assert_eq!(p, ["p-1", "p-3"], "the key went on after the park");
             }
             PoisonPolicy::Halt => {
-                until("key p to halt", 30, || async {
+                until("key p to halt", Duration::from_secs(30), || async {
                     !outbox.halted().await.unwrap().is_empty()
                 })
                 .await;

@@ -3,23 +3,17 @@
 //! transaction id commits after another one; the consumer, which has already
 //! applied the other event, must still apply it (an id cursor would skip it).
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::url;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig};
-use keyorder_postgres::{slot_of, PgConfig, PgTransport};
-
-fn url() -> String {
-    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-async fn until(what: &str, cond: impl Fn() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while !cond() {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
+use keyorder_postgres::{slot_of, PgConfig};
+use keyorder_testkit::until;
 
 /// A transport on this file's schema (one slot), a client, a fresh queue
 /// (created with its slot count) and a plain pool for raw statements.
@@ -30,9 +24,7 @@ async fn fresh(prefix: &str) -> (Client, String, sqlx::PgPool) {
             .unwrap(),
     )
     .unwrap();
-    let transport = PgTransport::connect(cfg.clone())
-        .await
-        .expect("PostgreSQL must be reachable");
+    let transport = common::connect(cfg.clone()).await;
     let queue = format!("{prefix}-{}", uuid::Uuid::new_v4().simple());
     let client = Client::new(Arc::new(transport));
     // Creates the queue row (1 slot) so raw inserts are valid.
@@ -117,14 +109,19 @@ async fn a_late_commit_with_a_lower_id_is_not_skipped() {
     let (applied, stop, run) = consume(&client, &queue).await;
     // The other (committed) event is applied while the late transaction is
     // still open: the consumer's position is now past the late event's id ...
-    until("the committed event to be applied", || {
-        applied.lock().unwrap().contains(&"m-early".to_owned())
-    })
+    until(
+        "the committed event to be applied",
+        Duration::from_secs(60),
+        async || applied.lock().unwrap().contains(&"m-early".to_owned()),
+    )
     .await;
     assert_eq!(applied.lock().unwrap().len(), 1);
     // ... and the late commit must still be delivered.
     late.commit().await.unwrap();
-    until("both events applied", || applied.lock().unwrap().len() >= 2).await;
+    until("both events applied", Duration::from_secs(60), async || {
+        applied.lock().unwrap().len() >= 2
+    })
+    .await;
     let _ = stop.send(());
     run.await.unwrap().unwrap();
     let applied = applied.lock().unwrap().clone();
@@ -166,7 +163,10 @@ async fn transaction_ids_of_different_lengths_keep_a_keys_order() {
         .unwrap();
     }
     let (applied, stop, run) = consume(&client, &queue).await;
-    until("every event applied", || applied.lock().unwrap().len() >= txids.len()).await;
+    until("every event applied", Duration::from_secs(60), async || {
+        applied.lock().unwrap().len() >= txids.len()
+    })
+    .await;
     let _ = stop.send(());
     run.await.unwrap().unwrap();
     let applied = applied.lock().unwrap().clone();

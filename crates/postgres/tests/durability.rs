@@ -11,9 +11,9 @@ mod common;
 use common::url;
 
 async fn reported(url: &str) -> Vec<(String, String)> {
-    let t = PgTransport::from_url(&url.parse().unwrap())
-        .await
-        .expect("PostgreSQL must be reachable");
+    let t = keyorder_testkit::brokers::Broker::Postgres
+        .require(url, PgTransport::from_url(&url.parse().unwrap()))
+        .await;
     t.durability().await.unwrap()
 }
 

@@ -23,7 +23,7 @@ async fn a_refused_connection_is_temporary_and_keeps_the_sqlx_error() {
 
 #[tokio::test]
 async fn a_database_that_does_not_exist_is_permanent() {
-    let server = std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let server = keyorder_testkit::brokers::Broker::Postgres.url();
     let mut url: url::Url = server.parse().unwrap();
     url.set_path("/keyorder_no_such_database");
     let err = PgTransport::from_url(&url).await.unwrap_err();

@@ -10,11 +10,12 @@
 #[allow(dead_code)]
 mod common;
 
-use keyorder_core::raw::Room;
 use std::time::Duration;
 
+use keyorder_core::raw::Room;
 use keyorder_core::{Error, KeyRules, LeaseConfig, Message, SourceSpec, Transport};
 use keyorder_postgres::PgTransport;
+use keyorder_testkit::until;
 use sqlx::AssertSqlSafe;
 
 /// A member `instance` of group `g` of `queue`, with a 2 s lease.
@@ -38,6 +39,9 @@ fn queue(name: &str) -> String {
     format!("removal-{name}-{}", uuid::Uuid::new_v4().simple())
 }
 
+/// How long each poll of these tests waits.
+const WAIT: Duration = Duration::from_secs(60);
+
 fn deadline(secs: u64) -> tokio::time::Instant {
     tokio::time::Instant::now() + Duration::from_secs(secs)
 }
@@ -55,19 +59,17 @@ async fn lock_waiters(pool: &sqlx::PgPool, schema: &str) -> i64 {
 
 /// Polls until at least `n` statements naming `schema` wait on a lock.
 async fn until_waiting(pool: &sqlx::PgPool, schema: &str, n: i64, what: &str) {
-    let end = deadline(60);
-    while lock_waiters(pool, schema).await < n {
-        assert!(tokio::time::Instant::now() < end, "{what}: never waited on a lock");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until(&format!("{what} to wait on a lock"), WAIT, async || {
+        lock_waiters(pool, schema).await >= n
+    })
+    .await;
 }
 
 /// Polls until no member or slot lease of group `g` is live (the
 /// database's clock).
 async fn until_expired(t: &PgTransport, queue: &str) {
     let admin = t.admin();
-    let end = deadline(60);
-    loop {
+    until("the member's lease to expire", WAIT, async || {
         let members: usize = admin.groups(queue).await.unwrap().iter().map(|g| g.live_members).sum();
         let owned = admin
             .scopes(queue, "g")
@@ -76,29 +78,23 @@ async fn until_expired(t: &PgTransport, queue: &str) {
             .iter()
             .filter(|s| s.owner.is_some())
             .count();
-        if members == 0 && owned == 0 {
-            return;
-        }
-        assert!(tokio::time::Instant::now() < end, "the member's lease never expired");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        members == 0 && owned == 0
+    })
+    .await;
 }
 
 /// Polls `remove_group` until the group's members and leases expired:
 /// `Ok` once removed.
 async fn remove_once_expired(t: &PgTransport, queue: &str) {
     let admin = t.admin();
-    let end = deadline(60);
-    loop {
+    until("the group to be removable", WAIT, async || {
         match admin.remove_group(queue, "g").await {
-            Ok(()) => return,
-            Err(Error::Config(msg)) if msg.contains("is running") => {
-                assert!(tokio::time::Instant::now() < end, "never removable: {msg}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
+            Ok(()) => Ok(()),
+            Err(Error::Config(msg)) if msg.contains("is running") => Err(format!("never removable: {msg}")),
             Err(e) => panic!("removing the group: {e}"),
         }
-    }
+    })
+    .await;
 }
 
 async fn count(pool: &sqlx::PgPool, sql: String, queue: &str) -> i64 {
@@ -168,14 +164,10 @@ async fn a_group_is_not_removed_under_a_member_that_is_starting() {
     });
     // The removal runs until it finishes or waits (on the member's queue
     // row, or on the lock above).
-    let end = deadline(60);
-    while !removing.is_finished() && lock_waiters(&pool, schema).await < 2 {
-        assert!(
-            tokio::time::Instant::now() < end,
-            "the removal neither finished nor waited"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until("the removal to finish or wait", WAIT, async || {
+        removing.is_finished() || lock_waiters(&pool, schema).await >= 2
+    })
+    .await;
     hold.rollback().await.unwrap();
     let removed = removing.await.unwrap();
     let mut source = opening.await.unwrap().expect("the member starts");
@@ -523,20 +515,20 @@ async fn a_member_whose_slot_rows_are_gone_stops_with_an_error() {
         .execute(&pool)
         .await
         .unwrap();
-    let end = deadline(60);
-    loop {
-        match source.maintain().await {
+    let stopped = until(
+        "the member to stop without its slot rows",
+        WAIT,
+        async || match source.maintain().await {
             Ok(_) => {
-                assert!(
-                    tokio::time::Instant::now() < end,
-                    "the member ran on without its slot rows"
-                );
                 source
                     .fetch(&Room::up_to(10), Duration::from_millis(100))
                     .await
                     .unwrap();
+                None
             }
-            r => break config_removed(r, "slot rows gone"),
-        }
-    }
+            r => Some(r),
+        },
+    )
+    .await;
+    config_removed(stopped, "slot rows gone")
 }

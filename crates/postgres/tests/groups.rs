@@ -9,10 +9,10 @@
 #[allow(dead_code)]
 mod common;
 
-use keyorder_core::raw::Room;
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
+use keyorder_core::raw::Room;
 use keyorder_core::{Error, Inbound, KeyRules, LeaseConfig, Message, SourceSpec, Transport, TransportSource};
 use keyorder_postgres::PgTransport;
 use sqlx::AssertSqlSafe;
@@ -107,7 +107,7 @@ async fn a_stopped_group_keeps_every_event_while_another_consumes_and_retention_
         .unwrap(),
     )
     .unwrap();
-    let t = PgTransport::connect(cfg).await.expect("PostgreSQL must be reachable");
+    let t = common::connect(cfg).await;
     let pool = sqlx::PgPool::connect(&common::url()).await.unwrap();
     let admin = t.admin();
     let q = queue("stopped");

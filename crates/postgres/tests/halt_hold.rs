@@ -4,25 +4,19 @@
 //! nothing widens to the slot.
 //! An operator skip then releases the held events in order.
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::url;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{
     Client, Delivery, HandlerError, HandlerResult, HeadAction, KeySource, LeaseConfig, Message, RetryPolicy,
 };
-use keyorder_postgres::{PgConfig, PgTransport};
-
-fn url() -> String {
-    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-async fn until(what: &str, mut cond: impl AsyncFnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while !cond().await {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
+use keyorder_postgres::PgConfig;
+use keyorder_testkit::until;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_halted_key_is_held_at_the_database_and_its_slot_keeps_going() {
@@ -33,11 +27,7 @@ async fn a_halted_key_is_held_at_the_database_and_its_slot_keeps_going() {
             .unwrap(),
     )
     .unwrap();
-    let client = Client::new(Arc::new(
-        PgTransport::connect(cfg.clone())
-            .await
-            .expect("PostgreSQL must be reachable"),
-    ));
+    let client = Client::new(Arc::new(common::connect(cfg.clone()).await));
     let pool = sqlx::PgPool::connect(&cfg.url).await.unwrap();
     let queue = format!("hold-{}", uuid::Uuid::new_v4().simple());
     let publisher = client.publisher(&queue).await.unwrap();
@@ -119,9 +109,11 @@ async fn a_halted_key_is_held_at_the_database_and_its_slot_keeps_going() {
     let good_count =
         |seen: &Mutex<Vec<(String, String)>>| seen.lock().unwrap().iter().filter(|(k, _)| k != "bad").count();
     let admin = client.admin();
-    until("the good keys to finish while `bad` is halted", async || {
-        good_done(&seen, 2 * BAD_LATER) && admin.halted(&queue, "g").await.unwrap().len() == 1
-    })
+    until(
+        "the good keys to finish while `bad` is halted",
+        Duration::from_secs(60),
+        async || good_done(&seen, 2 * BAD_LATER) && admin.halted(&queue, "g").await.unwrap().len() == 1,
+    )
     .await;
     // Once it is halted, as many again arrive: with a per-key depth of 4,
     // a key held in memory would have paused the slot (and with it `a` and
@@ -138,7 +130,7 @@ async fn a_halted_key_is_held_at_the_database_and_its_slot_keeps_going() {
                 .unwrap();
         }
     }
-    until("the good keys to finish again", async || {
+    until("the good keys to finish again", Duration::from_secs(60), async || {
         good_done(&seen, 4 * BAD_LATER)
     })
     .await;
@@ -170,7 +162,7 @@ async fn a_halted_key_is_held_at_the_database_and_its_slot_keeps_going() {
     );
     // The operator skips the head: the held events run, in order.
     admin.resolve(&queue, "g", "bad", HeadAction::Skip).await.unwrap();
-    until("the held events to run", async || {
+    until("the held events to run", Duration::from_secs(60), async || {
         seen.lock().unwrap().iter().filter(|(k, _)| k == "bad").count() > 2 * BAD_LATER
     })
     .await;
@@ -183,7 +175,7 @@ async fn a_halted_key_is_held_at_the_database_and_its_slot_keeps_going() {
         .collect();
     let want: Vec<String> = (0..2 * BAD_LATER).map(|n| n.to_string()).collect();
     assert_eq!(bad, want, "released in order, each once");
-    until("nothing halted", async || {
+    until("nothing halted", Duration::from_secs(60), async || {
         admin.halted(&queue, "g").await.unwrap().is_empty()
     })
     .await;

@@ -7,11 +7,11 @@
 //! behind the reads and the one-by-one acquisitions lost the leases again
 //! and again (issue 34).
 
-use keyorder_core::raw::Room;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use keyorder_core::raw::Room;
 use keyorder_core::{LeaseConfig, LeaseState, Message, SourceSpec, Transport, TransportSource};
 use keyorder_postgres::{PgConfig, PgTransport};
 use keyorder_testkit::proxy::FaultProxy;

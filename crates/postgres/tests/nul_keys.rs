@@ -6,6 +6,7 @@
 //! (Both the key column and the key header, `jsonb`, hold the key's stored
 //! form: neither can hold NUL.)
 
+use common::url;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -15,7 +16,8 @@ use keyorder_core::{
     Client, Delivery, HandlerError, HandlerResult, HeadAction, KeyRules, KeySource, LeaseConfig, Message, RetryPolicy,
     SourceSpec, Transport, KEY_HEADER,
 };
-use keyorder_postgres::{PgConfig, PgTransport};
+use keyorder_postgres::PgConfig;
+use keyorder_testkit::until;
 
 // Shared set-up; this file uses only part of it.
 #[allow(dead_code)]
@@ -28,18 +30,6 @@ const KEYS: &[&str] = &["nul\u{0}key", "\u{0}", "\u{1}0", "\u{1}", "customer:42"
 const PER_KEY: usize = 5;
 /// The key halted on a poison message.
 const HALT_KEY: &str = "halt\u{0}me";
-
-fn url() -> String {
-    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-async fn until(what: &str, mut cond: impl AsyncFnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while !cond().await {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
 
 /// What the handler saw: (the delivery's key, the payload).
 type Seen = Arc<Mutex<Vec<(String, String)>>>;
@@ -54,11 +44,7 @@ async fn nul_and_escape_keys_are_delivered_under_their_own_key_in_order() {
             .unwrap(),
     )
     .unwrap();
-    let client = Client::new(Arc::new(
-        PgTransport::connect(cfg.clone())
-            .await
-            .expect("PostgreSQL must be reachable"),
-    ));
+    let client = Client::new(Arc::new(common::connect(cfg.clone()).await));
     let queue = format!("nul-{}", uuid::Uuid::new_v4().simple());
     let publisher = client.publisher(&queue).await.unwrap();
     // The payload names the key (its index) and the message's place in it.
@@ -117,9 +103,13 @@ async fn nul_and_escape_keys_are_delivered_under_their_own_key_in_order() {
     }));
 
     let admin = client.admin();
-    until("every message of the carried keys and the halt", async || {
-        seen.lock().unwrap().len() > KEYS.len() * PER_KEY && admin.halted(&queue, "g").await.unwrap().len() == 1
-    })
+    until(
+        "every message of the carried keys and the halt",
+        Duration::from_secs(60),
+        async || {
+            seen.lock().unwrap().len() > KEYS.len() * PER_KEY && admin.halted(&queue, "g").await.unwrap().len() == 1
+        },
+    )
     .await;
     // Each message under exactly its own key, each key in publish order.
     let mut per_key: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
@@ -157,9 +147,11 @@ async fn nul_and_escape_keys_are_delivered_under_their_own_key_in_order() {
         .resolve(&queue, "g", HALT_KEY, HeadAction::DeadLetter)
         .await
         .unwrap();
-    until("the held message to run under its key", async || {
-        seen.lock().unwrap().iter().any(|(k, b)| k == HALT_KEY && b == "after")
-    })
+    until(
+        "the held message to run under its key",
+        Duration::from_secs(60),
+        async || seen.lock().unwrap().iter().any(|(k, b)| k == HALT_KEY && b == "after"),
+    )
     .await;
     let dead = admin.dead_letters(&queue, "g").await.unwrap();
     assert_eq!(dead.len(), 1);
@@ -181,7 +173,7 @@ async fn the_plain_layout_carries_nul_keys() {
             .unwrap(),
     )
     .unwrap();
-    let transport = PgTransport::connect(cfg).await.expect("PostgreSQL must be reachable");
+    let transport = common::connect(cfg).await;
     let queue = format!("nulplain-{}", uuid::Uuid::new_v4().simple());
     // Through a client: its publisher stamps the key header too.
     let publisher = Client::new(Arc::new(transport.clone()))
@@ -236,9 +228,7 @@ async fn a_key_from_a_user_header_and_a_correlation_id_may_hold_nul() {
             .unwrap(),
     )
     .unwrap();
-    let client = Client::new(Arc::new(
-        PgTransport::connect(cfg).await.expect("PostgreSQL must be reachable"),
-    ));
+    let client = Client::new(Arc::new(common::connect(cfg).await));
     let queue = format!("nulh-{}", uuid::Uuid::new_v4().simple());
     let publisher = client.publisher(&queue).await.unwrap();
     let keys = ["t\u{0}1", "\u{1}1", "plain"];
@@ -284,7 +274,10 @@ async fn a_key_from_a_user_header_and_a_correlation_id_may_hold_nul() {
     let run = tokio::spawn(subscription.run(handler, async move {
         let _ = stopped.await;
     }));
-    until("every message", async || seen.lock().unwrap().len() >= 9).await;
+    until("every message", Duration::from_secs(60), async || {
+        seen.lock().unwrap().len() >= 9
+    })
+    .await;
     let _ = stop.send(());
     run.await.unwrap().unwrap();
     let mut order: BTreeMap<usize, Vec<usize>> = BTreeMap::new();

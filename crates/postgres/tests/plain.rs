@@ -4,11 +4,12 @@
 //! stale consumer's acknowledgement is fenced; a renewed lock is kept; park
 //! moves the row to `dead`; dropped and closed deliveries go back at once.
 
-use keyorder_core::raw::Room;
+use common::url;
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use keyorder_core::raw::Room;
 use keyorder_core::{
     Client, Delivery, Error, HandlerResult, KeyRules, LeaseConfig, Message, SourceSpec, Transport, TransportPublisher,
 };
@@ -20,10 +21,6 @@ mod common;
 use common::take;
 
 const SCHEMA: &str = "keyorder_plain";
-
-fn url() -> String {
-    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
 
 fn config() -> PgConfig {
     let cfg = PgConfig::from_url(
@@ -37,9 +34,7 @@ fn config() -> PgConfig {
 }
 
 async fn transport() -> PgTransport {
-    PgTransport::connect(config())
-        .await
-        .expect("PostgreSQL must be reachable")
+    common::connect(config()).await
 }
 
 fn queue(name: &str) -> String {

@@ -3,6 +3,7 @@
 //! the next owner; what it never read starts at attempt 1; a retry is
 //! recorded before it runs.
 
+use common::url;
 use std::time::Duration;
 
 use keyorder_core::{Inbound, KeyRules, LeaseConfig, Message, SourceSpec, Transport};
@@ -12,10 +13,6 @@ use keyorder_postgres::{PgConfig, PgTransport};
 #[allow(dead_code)]
 mod common;
 use common::take;
-
-fn url() -> String {
-    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
 
 fn spec(queue: &str, instance: &str) -> SourceSpec {
     SourceSpec {
@@ -45,9 +42,7 @@ async fn what_a_dead_owner_read_counts_as_one_attempt() {
             .unwrap(),
     )
     .unwrap();
-    let first = PgTransport::connect(cfg.clone())
-        .await
-        .expect("PostgreSQL must be reachable");
+    let first = common::connect(cfg.clone()).await;
     let queue = format!("mark-{}", uuid::Uuid::new_v4().simple());
     let publisher = first.publisher(&queue).await.unwrap();
     for n in 0..4 {

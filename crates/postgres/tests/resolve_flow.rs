@@ -7,6 +7,11 @@
 //! consults, and its message ran again behind the key's next one
 //! (`b1, b2, b1`).
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::url;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -16,18 +21,7 @@ use keyorder_core::{
     Admin, Client, Delivery, HandlerError, HandlerResult, HeadAction, KeySource, LeaseConfig, Message, RetryPolicy,
 };
 use keyorder_postgres::{PgConfig, PgTransport};
-
-fn url() -> String {
-    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-async fn until(what: &str, mut cond: impl AsyncFnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
-    while !cond().await {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
+use keyorder_testkit::until;
 
 /// Healthy keys sharing the poison key's slot (one slot: all of them).
 const HEALTHY: usize = 16;
@@ -46,11 +40,7 @@ async fn resolving_a_halt_under_flow_never_runs_an_acknowledged_message_again() 
             .unwrap(),
     )
     .unwrap();
-    let client = Client::new(Arc::new(
-        PgTransport::connect(cfg.clone())
-            .await
-            .expect("PostgreSQL must be reachable"),
-    ));
+    let client = Client::new(Arc::new(common::connect(cfg.clone()).await));
     // The operator works through a transport of its own, as from another process.
     let admin: Arc<dyn Admin> = Client::new(Arc::new(PgTransport::connect(cfg).await.unwrap())).admin();
     let queue = format!("resolve-{}", uuid::Uuid::new_v4().simple());
@@ -144,25 +134,31 @@ async fn resolving_a_halt_under_flow_never_runs_an_acknowledged_message_again() 
     // The operator: waits for the poison key's halt, resolves it, and again.
     let actions = [HeadAction::Skip, HeadAction::Resume, HeadAction::DeadLetter];
     for round in 0..ROUNDS {
-        until(&format!("the poison key's halt #{round}"), async || {
-            admin.halted(&queue, "g").await.unwrap().len() == 1
-        })
+        until(
+            &format!("the poison key's halt #{round}"),
+            Duration::from_secs(90),
+            async || admin.halted(&queue, "g").await.unwrap().len() == 1,
+        )
         .await;
         admin.resolve(&queue, "g", "p", actions[round % 3]).await.unwrap();
     }
     publishing.store(false, Ordering::Relaxed);
     let seqs = flow.await.unwrap();
-    until("every healthy message to be applied", async || {
-        let applied = healthy.lock().unwrap();
-        (0..HEALTHY).all(|i| {
-            applied
-                .get(&i)
-                .is_some_and(|s| s.iter().copied().collect::<HashSet<_>>().len() as u64 == seqs)
-        })
-    })
+    until(
+        "every healthy message to be applied",
+        Duration::from_secs(90),
+        async || {
+            let applied = healthy.lock().unwrap();
+            (0..HEALTHY).all(|i| {
+                applied
+                    .get(&i)
+                    .is_some_and(|s| s.iter().copied().collect::<HashSet<_>>().len() as u64 == seqs)
+            })
+        },
+    )
     .await;
     // The poison key halted again behind the last resolution.
-    until("the poison key's last halt", async || {
+    until("the poison key's last halt", Duration::from_secs(90), async || {
         admin.halted(&queue, "g").await.unwrap().len() == 1
     })
     .await;

@@ -1,15 +1,16 @@
 //! Retention on the real server: events every group passed are deleted in
 //! bounded batches; a halted key's head and the events behind it are kept.
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::url;
 use std::sync::Arc;
 use std::time::Duration;
 
 use keyorder_core::{Client, Delivery, HandlerError, HandlerResult, KeySource, LeaseConfig, Message, RetryPolicy};
-use keyorder_postgres::{PgConfig, PgTransport};
-
-fn url() -> String {
-    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
+use keyorder_postgres::PgConfig;
 
 async fn count(pool: &sqlx::PgPool, sql: &'static str, queue: &str) -> i64 {
     sqlx::query_scalar(sql).bind(queue).fetch_one(pool).await.unwrap()
@@ -26,11 +27,7 @@ async fn passed_events_are_deleted_and_a_halted_key_is_kept() {
         .unwrap(),
     )
     .unwrap();
-    let client = Client::new(Arc::new(
-        PgTransport::connect(cfg.clone())
-            .await
-            .expect("PostgreSQL must be reachable"),
-    ));
+    let client = Client::new(Arc::new(common::connect(cfg.clone()).await));
     let pool = sqlx::PgPool::connect(&cfg.url).await.unwrap();
     let queue = format!("ret-{}", uuid::Uuid::new_v4().simple());
     let publisher = client.publisher(&queue).await.unwrap();

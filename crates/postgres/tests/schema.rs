@@ -2,13 +2,14 @@
 //! many processes start together, recorded per schema; the slot count held
 //! per queue and per consumer group; the pooler options checked up front.
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::url;
 use futures::future::join_all;
 use keyorder_core::{Error, KeyRules, LeaseConfig, SourceSpec, Transport};
 use keyorder_postgres::{PgConfig, PgTransport};
-
-fn url() -> String {
-    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
 
 fn config(query: &str) -> PgConfig {
     PgConfig::from_url(&format!("{}?{query}", url()).parse().unwrap()).unwrap()
@@ -62,9 +63,7 @@ fn spec(queue: &str, group: &str) -> SourceSpec {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_different_slot_count_is_refused_for_the_queue_and_for_a_group() {
-    let t4 = PgTransport::connect(config("schema=keyorder_schema_test&slots=4&migrate=true"))
-        .await
-        .expect("PostgreSQL must be reachable");
+    let t4 = common::connect(config("schema=keyorder_schema_test&slots=4&migrate=true")).await;
     let queue = format!("n-{}", uuid::Uuid::new_v4().simple());
     t4.publisher(&queue).await.unwrap();
     let first = spec(&queue, "g");
@@ -133,9 +132,7 @@ fn a_transaction_pooler_needs_a_direct_url() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fenced_publish_with_a_lower_token_is_refused_and_stores_nothing() {
     let schema = format!("ko_fence_{}", &uuid::Uuid::new_v4().simple().to_string()[..16]);
-    let t = PgTransport::connect(config(&format!("schema={schema}")))
-        .await
-        .expect("PostgreSQL must be reachable");
+    let t = common::connect(config(&format!("schema={schema}"))).await;
     t.migrate().await.unwrap();
     let client = keyorder_core::Client::new(std::sync::Arc::new(t));
     let publisher = client.publisher("orders").await.unwrap();

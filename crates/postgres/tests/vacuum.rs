@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use keyorder_core::{Message, Transport};
-use keyorder_postgres::{PgConfig, PgTransport};
+use keyorder_postgres::PgConfig;
 use sqlx::Row;
 
 // Shared set-up; this file uses only part of it.
@@ -75,7 +75,7 @@ async fn vacuum_reclaims_the_dead_rows_of_a_deleted_queue() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vacuum_of_a_schema_without_tables_names_the_fix() {
     let cfg = PgConfig::from_url(&format!("{}?schema=keyorder_never_migrated", url()).parse().unwrap()).unwrap();
-    let t = PgTransport::connect(cfg).await.expect("PostgreSQL must be reachable");
+    let t = common::connect(cfg).await;
     let e = t.vacuum().await.expect_err("no tables to vacuum");
     assert!(e.to_string().contains("migrate()"), "{e}");
 }

@@ -10,20 +10,21 @@
 //! the proxy cuts every connection, `1` is released; after the worker
 //! reconnects, nothing of the key may start below what already started.
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::base;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig, Message};
-use keyorder_rabbitmq::RabbitTransport;
 use keyorder_testkit::proxy::FaultProxy;
+use keyorder_testkit::until;
 use tokio::sync::Notify;
 use tokio::time::Instant;
-
-fn base() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
 
 const SAC: &str = "topology=sac&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000";
 const HASH: &str = "topology=hash&queues=1&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000";
@@ -45,19 +46,8 @@ fn upstream() -> SocketAddr {
 }
 
 async fn client(url: &str) -> Client {
-    let t = RabbitTransport::from_url(&url.parse().unwrap())
-        .await
-        .expect("RabbitMQ must be reachable (run scripts/services)");
+    let t = common::connect(url).await;
     Client::new(Arc::new(t))
-}
-
-/// Polls `cond` every 20 ms until it holds, failing after `secs` seconds.
-async fn wait_for(what: &str, secs: u64, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !cond() {
-        assert!(Instant::now() < deadline, "{what}: not within {secs} s");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 async fn acknowledged_before_the_next_starts(options: &str) {
@@ -102,7 +92,10 @@ async fn acknowledged_before_the_next_starts(options: &str) {
     let p = direct.publisher(&cat).await.unwrap();
     p.publish(Message::new("100").with_key("warm-key").unwrap()).await.ok();
     let warm = starts.clone();
-    wait_for("the worker to consume", 60, || !warm.lock().unwrap().is_empty()).await;
+    until("the worker to consume", Duration::from_secs(60), async || {
+        !warm.lock().unwrap().is_empty()
+    })
+    .await;
     starts.lock().unwrap().clear();
     proxy.latency(Duration::from_secs(2));
     for s in 0..2u32 {
@@ -111,16 +104,21 @@ async fn acknowledged_before_the_next_starts(options: &str) {
             .unwrap();
     }
     let h = holding.clone();
-    wait_for("the second message to start", 60, || h.load(Ordering::SeqCst)).await;
+    until("the second message to start", Duration::from_secs(60), async || {
+        h.load(Ordering::SeqCst)
+    })
+    .await;
     proxy.cut();
     proxy.latency(Duration::ZERO);
     release.notify_one();
     // After the reconnection `1` comes again (its acknowledgement failed with
     // the connection); had `0`'s been lost, `0` would come before it.
     let again = starts.clone();
-    wait_for("the key's messages after the reconnection", 90, || {
-        again.lock().unwrap().iter().filter(|s| **s == 1).count() >= 2
-    })
+    until(
+        "the key's messages after the reconnection",
+        Duration::from_secs(90),
+        async || again.lock().unwrap().iter().filter(|s| **s == 1).count() >= 2,
+    )
     .await;
     let seen = starts.lock().unwrap().clone();
     let _ = stop.send(());
@@ -206,7 +204,10 @@ async fn a_silent_link_past_the_acknowledgement_wait_does_not_wedge_the_queue() 
     let p = direct.publisher(&cat).await.unwrap();
     p.publish(Message::new("warm").with_key("warm").unwrap()).await.unwrap();
     let (w, s) = (starts.clone(), settled.clone());
-    wait_for("the warm-up message to settle", 60, || !s.lock().unwrap().is_empty()).await;
+    until("the warm-up message to settle", Duration::from_secs(60), async || {
+        !s.lock().unwrap().is_empty()
+    })
+    .await;
     assert_eq!(w.lock().unwrap().len(), 1);
     for k in 0..HELD {
         p.publish(Message::new(format!("hold-{k}")).with_key(format!("k{k}")).unwrap())
@@ -214,15 +215,18 @@ async fn a_silent_link_past_the_acknowledgement_wait_does_not_wedge_the_queue() 
             .unwrap();
     }
     let h = starts.clone();
-    wait_for("every held handler to start", 60, || h.lock().unwrap().len() > HELD).await;
+    until("every held handler to start", Duration::from_secs(60), async || {
+        h.lock().unwrap().len() > HELD
+    })
+    .await;
     proxy.blackhole(true);
     let silent_at = Instant::now();
     release.notify_waiters();
     let s = settled.clone();
-    wait_for(
+    until(
         "the held messages' settles to end (30 s: each waits at most 10 s)",
-        30,
-        || s.lock().unwrap().len() > HELD,
+        Duration::from_secs(30),
+        async || s.lock().unwrap().len() > HELD,
     )
     .await;
     let last = settled.lock().unwrap().iter().map(|(_, at)| *at).max().unwrap();
@@ -234,9 +238,11 @@ async fn a_silent_link_past_the_acknowledgement_wait_does_not_wedge_the_queue() 
             .unwrap();
     }
     let a = starts.clone();
-    wait_for("both messages after the silence to start", 90, || {
-        a.lock().unwrap().iter().filter(|s| s.starts_with("after")).count() >= 2
-    })
+    until(
+        "both messages after the silence to start",
+        Duration::from_secs(90),
+        async || a.lock().unwrap().iter().filter(|s| s.starts_with("after")).count() >= 2,
+    )
     .await;
     let _ = stop.send(());
     let _ = tokio::time::timeout(Duration::from_secs(30), run).await;

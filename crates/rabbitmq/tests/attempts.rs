@@ -5,6 +5,11 @@
 //! the fix: `second` was halted after one attempt; the counts were
 //! `[1, 2, 5]` and `[1, 3, 4]`.)
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::base;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -14,10 +19,7 @@ use keyorder_core::{
     RetryPolicy,
 };
 use keyorder_rabbitmq::RabbitTransport;
-
-fn base() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
+use keyorder_testkit::instance::wait_until;
 
 fn url() -> String {
     format!(
@@ -37,17 +39,6 @@ fn lease() -> LeaseConfig {
         heartbeat: Duration::from_millis(500),
         margin: Duration::from_millis(1500),
     }
-}
-
-async fn until<F: FnMut() -> bool>(secs: u64, mut cond: F) -> bool {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
-    while !cond() {
-        if tokio::time::Instant::now() > deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    true
 }
 
 type Log = Arc<Mutex<BTreeMap<String, Vec<u32>>>>;
@@ -118,7 +109,11 @@ async fn a_skipped_heads_count_is_forgotten_and_the_next_message_with_its_id_cou
     p.publish(Message::new("second").with_key("p").unwrap().with_id(id.clone()))
         .await
         .unwrap();
-    let ok = until(20, || log.lock().unwrap().get("second").is_some_and(|a| a.len() >= 2)).await;
+    let ok = wait_until("second's two attempts", Duration::from_secs(20), async || {
+        log.lock().unwrap().get("second").is_some_and(|a| a.len() >= 2)
+    })
+    .await
+    .is_ok();
     let halted = admin.halted(&category, "g").await.unwrap_or_default();
     let seen = log.lock().unwrap().clone();
     let _ = stop.send(());
@@ -180,7 +175,7 @@ async fn messages_of_two_keys_sharing_a_message_id_keep_counts_of_their_own() {
             .await
             .unwrap();
     }
-    until(20, || {
+    let _ = wait_until("two keys with three attempts", Duration::from_secs(20), async || {
         log.lock().unwrap().values().filter(|v| v.len() >= 3).count() == 2
     })
     .await;

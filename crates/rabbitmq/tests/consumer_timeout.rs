@@ -3,23 +3,22 @@
 //! where that cannot happen unannounced. From 3.11.15 on each consumer sets
 //! its own timeout; before, the URL must state the broker's setting.
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::base;
 use std::sync::Arc;
 
 use keyorder_core::{Client, Error, KeySource};
 use keyorder_rabbitmq::RabbitTransport;
-
-fn base() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
 
 async fn transport(options: &str) -> RabbitTransport {
     let url = format!(
         "{}?topology=hash&queues=2&queue_type=classic&expires_ms=60000{options}",
         base()
     );
-    RabbitTransport::from_url(&url.parse().unwrap())
-        .await
-        .expect("RabbitMQ must be reachable (run scripts/services)")
+    common::connect(&url).await
 }
 
 async fn build(t: RabbitTransport, category: &str) -> keyorder_core::Result<()> {

@@ -5,6 +5,11 @@
 //! arguments differ, so a redeclaration with exactly the pinned arguments
 //! succeeding, and one without the limit failing, shows what the queue has.
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::base;
 use std::sync::Arc;
 
 use keyorder_core::{Client, Message};
@@ -13,19 +18,11 @@ use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Connection, ConnectionProperties};
 
-fn base() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
-
 const OPTIONS: &str = "topology=sac&queue_type=quorum&expires_ms=600000&consumer_timeout_ms=3600000&groups=g";
 
 async fn client() -> (Client, Arc<RabbitTransport>) {
     let url = format!("{}?{OPTIONS}", base());
-    let t = Arc::new(
-        RabbitTransport::from_url(&url.parse().unwrap())
-            .await
-            .expect("RabbitMQ must be reachable (run scripts/services)"),
-    );
+    let t = Arc::new(common::connect(&url).await);
     (Client::new(t.clone()), t)
 }
 

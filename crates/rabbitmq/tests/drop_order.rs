@@ -8,11 +8,15 @@
 //! key's later messages while the dropped channel still held the earlier
 //! ones (the model's CANCEL_BEFORE_CLOSE, `verification/rabbitmq.pml`).
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig, Message};
-use keyorder_rabbitmq::RabbitTransport;
+use keyorder_testkit::until;
 use tokio::time::Instant;
 
 /// Three times the prefetch (`prefetch=10` below): the standby has later
@@ -20,24 +24,13 @@ use tokio::time::Instant;
 const N: u32 = 30;
 
 fn url(options: &str) -> String {
-    let base = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let base = keyorder_testkit::brokers::Broker::RabbitMq.url();
     format!("{base}?{options}")
 }
 
 async fn client(url: &str) -> Client {
-    let t = RabbitTransport::from_url(&url.parse().unwrap())
-        .await
-        .expect("RabbitMQ must be reachable (run scripts/services)");
+    let t = common::connect(url).await;
     Client::new(Arc::new(t))
-}
-
-/// Polls `cond` every 20 ms until it holds, failing after `secs` seconds.
-async fn wait_for(what: &str, secs: u64, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !cond() {
-        assert!(Instant::now() < deadline, "{what}: not within {secs} s");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 fn lease() -> LeaseConfig {
@@ -84,9 +77,11 @@ async fn dropped_owner_hands_the_key_on_in_order(options: &str) {
             .unwrap();
     }
     let seen = started_a.clone();
-    wait_for("A to start the key's first message", 60, || {
-        !seen.lock().unwrap().is_empty()
-    })
+    until(
+        "A to start the key's first message",
+        Duration::from_secs(60),
+        async || !seen.lock().unwrap().is_empty(),
+    )
     .await;
     assert_eq!(
         started_a.lock().unwrap().as_slice(),

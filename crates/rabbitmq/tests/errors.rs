@@ -21,7 +21,7 @@ async fn a_refused_connection_is_temporary_and_keeps_the_lapin_error() {
 
 #[tokio::test]
 async fn a_refused_login_is_permanent_and_its_password_not_shown() {
-    let base = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let base = keyorder_testkit::brokers::Broker::RabbitMq.url();
     let mut url: url::Url = format!("{base}?consumer_timeout_ms=3600000").parse().unwrap();
     url.set_password(Some("s3cretPw-wrong")).unwrap();
     let err = RabbitTransport::from_url(&url).await.unwrap_err();

@@ -11,23 +11,24 @@
 //!   margin`) + 1 s (the AMQP heartbeat is half the self-fence's freshness),
 //!   not 2 to 3 TTLs.
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::base;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig, Message};
-use keyorder_rabbitmq::RabbitTransport;
+use keyorder_testkit::until;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 use tokio::time::Instant;
-
-fn base() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
 
 const OPTIONS: &str = "topology=sac&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000";
 const HASH: &str = "topology=hash&queues=2&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000";
@@ -53,23 +54,12 @@ fn upstream() -> SocketAddr {
 }
 
 async fn client(url: &str) -> Client {
-    let t = RabbitTransport::from_url(&url.parse().unwrap())
-        .await
-        .expect("RabbitMQ must be reachable (run scripts/services)");
+    let t = common::connect(url).await;
     Client::new(Arc::new(t))
 }
 
 fn category(prefix: &str) -> String {
     format!("{prefix}-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
-}
-
-/// Polls `cond` every 20 ms until it holds, failing after `secs` seconds.
-async fn wait_for(what: &str, secs: u64, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !cond() {
-        assert!(Instant::now() < deadline, "{what}: not within {secs} s");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// `(key * 1000 + seq, token, started after the fault)` per handler start.
@@ -313,7 +303,10 @@ async fn a_cut_connection_loses_its_lease_at_once() {
                 .unwrap();
         }
     }
-    wait_for("a handler to hold its message", 30, || holding.load(Ordering::SeqCst)).await;
+    until("a handler to hold its message", Duration::from_secs(30), async || {
+        holding.load(Ordering::SeqCst)
+    })
+    .await;
     let before: Vec<u64> = w.starts.lock().unwrap().iter().map(|(_, t, _)| *t).collect();
     faulted.store(true, Ordering::SeqCst);
     proxy.cut();
@@ -338,10 +331,14 @@ async fn a_cut_connection_loses_its_lease_at_once() {
     }
     release.notify_waiters();
     proxy.up();
-    wait_for("every message to be applied after the cut", 60, || {
-        let s = w.starts.lock().unwrap();
-        (0..KEYS).all(|k| (0..SEQS).all(|q| s.iter().any(|(seq, _, after)| *seq == k * 1000 + q && *after)))
-    })
+    until(
+        "every message to be applied after the cut",
+        Duration::from_secs(60),
+        async || {
+            let s = w.starts.lock().unwrap();
+            (0..KEYS).all(|k| (0..SEQS).all(|q| s.iter().any(|(seq, _, after)| *seq == k * 1000 + q && *after)))
+        },
+    )
     .await;
     let late = w
         .starts
@@ -384,7 +381,10 @@ async fn a_blackholed_owner_is_taken_over_within_about_one_ttl() {
     )
     .await;
     publish(&direct, &cat, 0..4).await;
-    wait_for("the first owner to hold seq 0", 30, || holding.load(Ordering::SeqCst)).await;
+    until("the first owner to hold seq 0", Duration::from_secs(30), async || {
+        holding.load(Ordering::SeqCst)
+    })
+    .await;
     let b = worker(
         &url_at(None),
         &cat,
@@ -396,7 +396,7 @@ async fn a_blackholed_owner_is_taken_over_within_about_one_ttl() {
     .await;
     let opened = Instant::now();
     proxy.hole.store(true, Ordering::SeqCst);
-    wait_for("the second owner to take over", 30, || {
+    until("the second owner to take over", Duration::from_secs(30), async || {
         !b.starts.lock().unwrap().is_empty()
     })
     .await;
@@ -440,7 +440,7 @@ async fn a_skewed_clock_does_not_lower_the_token() {
     )
     .await;
     publish(&direct, &cat, 0..1).await;
-    wait_for("the first owner to apply seq 0", 30, || {
+    until("the first owner to apply seq 0", Duration::from_secs(30), async || {
         !a.starts.lock().unwrap().is_empty()
     })
     .await;
@@ -495,7 +495,7 @@ async fn skewed_child() {
         Arc::new(AtomicBool::new(false)),
     )
     .await;
-    wait_for("the skewed owner to apply seq 1", 60, || {
+    until("the skewed owner to apply seq 1", Duration::from_secs(60), async || {
         w.starts.lock().unwrap().iter().any(|(s, _, _)| *s == 1)
     })
     .await;

@@ -3,6 +3,7 @@
 //! key is ordered by it; a header key source may name an `x-` header; a
 //! keyorder-published keyless message stays keyless.
 
+use common::base;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,20 +15,13 @@ use keyorder_core::{Client, Delivery, HandlerResult, KeySource, Message};
 use keyorder_rabbitmq::lapin::options::BasicPublishOptions;
 use keyorder_rabbitmq::lapin::types::{AMQPValue, FieldTable, ShortString};
 use keyorder_rabbitmq::lapin::{BasicProperties, Connection, ConnectionProperties};
-use keyorder_rabbitmq::RabbitTransport;
 use tokio::time::Instant;
-
-fn base() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
 
 const HASH: &str = "topology=hash&queues=4&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000";
 const SAC: &str = "topology=sac&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000";
 
 async fn client(options: &str) -> Client {
-    let t = RabbitTransport::from_url(&format!("{}?{options}", base()).parse().unwrap())
-        .await
-        .expect("RabbitMQ must be reachable (run scripts/services)");
+    let t = common::connect(&format!("{}?{options}", base())).await;
     Client::new(Arc::new(t))
 }
 

@@ -2,6 +2,11 @@
 //! every message, in per-key order (each group has queues of its own behind
 //! the category's entry exchange).
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::base;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -12,10 +17,6 @@ use keyorder_rabbitmq::RabbitTransport;
 const KEYS: usize = 10;
 const PER_KEY: usize = 5;
 
-fn base() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
-
 fn url(topology: &str) -> String {
     // consumer_timeout_ms: what scripts/services configures.
     format!(
@@ -25,9 +26,7 @@ fn url(topology: &str) -> String {
 }
 
 async fn client(url: &str) -> Client {
-    let t = RabbitTransport::from_url(&url.parse().unwrap())
-        .await
-        .expect("RabbitMQ must be reachable (run scripts/services)");
+    let t = common::connect(url).await;
     Client::new(Arc::new(t))
 }
 

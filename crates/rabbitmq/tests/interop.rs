@@ -3,6 +3,7 @@
 //! order under keyorder, and keyorder's messages read back by it carry the
 //! key as routing key and `keyorder-key` header, the body untouched.
 
+use common::base;
 use std::collections::HashMap;
 use std::process::Command;
 use std::sync::Arc;
@@ -15,11 +16,6 @@ use keyorder_core::{Client, KeySource, Message};
 use keyorder_rabbitmq::lapin::options::{QueueBindOptions, QueueDeclareOptions};
 use keyorder_rabbitmq::lapin::types::FieldTable;
 use keyorder_rabbitmq::lapin::{Connection, ConnectionProperties};
-use keyorder_rabbitmq::RabbitTransport;
-
-fn base() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
 
 const HASH: &str = "topology=hash&queues=4&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000";
 
@@ -39,9 +35,7 @@ fn python(args: &[String]) -> String {
 }
 
 async fn client() -> Client {
-    let t = RabbitTransport::from_url(&format!("{}?{HASH}", base()).parse().unwrap())
-        .await
-        .expect("RabbitMQ must be reachable (run scripts/services)");
+    let t = common::connect(&format!("{}?{HASH}", base())).await;
     Client::new(Arc::new(t))
 }
 

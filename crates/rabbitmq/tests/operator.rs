@@ -4,35 +4,26 @@
 //! transport runs on every adapter as the conformance scenario
 //! `operator_from_another_transport`.
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig, Message};
 use keyorder_rabbitmq::RabbitTransport;
+use keyorder_testkit::until;
 
 fn url() -> String {
-    let base = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let base = keyorder_testkit::brokers::Broker::RabbitMq.url();
     // consumer_timeout_ms: what scripts/services configures.
     format!("{base}?topology=hash&queues=2&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000")
 }
 
 async fn client() -> Client {
-    let t = RabbitTransport::from_url(&url().parse().unwrap())
-        .await
-        .expect("RabbitMQ must be reachable (run scripts/services)");
+    let t = common::connect(&url()).await;
     Client::new(Arc::new(t))
-}
-
-async fn until<F, Fut>(what: &str, mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while !cond().await {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// Hot keys from another process: the consumers count, per key, the
@@ -88,7 +79,7 @@ async fn another_process_sees_the_keys_the_consumers_hold() {
             .await
             .unwrap();
     }
-    until("the flowing key to be applied", || async {
+    until("the flowing key to be applied", Duration::from_secs(60), || async {
         seen.lock().unwrap().iter().filter(|s| s.starts_with("flow-")).count() == 3
     })
     .await;
@@ -96,23 +87,27 @@ async fn another_process_sees_the_keys_the_consumers_hold() {
     let stuck = keyorder_core::key::label("stuck");
     // The stuck key's ten messages are delivered (one running, nine
     // waiting behind it); the flowing key's are settled.
-    until("the other transport to see the stuck key's ten deliveries", || async {
-        admin
-            .hot_keys(&category, "g", 10)
-            .await
-            .map(|h| h.len() == 1 && h[0].label == stuck && h[0].backlog == 10)
-            .unwrap_or(false)
-    })
+    until(
+        "the other transport to see the stuck key's ten deliveries",
+        Duration::from_secs(60),
+        || async {
+            admin
+                .hot_keys(&category, "g", 10)
+                .await
+                .map(|h| h.len() == 1 && h[0].label == stuck && h[0].backlog == 10)
+                .unwrap_or(false)
+        },
+    )
     .await;
     // The label, never the key itself.
     let hot = admin.hot_keys(&category, "g", 10).await.unwrap();
     assert!(hot.iter().all(|h| h.label != "stuck"), "{hot:?}");
     gate.add_permits(10);
-    until("the stuck key to be applied", || async {
+    until("the stuck key to be applied", Duration::from_secs(60), || async {
         seen.lock().unwrap().iter().filter(|s| s.starts_with("stuck-")).count() == 10
     })
     .await;
-    until("nothing held anywhere", || async {
+    until("nothing held anywhere", Duration::from_secs(60), || async {
         admin
             .hot_keys(&category, "g", 10)
             .await
@@ -167,7 +162,7 @@ async fn read_only_commands_create_nothing() {
     rabbitmqctl(&["add_vhost", &vhost]);
     let _cleanup = DeleteVhost(vhost.clone());
     rabbitmqctl(&["set_permissions", "-p", &vhost, "guest", ".*", ".*", ".*"]);
-    let base = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let base = keyorder_testkit::brokers::Broker::RabbitMq.url();
     let mut url: url::Url = format!("{base}?topology=hash&queues=2&queue_type=classic&consumer_timeout_ms=3600000")
         .parse()
         .unwrap();

@@ -7,21 +7,22 @@
 //! connection): the ghosts are ignored and reported, and a real second
 //! instance still joins.
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::base;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig, Message};
-use keyorder_rabbitmq::{Names, RabbitTransport};
+use keyorder_rabbitmq::Names;
 use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 
 const QUEUES: u16 = 4;
 const TTL: Duration = Duration::from_secs(4);
-
-fn base() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
 
 fn url() -> String {
     format!(
@@ -31,9 +32,7 @@ fn url() -> String {
 }
 
 async fn client() -> Client {
-    let t = RabbitTransport::from_url(&url().parse().unwrap())
-        .await
-        .expect("RabbitMQ must be reachable (run scripts/services)");
+    let t = common::connect(&url()).await;
     Client::new(Arc::new(t))
 }
 

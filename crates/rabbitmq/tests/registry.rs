@@ -3,6 +3,11 @@
 //! lock held only to read and record, records that cannot be read, groups
 //! removed by another process, and publish input that AMQP cannot carry.
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::base;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -12,10 +17,6 @@ use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
-fn base() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
-
 fn url(options: &str) -> String {
     format!(
         "{}?{options}&queue_type=classic&expires_ms=600000&consumer_timeout_ms=3600000",
@@ -24,9 +25,7 @@ fn url(options: &str) -> String {
 }
 
 async fn transport(url: &str) -> RabbitTransport {
-    RabbitTransport::from_url(&url.parse().unwrap())
-        .await
-        .expect("RabbitMQ must be reachable (run scripts/services)")
+    common::connect(url).await
 }
 
 async fn client(url: &str) -> Client {

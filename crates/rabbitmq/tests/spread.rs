@@ -4,20 +4,22 @@
 //! both deep queues with one instance, which then works on alone while the
 //! other idles; the leader's plan splits them.
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::base;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig, KEY_HEADER};
-use keyorder_rabbitmq::{Names, RabbitTransport};
+use keyorder_rabbitmq::Names;
+use keyorder_testkit::until;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 
 const QUEUES: u16 = 4;
-
-fn base() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
 
 fn url() -> String {
     // consumer_timeout_ms: what scripts/services configures; groups: the
@@ -29,18 +31,8 @@ fn url() -> String {
 }
 
 async fn client() -> Client {
-    let t = RabbitTransport::from_url(&url().parse().unwrap())
-        .await
-        .expect("RabbitMQ must be reachable (run scripts/services)");
+    let t = common::connect(&url()).await;
     Client::new(Arc::new(t))
-}
-
-async fn until(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
-    while !cond() {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// `(body, instance)` in the order the handlers ran.
@@ -142,12 +134,15 @@ async fn a_joining_instance_is_given_a_fair_share_of_the_backlog_not_of_the_queu
 
     // a alone holds every queue and works on both deep ones.
     let (stop_a, run_a) = start(a, "a").await;
-    until("a to run both deep keys", || {
+    until("a to run both deep keys", Duration::from_secs(90), async || {
         count("d0", None) >= 5 && count("d1", None) >= 5
     })
     .await;
     let (stop_b, run_b) = start(client().await, "b").await;
-    until("the whole backlog", || applied.lock().unwrap().len() >= total).await;
+    until("the whole backlog", Duration::from_secs(90), async || {
+        applied.lock().unwrap().len() >= total
+    })
+    .await;
 
     let log = applied.lock().unwrap().clone();
     // Each key in order, each message once.

@@ -21,7 +21,7 @@ async fn a_refused_connection_is_temporary_and_keeps_the_redis_error() {
 async fn a_refused_password_is_permanent_and_not_shown() {
     // The shared test server has no password: AUTH is refused, and retrying
     // is refused the same way.
-    let server = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let server = keyorder_testkit::brokers::Broker::Redis.url();
     let mut url: url::Url = server.parse().unwrap();
     url.set_username("nobody").unwrap();
     url.set_password(Some("s3cretPw")).unwrap();

@@ -4,23 +4,22 @@
 //! another group reaped reads the key again once it is published again; the
 //! groups are listed, and one is removed only while it has no live member.
 
-use keyorder_core::raw::Room;
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::url;
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
+use keyorder_core::raw::Room;
 use keyorder_core::{Error, Inbound, KeyRules, LeaseConfig, Message, SourceSpec, Transport, TransportSource};
 use keyorder_redis::{Names, RedisTransport};
 use redis::Value;
 
-fn url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
-
 async fn transport(options: &str) -> RedisTransport {
     let url = format!("{}/?{options}", url().trim_end_matches('/'));
-    RedisTransport::from_url(&url.parse().unwrap())
-        .await
-        .expect("Redis must be reachable (run scripts/services)")
+    common::connect(&url).await
 }
 
 fn spec(category: &str, group: &str, instance: &str) -> SourceSpec {

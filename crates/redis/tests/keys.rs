@@ -6,24 +6,23 @@
 //! sees each key under its own label, and halts and dead letters of such
 //! keys are found again.
 
-use keyorder_core::raw::Room;
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::url;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::time::Duration;
 
 use keyorder_core::key::{label, redact};
+use keyorder_core::raw::Room;
 use keyorder_core::{
     HeadAction, Inbound, KeyRules, LeaseConfig, Message, SourceEvent, SourceSpec, Transport, TransportSource,
 };
 use keyorder_redis::{Names, RedisTransport};
 
-fn url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
-
 async fn transport() -> RedisTransport {
-    RedisTransport::from_url(&url().parse().unwrap())
-        .await
-        .expect("Redis must be reachable (run scripts/services)")
+    common::connect(&url()).await
 }
 
 fn spec(category: &str, group: &str, ordered: bool) -> SourceSpec {

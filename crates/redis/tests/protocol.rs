@@ -4,23 +4,23 @@
 //! survive an owner change, a read whose reply was lost is recovered from the
 //! holder's own pending entries, and acknowledged entries are trimmed.
 
-use keyorder_core::raw::Room;
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::url;
 use std::sync::Arc;
 use std::time::Duration;
 
+use keyorder_core::raw::Room;
 use keyorder_core::{Error, Inbound, KeyRules, LeaseConfig, Message, SourceSpec, Transport, TransportSource};
 use keyorder_redis::{Names, RedisTransport};
+use keyorder_testkit::until;
 use redis::AsyncCommands;
-
-fn url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
 
 async fn transport(options: &str) -> RedisTransport {
     let url = format!("{}/?{options}", url().trim_end_matches('/'));
-    RedisTransport::from_url(&url.parse().unwrap())
-        .await
-        .expect("Redis must be reachable (run scripts/services)")
+    common::connect(&url).await
 }
 
 fn lease() -> LeaseConfig {
@@ -95,18 +95,6 @@ async fn conn() -> redis::aio::MultiplexedConnection {
         .unwrap()
 }
 
-async fn poll<F, Fut>(what: &str, mut f: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while !f().await {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stale_owner_is_fenced_and_the_next_owner_applies_reclaimed_entries_first() {
     let t = transport("").await;
@@ -125,7 +113,7 @@ async fn a_stale_owner_is_fenced_and_the_next_owner_applies_reclaimed_entries_fi
     // A stalls: no heartbeat. Its lease expires on the server's clock.
     let mut c = conn().await;
     let lease_key = names.lease("a", "g");
-    poll("A's lease to expire", || {
+    until("A's lease to expire", Duration::from_secs(30), || {
         let (mut c, k) = (c.clone(), lease_key.clone());
         async move { !c.exists::<_, bool>(&k).await.unwrap() }
     })
@@ -189,18 +177,22 @@ async fn a_read_whose_reply_was_lost_is_recovered_from_the_holders_pending_entri
     let err = a.fetch(&Room::up_to(10), Duration::from_millis(10)).await;
     assert!(err.is_err(), "the read did not time out: {err:?}");
     let stream = Names::new(&cat).unwrap().stream("k");
-    poll("the timed-out read to run on the server", || {
-        let (mut c, s) = (c.clone(), stream.clone());
-        async move {
-            let v: redis::Value = redis::cmd("XPENDING")
-                .arg(&s)
-                .arg("g")
-                .query_async(&mut c)
-                .await
-                .unwrap();
-            matches!(&v, redis::Value::Array(a) if a.first() == Some(&redis::Value::Int(3)))
-        }
-    })
+    until(
+        "the timed-out read to run on the server",
+        Duration::from_secs(30),
+        || {
+            let (mut c, s) = (c.clone(), stream.clone());
+            async move {
+                let v: redis::Value = redis::cmd("XPENDING")
+                    .arg(&s)
+                    .arg("g")
+                    .query_async(&mut c)
+                    .await
+                    .unwrap();
+                matches!(&v, redis::Value::Array(a) if a.first() == Some(&redis::Value::Int(3)))
+            }
+        },
+    )
     .await;
     // Nothing new is readable with `>`; the three come from the re-read.
     let again = fetch_n(&mut a, 3).await;
@@ -290,7 +282,7 @@ async fn publishes_racing_the_reaper_are_never_lost() {
         }
         tokio::time::sleep(Duration::from_millis(pause)).await;
     }
-    poll("every message to be applied", || {
+    until("every message to be applied", Duration::from_secs(30), || {
         let s = seen.clone();
         async move { s.lock().unwrap().len() >= n }
     })
@@ -341,7 +333,7 @@ async fn a_fenced_read_renews_the_lease_it_confirms() {
     let got = fetch_n(&mut a, 1).await;
     let mut c = conn().await;
     // Let most of the lease run out without a heartbeat, then read.
-    poll("the lease to age", || {
+    until("the lease to age", Duration::from_secs(30), || {
         let (mut c, k) = (c.clone(), lease_key.clone());
         async move { c.pttl::<_, i64>(&k).await.unwrap() < 1_000 }
     })
@@ -373,7 +365,7 @@ async fn a_server_that_may_evict_keys_is_refused() {
         .spawn()
         .expect("redis-server (run scripts/services)");
     let url = format!("redis://127.0.0.1:{port}");
-    poll("the evicting server to answer", || {
+    until("the evicting server to answer", Duration::from_secs(30), || {
         let url = url.clone();
         async move {
             match redis::Client::open(url.as_str())

@@ -1,21 +1,19 @@
 //! Read-only operator commands create nothing (issue 37), on the real
 //! Redis: no key naming the category exists after every one of them ran.
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::url;
 use std::sync::Arc;
 
 use keyorder_core::Client;
-use keyorder_redis::RedisTransport;
-
-fn url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_only_commands_create_nothing() {
     let category = format!("ro-{}", uuid::Uuid::new_v4().simple());
-    let t = RedisTransport::from_url(&url().parse().unwrap())
-        .await
-        .expect("Redis must be reachable (run scripts/services)");
+    let t = common::connect(&url()).await;
     let c = Client::new(Arc::new(t));
     keyorder_testkit::run_read_only_commands(&*c.admin(), &category).await;
     let mut conn = redis::Client::open(url())

@@ -7,19 +7,24 @@
 //! shutdown. A loop that dropped its step there never recorded the lease,
 //! so close left it to its TTL and the key's next owner waited that long.
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use keyorder_core::{Client, Delivery, KeySource, LeaseConfig, Message, Transport};
 use keyorder_redis::{Names, RedisTransport};
+use keyorder_testkit::until;
 use redis::AsyncCommands;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, watch};
 
 fn redis_addr() -> String {
-    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let url = keyorder_testkit::brokers::Broker::Redis.url();
     let url = url::Url::parse(&url).unwrap();
     format!(
         "{}:{}",
@@ -114,9 +119,7 @@ async fn start(
     oneshot::Sender<()>,
     tokio::task::JoinHandle<keyorder_core::Result<keyorder_core::RunReport>>,
 ) {
-    let transport = RedisTransport::from_url(&url.parse().unwrap())
-        .await
-        .expect("Redis must be reachable (run scripts/services)");
+    let transport = common::connect(url).await;
     let sub = Client::new(Arc::new(transport))
         .subscribe(category, "g")
         .ordered_by(KeySource::routing_key())
@@ -139,22 +142,6 @@ async fn publish(category: &str, key: &str) {
         .unwrap();
     let p = t.publisher(category).await.unwrap();
     p.publish(Message::new("m").with_key(key).unwrap()).await.unwrap();
-}
-
-/// Polls `what` until it is `Some`, for at most 30 s.
-async fn until<T, F, Fut>(what: &str, mut f: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "{what}: not within 30 s");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// The value of `key`, on its own connection.
@@ -194,7 +181,10 @@ async fn load_scripts(lease: LeaseConfig) {
     let (stop, run) = start(&format!("redis://{}", redis_addr()), &category, "warm", lease).await;
     publish(&category, "w").await;
     let lease_key = names.lease("w", "g");
-    until("the warm-up partition acquired", || get(&lease_key)).await;
+    until("the warm-up partition acquired", Duration::from_secs(30), || {
+        get(&lease_key)
+    })
+    .await;
     let _ = stop.send(());
     run.await.unwrap().unwrap();
     clean(&names, "w").await;
@@ -220,7 +210,7 @@ async fn shutdown_mid_acquire_hands_the_lease_back() {
         .await
         .unwrap();
     let members = names.members("g");
-    until("the instance announced itself", || {
+    until("the instance announced itself", Duration::from_secs(30), || {
         let mut conn = conn.clone();
         let members = members.clone();
         async move {
@@ -237,7 +227,7 @@ async fn shutdown_mid_acquire_hands_the_lease_back() {
 
     // The acquire ran at the server: the lease is `a`'s.
     let lease_key = names.lease("k", "g");
-    let holder = until("the partition acquired", || get(&lease_key)).await;
+    let holder = until("the partition acquired", Duration::from_secs(30), || get(&lease_key)).await;
     assert!(holder.starts_with("a:"), "lease holder {holder}");
     assert!(*relay.hold.borrow(), "the acquire's reply is held");
 

@@ -5,15 +5,16 @@
 //! Each is skipped; the category's real keys keep flowing and the
 //! operator's listings answer.
 
+// Shared set-up; this file uses only part of it.
+#[allow(dead_code)]
+mod common;
+
+use common::url;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig, Message};
-use keyorder_redis::{Names, RedisTransport};
-
-fn url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
+use keyorder_redis::Names;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_stored_entries_are_skipped_and_nothing_stops() {
@@ -55,11 +56,7 @@ async fn bad_stored_entries_are_skipped_and_nothing_stops() {
         .await
         .unwrap();
 
-    let client = Client::new(Arc::new(
-        RedisTransport::from_url(&url().parse().unwrap())
-            .await
-            .expect("Redis must be reachable (run scripts/services)"),
-    ));
+    let client = Client::new(Arc::new(common::connect(&url()).await));
     let publisher = client.publisher(&category).await.unwrap();
     for i in 0..5 {
         for k in ["a", "b"] {

@@ -14,6 +14,7 @@ use async_trait::async_trait;
 use keyorder_core::{Capabilities, Client, LeaseConfig, Result};
 
 pub mod broken;
+pub mod brokers;
 pub use keyorder_check::{checker, eventlog, instance, pglog};
 pub mod logs;
 pub mod outbox;
@@ -23,6 +24,7 @@ pub mod worker;
 
 pub use checker::{check, Expectation, Published, Verdict};
 pub use eventlog::{Event, EventLog, EventStart, MemoryEventLog};
+pub use instance::Ready;
 pub use scenarios::Scenario;
 
 /// What a consumer group receives when it subscribes for the first time
@@ -200,24 +202,26 @@ pub async fn run_read_only_commands(admin: &dyn keyorder_core::Admin, category: 
 
 /// The one poll helper of the workspace's tests: polls `cond` every 20 ms
 /// until it holds, and panics naming `what` once `deadline` passed (a
-/// test's failure). Scenarios use [`instance::wait_until`], which returns
-/// the timeout as an `Err` instead.
+/// test's failure). The condition may be a plain or an `async` closure and
+/// answers a `bool`, an `Option<T>` (the wait returns the `T`) or a
+/// `Result<T, String>` whose last `Err` says in the timeout's message how
+/// far it got (see [`Ready`]). Scenarios use [`instance::wait_until`], the
+/// same poll returning the timeout as an `Err` instead.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// let ready = std::sync::atomic::AtomicBool::new(true);
-/// keyorder_testkit::until("ready", std::time::Duration::from_secs(5), || async {
+/// keyorder_testkit::until("ready", std::time::Duration::from_secs(5), async || {
 ///     ready.load(std::sync::atomic::Ordering::SeqCst)
 /// })
 /// .await;
+/// let n = keyorder_testkit::until("a number", std::time::Duration::from_secs(5), async || Some(7)).await;
+/// assert_eq!(n, 7);
 /// # }
 /// ```
-pub async fn until<F, Fut>(what: &str, deadline: std::time::Duration, cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    if let Err(e) = instance::wait_until(what, deadline, cond).await {
-        panic!("{e}");
+pub async fn until<O: Ready>(what: &str, deadline: std::time::Duration, cond: impl AsyncFnMut() -> O) -> O::Value {
+    match instance::wait_until(what, deadline, cond).await {
+        Ok(value) => value,
+        Err(e) => panic!("{e}"),
     }
 }

@@ -195,7 +195,10 @@ impl Group {
         let members: Vec<String> = self.members.keys().cloned().collect();
         let names: Vec<String> = (0..partitions).map(|p| p.to_string()).collect();
         let owners = crate::assign::assign(&members, &names);
-        names.iter().map(|n| owners.get(n.as_str()).map(|m| (*m).to_owned())).collect()
+        names
+            .iter()
+            .map(|n| owners.get(n.as_str()).map(|m| (*m).to_owned()))
+            .collect()
     }
 
     pub(super) fn leave(&mut self, member: &str) {

@@ -63,15 +63,17 @@ impl MemorySource {
         };
         me.last_seen = sent;
         let events = std::mem::take(&mut me.events);
-        let wanted = if self.ordered { group.wanted(partitions) } else { Vec::new() };
+        let wanted = if self.ordered {
+            group.wanted(partitions)
+        } else {
+            Vec::new()
+        };
         for p in 0..partitions {
             let part = &mut group.parts[p as usize];
-            if self.ordered && part.owner.is_none() {
-                if wanted[p as usize].as_ref() == Some(&self.member) {
-                    part.generation += 1;
-                    part.owner = Some((self.member.clone(), part.generation));
-                    part.next = part.acked_upto;
-                }
+            if self.ordered && part.owner.is_none() && wanted[p as usize].as_ref() == Some(&self.member) {
+                part.generation += 1;
+                part.owner = Some((self.member.clone(), part.generation));
+                part.next = part.acked_upto;
             }
             let held = if self.ordered {
                 part.owner.as_ref().filter(|(o, _)| *o == self.member).map(|(_, g)| *g)

@@ -1,13 +1,24 @@
-//! What the Kafka tests share: the test broker's address and the lease its
-//! consumer groups are timed by.
+//! What the Kafka tests share: the test broker's address, a connect that
+//! names a missing broker, and the lease its consumer groups are timed by.
 
 use std::time::Duration;
 
 use keyorder_core::LeaseConfig;
+use keyorder_kafka::KafkaTransport;
+use keyorder_testkit::brokers::Broker;
 
 /// The test broker (`KAFKA_BROKERS`, started by `scripts/services`).
 pub(crate) fn brokers() -> String {
-    std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
+    Broker::Kafka.url()
+}
+
+/// A transport on `url` (a `kafka://` URL on [`brokers`]); a broker that
+/// cannot be reached fails the test naming it, the URL and `scripts/services`.
+#[allow(dead_code)]
+pub(crate) async fn connect(url: &str) -> KafkaTransport {
+    Broker::Kafka
+        .require(url, KafkaTransport::from_url(&url.parse().unwrap()))
+        .await
 }
 
 /// The lease TTL is the group's session timeout; the test broker assigns
@@ -78,15 +89,7 @@ impl Recording {
     /// Waits (polling, up to `limit`) until `n` payloads were recorded;
     /// panics with `what` and the count otherwise.
     pub(crate) async fn until(&self, n: usize, limit: Duration, what: &str) {
-        let deadline = tokio::time::Instant::now() + limit;
-        while self.len() < n {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{what}: {} of {n} messages ran in {limit:?}",
-                self.len()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        self.until_matching(n, |_| true, limit, what).await;
     }
 
     /// The payloads recorded so far, in run order.
@@ -97,18 +100,15 @@ impl Recording {
     /// Waits (polling, up to `limit`) until `n` payloads that `pick`
     /// accepts were recorded; panics with `what` and the count otherwise.
     pub(crate) async fn until_matching(&self, n: usize, pick: impl Fn(&str) -> bool, limit: Duration, what: &str) {
-        let deadline = tokio::time::Instant::now() + limit;
-        loop {
+        keyorder_testkit::until(what, limit, async || {
             let got = self.applied.lock().unwrap().iter().filter(|p| pick(p)).count();
             if got >= n {
-                return;
+                Ok(())
+            } else {
+                Err(format!("{got} of {n} messages ran"))
             }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{what}: {got} of {n} messages ran in {limit:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        })
+        .await;
     }
 
     /// Ends the run (draining it) and returns the payloads in run order.

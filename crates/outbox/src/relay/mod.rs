@@ -16,8 +16,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use keyorder_core::raw::assign;
 use keyorder_core::key::from_stored_text;
+use keyorder_core::raw::assign;
 use keyorder_core::{Client, Error, Result};
 use sqlx::Row;
 use tokio::sync::Mutex as AsyncMutex;

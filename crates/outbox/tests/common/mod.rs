@@ -1,5 +1,5 @@
 //! Helpers the outbox's integration tests share: a fresh outbox in a schema
-//! of its own on the real PostgreSQL server, polling with a deadline, a
+//! of its own on the real PostgreSQL server, the workspace's poll helper, a
 //! running relay, and an ordered consumer behind the `SequenceGuard`.
 #![allow(dead_code)]
 
@@ -9,12 +9,13 @@ use std::time::Duration;
 use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig, Result, RunReport};
 use keyorder_outbox::sqlx::{self, PgPool};
 use keyorder_outbox::{GuardStats, Outbox, OutboxConfig, Relay, RelayStats, SequenceGuard};
+pub(crate) use keyorder_testkit::brokers::Broker;
+pub(crate) use keyorder_testkit::until;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
-use tokio::time::Instant;
 
 pub(crate) fn pg_url() -> String {
-    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    Broker::Postgres.url()
 }
 
 pub(crate) fn unique(prefix: &str) -> String {
@@ -28,9 +29,8 @@ pub(crate) async fn outbox_in(prefix: &str) -> (Outbox, String) {
         schema: schema.clone(),
         ..OutboxConfig::default()
     };
-    let outbox = Outbox::connect(&pg_url(), 8, cfg)
-        .await
-        .expect("PostgreSQL must be reachable (run scripts/services)");
+    let url = pg_url();
+    let outbox = Broker::Postgres.require(&url, Outbox::connect(&url, 8, cfg)).await;
     outbox.migrate().await.unwrap();
     (outbox, schema)
 }
@@ -40,19 +40,6 @@ pub(crate) async fn count(pool: &PgPool, sql: &str) -> i64 {
         .fetch_one(pool)
         .await
         .unwrap()
-}
-
-/// Polls `cond` until it holds, failing at the deadline.
-pub(crate) async fn until<F, Fut>(what: &str, secs: u64, mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !cond().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// A running relay and its stop signal.
@@ -141,7 +128,10 @@ impl Consumer {
         self.log.lock().unwrap().len()
     }
     pub(crate) async fn wait_for(&self, n: usize) {
-        until(&format!("{n} deliveries applied"), 60, || async { self.len() >= n }).await;
+        until(&format!("{n} deliveries applied"), Duration::from_secs(60), || async {
+            self.len() >= n
+        })
+        .await;
     }
     pub(crate) async fn stop(self) -> Vec<(String, u64, String)> {
         let _ = self.stop.send(());

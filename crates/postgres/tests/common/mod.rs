@@ -1,14 +1,21 @@
 //! Set-up shared by the PostgreSQL tests that drive a source by hand.
 
-use keyorder_core::raw::Room;
 use std::time::Duration;
 
+use keyorder_core::raw::Room;
 use keyorder_core::{Inbound, KeyRules, LeaseConfig, SourceSpec, TransportSource};
 use keyorder_postgres::{PgConfig, PgTransport};
+use keyorder_testkit::brokers::Broker;
 
 /// The server under test (`POSTGRES_URL`, else the local one).
 pub(crate) fn url() -> String {
-    std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    Broker::Postgres.url()
+}
+
+/// Connects with `cfg` (a configuration on [`url`]); a server that cannot
+/// be reached fails the test naming it, the URL and `scripts/services`.
+pub(crate) async fn connect(cfg: PgConfig) -> PgTransport {
+    Broker::Postgres.require(&url(), PgTransport::connect(cfg)).await
 }
 
 /// A transport on the server under test, in `schema` (migrated), with
@@ -20,7 +27,7 @@ pub(crate) async fn transport(schema: &str, slots: u32) -> PgTransport {
             .unwrap(),
     )
     .unwrap();
-    PgTransport::connect(cfg).await.expect("PostgreSQL must be reachable")
+    connect(cfg).await
 }
 
 /// An ordered source of `queue` for group `g`, instance `a`, with a 10 s lease.

@@ -1,11 +1,29 @@
-//! What the RabbitMQ tests share: a subscription run that records, per
+//! What the RabbitMQ tests share: the test broker's URL, a connect that
+//! names a missing broker, and a subscription run that records, per
 //! delivery, the key its handler got and the payload.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{Delivery, HandlerResult};
-use tokio::time::Instant;
+use keyorder_rabbitmq::RabbitTransport;
+use keyorder_testkit::brokers::Broker;
+
+/// The test broker (`AMQP_URL`, started by `scripts/services`), without
+/// the adapter's options.
+#[allow(dead_code)]
+pub(crate) fn base() -> String {
+    Broker::RabbitMq.url()
+}
+
+/// A transport on `url` (an `amqp://` URL on [`base`]); a broker that
+/// cannot be reached fails the test naming it, the URL and `scripts/services`.
+#[allow(dead_code)]
+pub(crate) async fn connect(url: &str) -> RabbitTransport {
+    Broker::RabbitMq
+        .require(url, RabbitTransport::from_url(&url.parse().unwrap()))
+        .await
+}
 
 /// What a run saw: per delivery, the key the handler got and the payload.
 pub(crate) type Seen = Arc<Mutex<Vec<(Option<String>, String)>>>;
@@ -44,15 +62,15 @@ impl Run {
     }
 
     pub(crate) async fn until(&self, n: usize, secs: u64) {
-        let deadline = Instant::now() + Duration::from_secs(secs);
-        while self.seen.lock().unwrap().len() < n {
-            assert!(
-                Instant::now() < deadline,
-                "{} of {n} deliveries in {secs} s",
-                self.seen.lock().unwrap().len()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        keyorder_testkit::until(&format!("{n} deliveries"), Duration::from_secs(secs), async || {
+            let got = self.seen.lock().unwrap().len();
+            if got >= n {
+                Ok(())
+            } else {
+                Err(format!("{got} of {n} deliveries"))
+            }
+        })
+        .await;
     }
 
     pub(crate) async fn stop(self) -> (Vec<(Option<String>, String)>, keyorder_core::RunReport) {

@@ -68,8 +68,7 @@ impl Source {
             // next fetch, whose rotation starts elsewhere.
             let scopes: Vec<Arc<str>> = ready.iter().map(|(k, _)| self.parts[k].lease.scope().clone()).collect();
             let shares = room.split(&scopes, max, 0);
-            let (first, skipped): (Vec<_>, Vec<_>) =
-                ready.into_iter().zip(shares).partition(|(_, share)| *share > 0);
+            let (first, skipped): (Vec<_>, Vec<_>) = ready.into_iter().zip(shares).partition(|(_, share)| *share > 0);
             self.read_streams(first, &mut out).await?;
             let left = max.saturating_sub(out.len());
             // (The first pass may have dropped a fenced partition.)
