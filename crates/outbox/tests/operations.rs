@@ -7,11 +7,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{
-    async_trait, Admin, Capabilities, Client, Error, LeaseConfig, MemoryTransport, Message, PoisonPolicy, PublishFence,
-    Result, RetryPolicy, SourceSpec, Transport, TransportPublisher, TransportSource,
+    async_trait, Client, Error, LeaseConfig, MemoryTransport, Message, PoisonPolicy, PublishFence, Result, RetryPolicy,
+    Transport, TransportPublisher,
 };
 use keyorder_outbox::sqlx;
 use keyorder_outbox::{Outbox, Outgoing, RecordState, RelayConfig, Staged};
+use keyorder_testkit::wrap::{send, Hooks, Wrapped};
 
 mod common;
 use common::*;
@@ -121,32 +122,19 @@ impl Failing {
         }
     }
     fn client(&self) -> Client {
-        Client::new(Arc::new(self.clone()))
+        Client::new(Arc::new(Wrapped::new(self.inner.clone(), self.clone())))
     }
 }
 
-#[derive(Debug)]
-struct FailingPublisher {
-    inner: Arc<dyn TransportPublisher>,
-    fail: Arc<Mutex<HashSet<String>>>,
-    refuse: Arc<HashSet<String>>,
-}
-
+/// The wrapper's one change: chosen publishes fail.
 #[async_trait]
-impl TransportPublisher for FailingPublisher {
-    async fn publish(&self, message: Message) -> Result<()> {
-        self.check(&message)?;
-        self.inner.publish(message).await
-    }
-
-    async fn publish_fenced(&self, message: Message, fence: &PublishFence) -> Result<()> {
-        self.check(&message)?;
-        self.inner.publish_fenced(message, fence).await
-    }
-}
-
-impl FailingPublisher {
-    fn check(&self, message: &Message) -> Result<()> {
+impl Hooks for Failing {
+    async fn publish(
+        &self,
+        inner: &dyn TransportPublisher,
+        message: Message,
+        fence: Option<&PublishFence>,
+    ) -> Result<()> {
         if self.fail.lock().unwrap().contains(message.id()) {
             return Err(Error::broker("test broker refuses this message"));
         }
@@ -154,33 +142,7 @@ impl FailingPublisher {
             // A key error as the broker's stricter rules would give it.
             return Err(Error::Key(keyorder_core::OrderingKey::new("").unwrap_err()));
         }
-        Ok(())
-    }
-}
-
-#[async_trait]
-impl Transport for Failing {
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-    fn affinity_fix(&self) -> String {
-        self.inner.affinity_fix()
-    }
-    async fn publisher(&self, category: &str) -> Result<Arc<dyn TransportPublisher>> {
-        Ok(Arc::new(FailingPublisher {
-            inner: self.inner.publisher(category).await?,
-            fail: self.fail.clone(),
-            refuse: self.refuse.clone(),
-        }))
-    }
-    async fn open(&self, spec: &SourceSpec) -> Result<Box<dyn TransportSource>> {
-        self.inner.open(spec).await
-    }
-    fn admin(&self) -> Arc<dyn Admin> {
-        self.inner.admin()
+        send(inner, message, fence).await
     }
 }
 

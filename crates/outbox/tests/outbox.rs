@@ -9,11 +9,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyorder_core::{
-    async_trait, Admin, Capabilities, Client, Error, LeaseConfig, MemoryTransport, Message, PoisonPolicy, PublishFence,
-    Result, RetryPolicy, SourceSpec, Transport, TransportPublisher, TransportSource,
+    async_trait, Capabilities, Client, Error, LeaseConfig, MemoryTransport, Message, PoisonPolicy, PublishFence,
+    Result, RetryPolicy, Transport, TransportPublisher,
 };
 use keyorder_outbox::sqlx;
 use keyorder_outbox::{AppliedStore, MemoryApplied, Outbox, OutboxConfig, Outgoing, PgApplied, RelayConfig};
+use keyorder_testkit::wrap::{send, Hooks, Wrapped};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
@@ -357,6 +358,8 @@ struct Wrap {
     log: Arc<Mutex<Vec<Interval>>>,
     hold: Option<Arc<Hold>>,
     fail: Arc<Mutex<HashSet<String>>>,
+    /// Declare no publish fencing (the path of a broker without it).
+    unfenced: bool,
 }
 
 impl Wrap {
@@ -367,84 +370,57 @@ impl Wrap {
             log: Arc::default(),
             hold: None,
             fail: Arc::default(),
+            unfenced: false,
         }
     }
+    fn unfenced(self) -> Wrap {
+        Wrap { unfenced: true, ..self }
+    }
     fn client(&self) -> Client {
-        Client::new(Arc::new(self.clone()))
+        Client::new(Arc::new(Wrapped::new(self.inner.clone(), self.clone())))
     }
 }
 
-#[derive(Debug)]
-struct WrapPublisher {
-    inner: Arc<dyn TransportPublisher>,
-    wrap: Wrap,
-}
-
+/// The wrapper's one change: what each publish does around the broker's.
 #[async_trait]
-impl TransportPublisher for WrapPublisher {
-    async fn publish(&self, message: Message) -> Result<()> {
-        self.go(message, None).await
+impl Hooks for Wrap {
+    fn capabilities(&self, inner: Capabilities) -> Capabilities {
+        Capabilities {
+            publish_fencing: inner.publish_fencing && !self.unfenced,
+            ..inner
+        }
     }
 
-    async fn publish_fenced(&self, message: Message, fence: &PublishFence) -> Result<()> {
-        self.go(message, Some(fence)).await
-    }
-}
-
-impl WrapPublisher {
-    async fn go(&self, message: Message, fence: Option<&PublishFence>) -> Result<()> {
+    async fn publish(
+        &self,
+        inner: &dyn TransportPublisher,
+        message: Message,
+        fence: Option<&PublishFence>,
+    ) -> Result<()> {
         let start = Instant::now();
-        if let Some(hold) = &self.wrap.hold {
+        if let Some(hold) = &self.hold {
             if hold.id == message.id() {
                 hold.entered.store(true, Ordering::SeqCst);
                 hold.gate.acquire().await.unwrap().forget();
             }
         }
-        if self.wrap.fail.lock().unwrap().contains(message.id()) {
+        if self.fail.lock().unwrap().contains(message.id()) {
             return Err(Error::broker("test broker refuses this message"));
         }
         let key = message.key().map(|k| k.as_str().to_owned()).unwrap_or_default();
         let seq = keyorder_outbox::sequence_of(&message).unwrap_or(0);
         // Let other tasks run inside the interval, so overlaps could show.
         tokio::task::yield_now().await;
-        match fence {
-            Some(f) => self.inner.publish_fenced(message, f).await?,
-            None => self.inner.publish(message).await?,
-        }
+        send(inner, message, fence).await?;
         tokio::task::yield_now().await;
-        self.wrap.log.lock().unwrap().push(Interval {
-            relay: self.wrap.relay.clone(),
+        self.log.lock().unwrap().push(Interval {
+            relay: self.relay.clone(),
             key,
             seq,
             start,
             end: Instant::now(),
         });
         Ok(())
-    }
-}
-
-#[async_trait]
-impl Transport for Wrap {
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-    fn affinity_fix(&self) -> String {
-        self.inner.affinity_fix()
-    }
-    async fn publisher(&self, category: &str) -> Result<Arc<dyn TransportPublisher>> {
-        Ok(Arc::new(WrapPublisher {
-            inner: self.inner.publisher(category).await?,
-            wrap: self.clone(),
-        }))
-    }
-    async fn open(&self, spec: &SourceSpec) -> Result<Box<dyn TransportSource>> {
-        self.inner.open(spec).await
-    }
-    fn admin(&self) -> Arc<dyn Admin> {
-        self.inner.admin()
     }
 }
 
@@ -510,11 +486,24 @@ async fn owners_is(outbox: &Outbox, schema: &str, n: i64) -> bool {
 }
 
 /// A relay that stalls inside a publish past its lease: another relay takes
-/// its slots at a higher generation and publishes the key; the stalled
-/// relay's late publish reaches the broker and is dropped (and counted) by
-/// SequenceGuard; its late confirmation marks nothing.
+/// its slots at a higher generation and publishes the key; on a broker
+/// without publish fencing the stalled relay's late publish reaches the
+/// broker and is dropped (and counted) by SequenceGuard; its late
+/// confirmation marks nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_relay_is_fenced_and_its_late_publish_dropped() {
+    stalled_relay(false).await;
+}
+
+/// The same stall on a broker that fences publishes (the in-memory one
+/// does): the late publish is refused at the broker, so nothing reaches the
+/// consumers for SequenceGuard to drop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_relays_late_publish_is_refused_by_a_fencing_broker() {
+    stalled_relay(true).await;
+}
+
+async fn stalled_relay(fenced: bool) {
     let (outbox, schema) = outbox().await;
     let category = unique("stall-");
     let broker: Arc<dyn Transport> = Arc::new(MemoryTransport::new());
@@ -531,9 +520,21 @@ async fn a_stalled_relay_is_fenced_and_its_late_publish_dropped() {
     }
     tx.commit().await.unwrap();
 
-    let mut wa = Wrap::new(broker.clone(), "a");
+    let wrap = |relay| {
+        let w = Wrap::new(broker.clone(), relay);
+        if fenced {
+            w
+        } else {
+            w.unfenced()
+        }
+    };
+    let mut wa = wrap("a");
     let hold = Hold::new("k-1");
     wa.hold = Some(hold.clone());
+    assert_eq!(
+        wa.client().publisher(&category).await.unwrap().fences_publishes(),
+        fenced
+    );
     let mut a = outbox.relay(wa.client(), relay_cfg("a"));
     let a_stats = a.stats();
     // Drive A by hand until it is inside the publish of k-1 ...
@@ -544,17 +545,19 @@ async fn a_stalled_relay_is_fenced_and_its_late_publish_dropped() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // ... then stop calling it: A stalls (no heartbeat) holding k-1's publish.
-    let wb = Wrap::new(broker.clone(), "b");
+    let wb = wrap("b");
     let b = spawn_relay(outbox.relay(wb.client(), relay_cfg("b")));
     consumer.wait_for(3).await;
     let applied: Vec<u64> = consumer.seen().iter().map(|(_, s, _)| *s).collect();
     assert_eq!(applied, [1, 2, 3], "B published the key in order after taking over");
     // A wakes up: its publish reaches the broker late, its mark is fenced.
     hold.gate.add_permits(1);
-    until("the late publish to be dropped", Duration::from_secs(30), || async {
-        consumer.guard.dropped() >= 1
-    })
-    .await;
+    if !fenced {
+        until("the late publish to be dropped", Duration::from_secs(30), || async {
+            consumer.guard.dropped() >= 1
+        })
+        .await;
+    }
     until(
         "A's late confirmation to be refused",
         Duration::from_secs(30),
@@ -569,9 +572,16 @@ async fn a_stalled_relay_is_fenced_and_its_late_publish_dropped() {
     .await;
     assert_eq!(by_b, 3, "every record was marked by B");
     b.stop().await;
+    let consumer_dropped = consumer.guard.dropped();
     let seen = consumer.stop().await;
     let applied: Vec<u64> = seen.iter().map(|(_, s, _)| *s).collect();
     assert_eq!(applied, [1, 2, 3], "the late publish was not applied");
+    if fenced {
+        assert_eq!(
+            consumer_dropped, 0,
+            "the broker refused the late publish: nothing reached the consumers"
+        );
+    }
     drop(a);
 }
 

@@ -1,16 +1,13 @@
 //! A deliberately broken transport: the in-memory transport with one defect,
-//! so tests can prove the checker catches each defect by name.
+//! so tests can prove the checker catches each defect by name. Written on
+//! the one forwarding layer ([`crate::wrap`]): it states only the defect.
 
-use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
 
 use async_trait::async_trait;
-use keyorder_core::raw::Room;
-use keyorder_core::{
-    Admin, Capabilities, Inbound, MemoryTransport, Result, SourceEvent, SourceSpec, Transport, TransportPublisher,
-    TransportSource,
-};
+use keyorder_core::{Inbound, MemoryTransport, Result, SourceSpec, Transport, TransportSource};
+
+use crate::wrap::{Hooks, OnFetch, Wrapped, WrappedSource};
 
 /// The defect to plant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,68 +22,50 @@ pub enum Defect {
 }
 
 /// The in-memory transport with a [`Defect`].
-#[derive(Debug, Clone)]
-pub struct BrokenTransport {
-    inner: MemoryTransport,
-    defect: Defect,
-}
+pub type BrokenTransport = Wrapped<Broken>;
 
-impl BrokenTransport {
-    /// A fresh broken transport.
-    pub fn new(defect: Defect) -> Self {
-        BrokenTransport {
-            inner: MemoryTransport::new(),
-            defect,
-        }
+/// The hooks that plant a [`Defect`].
+#[derive(Debug)]
+pub struct Broken(Defect);
+
+impl Wrapped<Broken> {
+    /// A fresh in-memory transport with `defect`.
+    pub fn broken(defect: Defect) -> BrokenTransport {
+        Wrapped::new(Arc::new(MemoryTransport::new()), Broken(defect))
     }
 }
 
 #[async_trait]
-impl Transport for BrokenTransport {
-    fn name(&self) -> &str {
-        "broken"
+impl Hooks for Broken {
+    fn name(&self) -> Option<&str> {
+        Some("broken")
     }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-    fn affinity_fix(&self) -> String {
-        self.inner.affinity_fix()
-    }
-    async fn publisher(&self, category: &str) -> Result<Arc<dyn TransportPublisher>> {
-        self.inner.publisher(category).await
-    }
-    async fn open(&self, spec: &SourceSpec) -> Result<Box<dyn TransportSource>> {
+
+    async fn open(&self, inner: &dyn Transport, spec: &SourceSpec) -> Result<Box<dyn TransportSource>> {
         let mut spec = spec.clone();
-        if self.defect == Defect::DoubleRun {
+        if self.0 == Defect::DoubleRun {
             spec.group = format!("{}-{}", spec.group, spec.instance);
         }
-        Ok(Box::new(BrokenSource {
-            inner: self.inner.open(&spec).await?,
-            defect: self.defect,
-            seen: 0,
-        }))
-    }
-    fn admin(&self) -> Arc<dyn Admin> {
-        self.inner.admin()
+        Ok(WrappedSource::boxed(
+            inner.open(&spec).await?,
+            Planted {
+                defect: self.0,
+                seen: 0,
+            },
+        ))
     }
 }
 
-struct BrokenSource {
-    inner: Box<dyn TransportSource>,
+/// What a broken source does to each fetched batch.
+#[derive(Debug)]
+struct Planted {
     defect: Defect,
     seen: u64,
 }
 
-impl fmt::Debug for BrokenSource {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("BrokenSource").field("defect", &self.defect).finish()
-    }
-}
-
 #[async_trait]
-impl TransportSource for BrokenSource {
-    async fn fetch(&mut self, room: &Room, wait: Duration) -> Result<Vec<Inbound>> {
-        let mut batch = self.inner.fetch(room, wait).await?;
+impl OnFetch for Planted {
+    async fn fetched(&mut self, mut batch: Vec<Inbound>) -> Result<Vec<Inbound>> {
         match self.defect {
             Defect::Reorder => batch.reverse(),
             Defect::Lose => {
@@ -104,14 +83,5 @@ impl TransportSource for BrokenSource {
             Defect::DoubleRun => {}
         }
         Ok(batch)
-    }
-    async fn maintain(&mut self) -> Result<Vec<SourceEvent>> {
-        self.inner.maintain().await
-    }
-    async fn release(&mut self, scope: &str) -> Result<()> {
-        self.inner.release(scope).await
-    }
-    async fn close(&mut self) -> Result<()> {
-        self.inner.close().await
     }
 }

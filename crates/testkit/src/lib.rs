@@ -21,6 +21,7 @@ pub mod outbox;
 pub mod proxy;
 pub mod scenarios;
 pub mod worker;
+pub mod wrap;
 
 pub use checker::{check, Expectation, Published, Verdict};
 pub use eventlog::{Event, EventLog, EventStart, MemoryEventLog};

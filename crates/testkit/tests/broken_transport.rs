@@ -19,7 +19,7 @@ async fn defects_of(
     per_key: u64,
     sleep_ms: u64,
 ) -> Vec<&'static str> {
-    let client = Client::new(Arc::new(BrokenTransport::new(defect)));
+    let client = Client::new(Arc::new(BrokenTransport::broken(defect)));
     let log = Arc::new(MemoryEventLog::default());
     let switches = Arc::new(Switches::default());
     let published = publish_keys(&client, "orders", &keys("k", key_count), per_key, sleep_ms)

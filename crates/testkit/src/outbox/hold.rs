@@ -6,15 +6,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use keyorder_core::{
-    Admin, Capabilities, Client, Error, LeaseConfig, Message, PublishFence, Result, RetryPolicy, SourceSpec, Transport,
-    TransportPublisher, TransportSource,
-};
+use keyorder_core::{Client, Error, LeaseConfig, Message, PublishFence, Result, RetryPolicy, TransportPublisher};
 use keyorder_outbox::{RelayConfig, RelayStatsSnapshot};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 
 use keyorder_check::worker::{HOLDING_LINE, RELEASED_LINE};
+
+use crate::wrap::{send, Hooks, Wrapped};
 
 // ------------------------------------------------------------------ holds
 
@@ -75,50 +74,30 @@ impl HoldState {
     }
 }
 
-/// A transport whose publisher holds one publish by a [`HoldRule`].
-#[derive(Debug, Clone)]
-pub(super) struct HoldTransport {
-    pub(super) inner: Arc<dyn Transport>,
-    pub(super) state: Arc<HoldState>,
-}
-
+/// The hooks ([`crate::wrap`]) of a transport whose publisher holds one
+/// publish by a [`HoldRule`].
 #[derive(Debug)]
-pub(super) struct HoldPublisher {
-    pub(super) inner: Arc<dyn TransportPublisher>,
-    pub(super) state: Arc<HoldState>,
-}
+pub(super) struct Holding(pub(super) Arc<HoldState>);
 
 #[async_trait]
-impl TransportPublisher for HoldPublisher {
-    async fn publish(&self, message: Message) -> Result<()> {
-        self.go(message, None).await
-    }
-
-    async fn publish_fenced(&self, message: Message, fence: &PublishFence) -> Result<()> {
-        self.go(message, Some(fence)).await
-    }
-}
-
-impl HoldPublisher {
-    pub(super) async fn send(&self, message: Message, fence: Option<&PublishFence>) -> Result<()> {
-        match fence {
-            Some(f) => self.inner.publish_fenced(message, f).await,
-            None => self.inner.publish(message).await,
-        }
-    }
-
-    pub(super) async fn go(&self, message: Message, fence: Option<&PublishFence>) -> Result<()> {
-        let state = &self.state;
+impl Hooks for Holding {
+    async fn publish(
+        &self,
+        inner: &dyn TransportPublisher,
+        message: Message,
+        fence: Option<&PublishFence>,
+    ) -> Result<()> {
+        let state = &self.0;
         let rule = state
             .rule
             .filter(|r| keyorder_outbox::sequence_of(&message).is_some_and(|s| s >= r.from_seq))
             .filter(|_| !state.taken.swap(true, Ordering::SeqCst));
         let Some(rule) = rule else {
-            return self.send(message, fence).await;
+            return send(inner, message, fence).await;
         };
         let id = message.id().to_owned();
         if rule.after_publish {
-            if let Err(e) = self.send(message, fence).await {
+            if let Err(e) = send(inner, message, fence).await {
                 state.taken.store(false, Ordering::SeqCst);
                 return Err(e);
             }
@@ -126,44 +105,16 @@ impl HoldPublisher {
             Ok(())
         } else {
             state.hold(&id).await;
-            let res = self.send(message, fence).await;
+            let res = send(inner, message, fence).await;
             state.released(&res);
             res
         }
     }
 }
 
-#[async_trait]
-impl Transport for HoldTransport {
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-    fn affinity_fix(&self) -> String {
-        self.inner.affinity_fix()
-    }
-    async fn publisher(&self, category: &str) -> Result<Arc<dyn TransportPublisher>> {
-        Ok(Arc::new(HoldPublisher {
-            inner: self.inner.publisher(category).await?,
-            state: self.state.clone(),
-        }))
-    }
-    async fn open(&self, spec: &SourceSpec) -> Result<Box<dyn TransportSource>> {
-        self.inner.open(spec).await
-    }
-    fn admin(&self) -> Arc<dyn Admin> {
-        self.inner.admin()
-    }
-}
-
 pub(super) fn holding_client(client: &Client, state: Arc<HoldState>) -> Client {
-    Client::new(Arc::new(HoldTransport {
-        inner: client.transport().clone(),
-        state,
-    }))
-    .with_key_rules(client.key_rules().clone())
+    Client::new(Arc::new(Wrapped::new(client.transport().clone(), Holding(state))))
+        .with_key_rules(client.key_rules().clone())
 }
 
 pub(super) fn relay_config(instance: &str, lease_ms: (u64, u64, u64)) -> RelayConfig {
