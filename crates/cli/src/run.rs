@@ -390,6 +390,8 @@ where
 mod tests {
     use super::baseline_url;
 
+    // The adapters declare the baselines (`keyorder::bench_hints`).
+    #[cfg(feature = "all-adapters")]
     #[test]
     fn the_baseline_of_postgres_is_the_plain_layout() {
         assert_eq!(
@@ -412,6 +414,7 @@ mod tests {
         assert_eq!(baseline_url("memory://", 2), "memory://");
     }
 
+    #[cfg(feature = "all-adapters")]
     #[test]
     fn the_rabbitmq_baseline_shares_the_ordered_total_prefetch() {
         // 8 hash queues x 32 over 2 instances: 128 each.
@@ -428,6 +431,11 @@ mod tests {
         assert_eq!(
             baseline_url("amqp://h/%2f?topology=sac&prefetch=20", 2),
             "amqp://h/%2f?groups=keyorder&topology=plain&prefetch=10"
+        );
+        // A queue count without a topology is kept (it was doubled).
+        assert_eq!(
+            baseline_url("amqp://h/%2f?queues=16", 2),
+            "amqp://h/%2f?groups=keyorder&topology=plain&prefetch=256"
         );
     }
 }

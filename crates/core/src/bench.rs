@@ -71,16 +71,32 @@ pub struct DefaultBenchHints;
 
 impl BenchHints for DefaultBenchHints {}
 
+/// Whether `url`'s query string sets the option `name` (an exact key, not
+/// a part of another key, a password or a path).
+///
+/// ```
+/// use keyorder_core::raw::sets_option;
+/// assert!(sets_option("postgres://h/db?a=1&layout=plain", "layout"));
+/// assert!(!sets_option("postgres://u:layout=x@h/db?xlayout=1", "layout"));
+/// ```
+pub fn sets_option(url: &str, name: &str) -> bool {
+    let query = url.split_once('?').map_or("", |(_, q)| q);
+    let query = query.split('#').next().unwrap_or("");
+    query.split('&').any(|pair| pair.split('=').next() == Some(name))
+}
+
 /// `url` with the query option `name=value` added, unless it already sets
-/// `name`: how an adapter's [`BenchHints`] add their defaults.
+/// `name` ([`sets_option`]): how an adapter's [`BenchHints`] add their
+/// defaults.
 ///
 /// ```
 /// use keyorder_core::raw::with_default;
 /// assert_eq!(with_default("postgres://h/db", "migrate", "true"), "postgres://h/db?migrate=true");
 /// assert_eq!(with_default("postgres://h/db?migrate=false", "migrate", "true"), "postgres://h/db?migrate=false");
+/// assert_eq!(with_default("postgres://h/db?xmigrate=1", "migrate", "true"), "postgres://h/db?xmigrate=1&migrate=true");
 /// ```
 pub fn with_default(url: &str, name: &str, value: &str) -> String {
-    if url.contains(&format!("{name}=")) {
+    if sets_option(url, name) {
         return url.to_owned();
     }
     let sep = if url.contains('?') { '&' } else { '?' };

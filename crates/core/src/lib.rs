@@ -54,7 +54,7 @@ pub use transport::{
 /// the application face stays put.
 pub mod raw {
     pub use crate::assign::assign;
-    pub use crate::bench::{with_default, BenchHints, DefaultBenchHints};
+    pub use crate::bench::{sets_option, with_default, BenchHints, DefaultBenchHints};
     pub use crate::dispatch::{DispatchConfig, Dispatcher, Job, Submit, Widening, ISOLATION_WAIT};
     pub use crate::lease::{lost_epoch, LeaseState, ScopeLease};
     pub use crate::transport::{

@@ -312,7 +312,6 @@ impl Admin for PgAdmin {
     }
 }
 
-/// Deletes `queue` and everything kept for it (see `PgTransport::delete_queue`).
 /// `synchronous_commit` and `fsync` of the schema's sessions (see
 /// `PgTransport::durability`).
 pub(crate) async fn durability(t: &Pg) -> Result<Vec<(String, String)>> {
@@ -324,6 +323,7 @@ pub(crate) async fn durability(t: &Pg) -> Result<Vec<(String, String)>> {
     ])
 }
 
+/// Deletes `queue` and everything kept for it (see `PgTransport::delete_queue`).
 pub(crate) async fn delete_queue(t: &Pg, queue: &str) -> Result<u64> {
     let s = &t.cfg.schema;
     let what = format!("deleting queue `{queue}`");

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use keyorder_core::raw::{with_default, BenchHints};
+use keyorder_core::raw::{sets_option, with_default, BenchHints};
 
 /// The [`BenchHints`] of `amqp://` and `amqps://`.
 ///
@@ -22,7 +22,14 @@ pub struct RabbitBenchHints;
 
 impl BenchHints for RabbitBenchHints {
     fn setup(&self, url: &str, group: &str) -> String {
-        with_default(&with_default(url, "topology", "hash&queues=8"), "groups", group)
+        // The hash topology with 8 queues unless the URL names a topology;
+        // a queue count it names is kept either way.
+        let url = if sets_option(url, "topology") {
+            url.to_owned()
+        } else {
+            with_default(&with_default(url, "topology", "hash"), "queues", "8")
+        };
+        with_default(&url, "groups", group)
     }
 
     fn baseline(&self, url: &str, group: &str, instances: usize) -> String {

@@ -1,6 +1,6 @@
 //! `RedisBenchHints`: how a demo or bench runs `redis://`.
 
-use keyorder_core::raw::BenchHints;
+use keyorder_core::raw::{sets_option, BenchHints};
 
 /// The [`BenchHints`] of `redis://`: the bench's baseline reads one stream
 /// with a competing-consumer group (`layout=single`), unless the URL names a
@@ -10,7 +10,7 @@ pub struct RedisBenchHints;
 
 impl BenchHints for RedisBenchHints {
     fn baseline(&self, url: &str, _group: &str, _instances: usize) -> String {
-        if url.contains("layout=") {
+        if sets_option(url, "layout") {
             return url.to_owned();
         }
         let sep = if url.contains('?') {

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 /// How long a connect may take before the broker counts as unreachable
 /// (the conformance run's limit).
-const CONNECT_LIMIT: Duration = Duration::from_secs(20);
+const CONNECT_LIMIT: Duration = Duration::from_secs(60);
 
 /// A broker the tests run on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,8 +73,8 @@ impl Broker {
         std::env::var(self.var()).unwrap_or_else(|_| self.default_url().to_owned())
     }
 
-    /// Awaits `connect` (a connect to this broker at `url`), for at most
-    /// 20 s, and returns what it connected; panics with
+    /// Awaits `connect` (a connect to this broker at `url`, migrations
+    /// included where it runs them), for at most 60 s, and returns what it connected; panics with
     /// [`Broker::unreachable`]'s message if it failed or did not answer.
     pub async fn require<T, E: Display>(self, url: &str, connect: impl Future<Output = Result<T, E>>) -> T {
         match tokio::time::timeout(CONNECT_LIMIT, connect).await {
@@ -87,30 +87,27 @@ impl Broker {
         }
     }
 
-    /// What a test says when the broker at `url` cannot be reached: the
-    /// broker, the URL (its password hidden), why, and the fix.
+    /// What a test says when connecting to the broker at `url` failed: the
+    /// broker, the URL (its password and query values hidden), why, and the
+    /// fix.
     pub fn unreachable(self, url: &str, why: &dyn Display) -> String {
         format!(
-            "{} broker unreachable at {}: {why} (run scripts/services, or point {} at a running one)",
+            "{} broker: connecting to {} failed: {why} (is it running? run scripts/services, or point {} at a running one)",
             self.name(),
-            without_password(url),
+            shown(url),
             self.var()
         )
     }
 }
 
-/// `url` with the password of its user part, if any, replaced by `***`.
-fn without_password(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let Some(at) = rest[..authority_end].rfind('@') else {
-        return url.to_owned();
-    };
-    match rest[..at].split_once(':') {
-        Some((user, _)) => format!("{scheme}://{user}:***{}", &rest[at..]),
-        None => url.to_owned(),
+/// `url` as a message may show it: its password and every query value
+/// hidden (`keyorder_core::redact::url`); a bare `host:port` list (Kafka's)
+/// as it is.
+fn shown(url: &str) -> String {
+    if url.contains("://") {
+        keyorder_core::redact::url(url)
+    } else {
+        url.to_owned()
     }
 }
 
@@ -119,20 +116,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_password_is_hidden() {
+    fn secrets_are_hidden() {
         assert_eq!(
-            without_password("amqp://guest:guest@127.0.0.1:5672/%2f"),
+            shown("amqp://guest:guest@127.0.0.1:5672/%2f"),
             "amqp://guest:***@127.0.0.1:5672/%2f"
         );
         assert_eq!(
-            without_password("postgres://postgres@127.0.0.1:5432/test"),
-            "postgres://postgres@127.0.0.1:5432/test"
+            shown("postgres://postgres@127.0.0.1:5432/test?sslpassword=s3cret"),
+            "postgres://postgres@127.0.0.1:5432/test?sslpassword=***"
         );
-        assert_eq!(without_password("127.0.0.1:9092"), "127.0.0.1:9092");
-        assert_eq!(
-            without_password("redis://127.0.0.1:1/?a=b@c"),
-            "redis://127.0.0.1:1/?a=b@c"
-        );
+        assert_eq!(shown("127.0.0.1:9092"), "127.0.0.1:9092");
     }
 
     #[tokio::test]
@@ -150,8 +143,8 @@ mod tests {
         let msg = panic.downcast_ref::<String>().unwrap();
         assert_eq!(
             msg,
-            "redis broker unreachable at redis://u:***@127.0.0.1:1: connection refused \
-             (run scripts/services, or point REDIS_URL at a running one)"
+            "redis broker: connecting to redis://u:***@127.0.0.1:1 failed: connection refused \
+             (is it running? run scripts/services, or point REDIS_URL at a running one)"
         );
     }
 }

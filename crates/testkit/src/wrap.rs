@@ -94,7 +94,16 @@ impl<H: Hooks> Transport for Wrapped<H> {
         self.hooks.name().unwrap_or_else(|| self.inner.name())
     }
     fn capabilities(&self) -> Capabilities {
-        self.hooks.capabilities(self.inner.capabilities())
+        let inner = self.inner.capabilities();
+        let wrapped = self.hooks.capabilities(inner);
+        for ((name, w), (_, i)) in wrapped.flags().into_iter().zip(inner.flags()) {
+            assert!(
+                i || !w,
+                "{:?} claims {name}, which the transport inside it lacks",
+                self.hooks
+            );
+        }
+        wrapped
     }
     fn affinity_fix(&self) -> String {
         self.inner.affinity_fix()
