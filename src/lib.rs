@@ -5,10 +5,11 @@
 // operates uses. What an adapter author needs is under `raw`.
 pub use keyorder_core::{
     async_trait, redact, Admin, BrokerError, Bytes, Capabilities, Client, DeadLetter, Delivery, Error, GlobalBackoff,
-    GroupInfo, HaltedKey, Handler, HandlerError, HandlerResult, HeadAction, HotKey, KeyError, KeyRule, KeyRules,
-    KeySource, KeylessPolicy, LeaseConfig, MemoryTransport, Message, MessageType, OrderingKey, PoisonPolicy,
-    PublishFence, Publisher, Resolved, Result, RetryPolicy, RunReport, ScopeInfo, Settled, SettledHook, Settlement,
-    Stats, StatsSnapshot, Strategy, Subscription, SubscriptionBuilder, KEY_HEADER, MAX_KEY_BYTES, TYPE_HEADER,
+    GroupInfo, HaltedKey, Handler, HandlerError, HandlerResult, HeadAction, Health, HealthReport, HotKey, KeyError,
+    KeyRule, KeyRules, KeySource, KeylessPolicy, LeaseConfig, MemoryTransport, Message, MessageType, OrderingKey,
+    PoisonPolicy, PublishFence, Publisher, Resolved, Result, RetryPolicy, RunReport, ScopeInfo, Settled, SettledHook,
+    Settlement, Stats, StatsSnapshot, Strategy, Subscription, SubscriptionBuilder, KEY_HEADER, MAX_KEY_BYTES,
+    TYPE_HEADER,
 };
 
 /// For adapter authors: the transport traits, the keyed dispatcher, leases
@@ -30,6 +31,9 @@ pub fn schemes() -> &'static [&'static str] {
         "kafka",
     ]
 }
+
+#[cfg(feature = "ops")]
+pub mod ops;
 
 #[cfg(feature = "postgres")]
 pub use keyorder_postgres as postgres;

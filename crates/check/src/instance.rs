@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keyorder_core::{
-    Client, Delivery, Handler, HandlerError, HandlerResult, Message, Result, RunReport, Stats, SubscriptionBuilder,
+    Client, Delivery, Handler, HandlerError, HandlerResult, Health, Message, Result, RunReport, Stats,
+    SubscriptionBuilder,
 };
 use tokio::sync::{oneshot, Barrier};
 use tokio::task::JoinHandle;
@@ -145,6 +146,8 @@ pub struct Instance {
     pub id: String,
     /// Its live counters.
     pub stats: Arc<Stats>,
+    /// Its health, as a probe reads it.
+    pub health: Health,
     stop: Option<oneshot::Sender<()>>,
     join: JoinHandle<Result<RunReport>>,
 }
@@ -186,6 +189,7 @@ impl Instance {
     async fn run_built<H: Handler>(builder: SubscriptionBuilder, id: &str, handler: H) -> Result<Instance> {
         let subscription = builder.build().await?;
         let stats = subscription.stats();
+        let health = subscription.health();
         let (stop, stopped) = oneshot::channel::<()>();
         let join = tokio::spawn(subscription.run(handler, async move {
             let _ = stopped.await;
@@ -193,6 +197,7 @@ impl Instance {
         Ok(Instance {
             id: id.to_owned(),
             stats,
+            health,
             stop: Some(stop),
             join,
         })

@@ -359,6 +359,14 @@ struct Inner {
     stats: Arc<Stats>,
     /// Told of every delivery's settlement, when the application asked.
     observer: std::sync::OnceLock<crate::handler::SettledHook>,
+    /// The latency histograms, once labelled ([`Dispatcher::metered`]).
+    meters: std::sync::OnceLock<Meters>,
+}
+
+/// Handles of the latency histograms of one subscription.
+struct Meters {
+    handler: metrics::Histogram,
+    settle: metrics::Histogram,
 }
 
 /// The keyed dispatcher. Cheap to clone; clones share one state.
@@ -436,6 +444,7 @@ impl Dispatcher {
                 gate,
                 stats,
                 observer: std::sync::OnceLock::new(),
+                meters: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -610,6 +619,26 @@ impl Dispatcher {
             .filter(|(_, n)| **n > 0)
             .map(|(s, n)| (s.clone(), *n))
             .collect()
+    }
+
+    /// Records handler run time (`keyorder_handler_seconds`) and the wait
+    /// from a handler's return to its acknowledgement reported durable
+    /// (`keyorder_settle_seconds`) as histograms labelled by `category` and
+    /// `group`, through the `metrics` recorder installed now (install it
+    /// first). Only the first call counts.
+    pub fn metered(&self, category: &str, group: &str) {
+        let labels = [("category", category.to_owned()), ("group", group.to_owned())];
+        let _ = self.inner.meters.set(Meters {
+            handler: metrics::histogram!("keyorder_handler_seconds", &labels),
+            settle: metrics::histogram!("keyorder_settle_seconds", &labels),
+        });
+    }
+
+    /// Whether the whole dispatcher is backing off right now because
+    /// failures spanned many keys ([`GlobalBackoff`]).
+    pub fn backing_off(&self) -> bool {
+        let h = self.inner.health.lock().unwrap_or_else(|e| e.into_inner());
+        h.paused_until.is_some_and(|t| t > Instant::now())
     }
 
     /// Messages of `scope` held (waiting or running).
@@ -1013,7 +1042,11 @@ impl Inner {
                 let inner = self.clone();
                 let acking = Acking(self.clone());
                 rt::spawn(async move {
+                    let started = std::time::Instant::now();
                     let outcome = inner.ack(&job).await;
+                    if let Some(m) = inner.meters.get() {
+                        m.settle.record(started.elapsed().as_secs_f64());
+                    }
                     drop(acking);
                     if inner.settled(key, job, outcome) {
                         // Ready work and a free worker place: this task
@@ -1240,7 +1273,12 @@ impl Inner {
                     token = lease.generation(),
                 );
                 let run = AssertUnwindSafe(self.handler.handle(delivery)).catch_unwind();
-                match tracing::Instrument::instrument(run, span).await {
+                let started = std::time::Instant::now();
+                let ran = tracing::Instrument::instrument(run, span).await;
+                if let Some(m) = self.meters.get() {
+                    m.handler.record(started.elapsed().as_secs_f64());
+                }
+                match ran {
                     Ok(Ok(())) => {
                         // Its acknowledgement is still to be made: counted
                         // before the pass goes, so a suspect waits for it

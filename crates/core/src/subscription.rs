@@ -12,6 +12,7 @@ use crate::client::{check_name, Client};
 use crate::dispatch::{DispatchConfig, Dispatcher, Job, Submit, Widening};
 use crate::error::{Error, Result};
 use crate::handler::Handler;
+use crate::health::Health;
 use crate::lease::LeaseConfig;
 use crate::message::{KeySource, KeylessPolicy, MessageType};
 use crate::stats::{bump, Stats, StatsSnapshot};
@@ -323,7 +324,13 @@ impl SubscriptionBuilder {
             key_rules: self.client.rules.clone(),
         };
         let source = self.client.transport.open(&spec).await?;
+        let stats = Arc::new(Stats::default());
+        // A turn waits at most a fetch (100 ms), a broker call or a full
+        // dispatcher's refill; one stuck past several lease TTLs has lost
+        // its leases anyway.
+        let stall = (self.lease.ttl * 3).max(Duration::from_secs(30));
         Ok(Subscription {
+            health: Health::new(stats.clone(), stall),
             spec,
             source,
             key_source: self.key_source,
@@ -331,7 +338,7 @@ impl SubscriptionBuilder {
             dispatch: self.dispatch,
             keyless: self.keyless,
             batch: self.batch,
-            stats: Arc::new(Stats::default()),
+            stats,
             transport: name,
             observer: self.observer,
         })
@@ -348,6 +355,7 @@ pub struct Subscription {
     keyless: KeylessPolicy,
     batch: usize,
     stats: Arc<Stats>,
+    health: Health,
     transport: String,
     observer: Option<crate::handler::SettledHook>,
 }
@@ -378,6 +386,20 @@ impl Subscription {
     pub fn stats(&self) -> Arc<Stats> {
         self.stats.clone()
     }
+    /// Its health (live, ready, degraded, with reasons), shared: take it
+    /// before [`run`](Self::run) and read it from a probe while it runs.
+    /// See [`crate::health`].
+    pub fn health(&self) -> Health {
+        self.health.clone()
+    }
+    /// The category it reads.
+    pub fn category(&self) -> &str {
+        &self.spec.category
+    }
+    /// Its consumer group.
+    pub fn group(&self) -> &str {
+        &self.spec.group
+    }
     /// This instance's id.
     pub fn instance_id(&self) -> &str {
         &self.spec.instance
@@ -397,6 +419,7 @@ impl Subscription {
         // for the isolation wait (a RabbitMQ take-over went from 2.4 s to
         // 7.4 s). `Dispatcher::new_in_process` shares it.
         let dispatcher = Dispatcher::new(self.dispatch, Arc::new(handler), self.stats.clone());
+        dispatcher.metered(&self.spec.category, &self.spec.group);
         if let Some(hook) = self.observer.take() {
             dispatcher.on_settled(hook);
         }
@@ -405,6 +428,8 @@ impl Subscription {
         // How long shutdown waits for the step in flight (at most the lease
         // TTL: a step stuck longer has lost its leases anyway).
         let grace = self.spec.lease.ttl.min(Duration::from_secs(10));
+        let health = self.health.clone();
+        health.running();
         let outcome = loop {
             let stepped = {
                 let step = self.step(&dispatcher, &mut loop_state);
@@ -432,8 +457,12 @@ impl Subscription {
             };
             match stepped {
                 None => break Ok(()),
-                Some(Ok(())) => loop_state.backoff = Duration::ZERO,
+                Some(Ok(())) => {
+                    health.turned(None, dispatcher.backing_off());
+                    loop_state.backoff = Duration::ZERO;
+                }
                 Some(Err(Error::Broker(b))) => {
+                    health.turned(Some(b.message().to_owned()), dispatcher.backing_off());
                     tracing::warn!(error = %b.message(), temporary = b.is_temporary(), "transport error; retrying");
                     loop_state.backoff =
                         (loop_state.backoff * 2).clamp(Duration::from_millis(50), Duration::from_secs(5));
@@ -446,8 +475,10 @@ impl Subscription {
                 Some(Err(other)) => break Err(other),
             }
         };
+        health.stopping();
         let dropped = dispatcher.drain().await;
         let close = self.source.close().await;
+        health.stopped();
         outcome?;
         close?;
         Ok(RunReport {

@@ -67,6 +67,20 @@ pub(super) async fn c4(ctx: &Ctx<'_>) -> Outcome {
         async move { stats.snapshot().halted_now == 2 }
     })
     .await?;
+    // Health: degraded by the halts, still live and ready (a probe must
+    // not restart a process for a halted key).
+    wait_until("health to report both halts as degraded", ctx.h.deadline(), || {
+        let report = inst.health.check();
+        async move { report.degraded && report.halted_keys == 2 }
+    })
+    .await?;
+    let report = inst.health.check();
+    ensure(report.live && report.ready && report.status() == "degraded", || {
+        format!("a halted key must degrade, not kill or unready: {report:?}")
+    })?;
+    ensure(report.reasons.iter().any(|r| r.contains("halted")), || {
+        format!("the reasons should name the halt: {report:?}")
+    })?;
 
     // Operator: skip one head (released in order without it) ...
     admin
@@ -94,7 +108,21 @@ pub(super) async fn c4(ctx: &Ctx<'_>) -> Outcome {
     ensure(admin.dead_letters(&cat, "g").await.map_err(err)?.is_empty(), || {
         "resume dead-lettered something".into()
     })?;
+    wait_until(
+        "health to be healthy once both halts are resolved",
+        ctx.h.deadline(),
+        || {
+            let report = inst.health.check();
+            async move { report.status() == "healthy" && report.reasons.is_empty() }
+        },
+    )
+    .await?;
+    let health = inst.health.clone();
     stop_all(vec![inst]).await?;
+    let report = health.check();
+    ensure(!report.live && !report.ready && report.status() == "dead", || {
+        format!("a stopped subscription must not report live: {report:?}")
+    })?;
     ctx.verdict(&Expectation {
         published,
         excused: skipped,
