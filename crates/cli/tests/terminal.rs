@@ -33,7 +33,11 @@ fn assert_one_line_error(what: &str, out: &Output) -> String {
         !lower.contains("backtrace") && !lower.contains("caused by") && !lower.contains("panicked"),
         "{what}: {stderr:?}"
     );
-    assert!(out.stdout.is_empty(), "{what}: nothing on stdout: {:?}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        out.stdout.is_empty(),
+        "{what}: nothing on stdout: {:?}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     lines[0].to_owned()
 }
 
@@ -42,7 +46,15 @@ const BACKTRACE: [(&str, &str); 2] = [("RUST_BACKTRACE", "1"), ("RUST_LIB_BACKTR
 #[test]
 fn an_unknown_url_scheme_is_one_line_and_exit_code_1() {
     let out = keyorder(
-        &["scopes", "--url", "nosuch://127.0.0.1:1", "--category", "c", "--group", "g"],
+        &[
+            "scopes",
+            "--url",
+            "nosuch://127.0.0.1:1",
+            "--category",
+            "c",
+            "--group",
+            "g",
+        ],
         &BACKTRACE,
     );
     let line = assert_one_line_error("unknown scheme", &out);
@@ -68,7 +80,10 @@ fn an_unreachable_broker_is_one_line_with_its_causes() {
     );
     let line = assert_one_line_error("unreachable redis", &out);
     assert!(line.contains(": "), "its causes joined: {line:?}");
-    assert!(line.to_lowercase().contains("refused"), "the root cause is there: {line:?}");
+    assert!(
+        line.to_lowercase().contains("refused"),
+        "the root cause is there: {line:?}"
+    );
 }
 
 /// A refusal of the CLI's own (no `--yes`) is the same one line.
@@ -88,7 +103,10 @@ fn a_usage_error_is_clap_s_with_exit_code_2() {
     let out = keyorder(&["scopes", "--no-such-flag"], &BACKTRACE);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr:?}");
-    assert!(stderr.contains("Usage:") && stderr.contains("--no-such-flag"), "{stderr:?}");
+    assert!(
+        stderr.contains("Usage:") && stderr.contains("--no-such-flag"),
+        "{stderr:?}"
+    );
     assert!(!stderr.to_lowercase().contains("backtrace"), "{stderr:?}");
 }
 
@@ -116,7 +134,10 @@ fn a_pipe_gets_plain_logs_and_no_progress() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stderr}");
     assert!(stderr.contains("DEBUG"), "the run logged: {stderr}");
-    assert!(!out.stderr.contains(&0x1b), "an escape code in piped stderr: {stderr:?}");
+    assert!(
+        !out.stderr.contains(&0x1b),
+        "an escape code in piped stderr: {stderr:?}"
+    );
     assert!(!out.stdout.contains(&0x1b), "an escape code in stdout: {stdout:?}");
     for text in [&stderr, &stdout] {
         assert!(!text.contains("applied ["), "a progress bar in a pipe: {text:?}");
@@ -177,23 +198,13 @@ impl Tmux {
     /// `__exit=<code>` and stays, so the screen can be read after the end.
     fn run(&self, script: &str) {
         let shell = format!("{script}; echo __exit=$?; exec sleep 600");
-        let out = self.tmux(&[
-            "new-session",
-            "-d",
-            "-x",
-            "200",
-            "-y",
-            "50",
-            "sh",
-            "-c",
-            &shell,
-        ]);
+        let out = self.tmux(&["new-session", "-d", "-x", "200", "-y", "50", "sh", "-c", &shell]);
         assert!(out.status.success(), "tmux: {}", String::from_utf8_lossy(&out.stderr));
     }
 
     /// The screen and its scroll-back, with escape codes (`capture-pane -e`).
     fn screen(&self) -> String {
-        String::from_utf8_lossy(&self.tmux(&["capture-pane", "-p", "-e", "-J", "-S", "-"]).stdout).into_owned()
+        String::from_utf8_lossy(&self.tmux(&["capture-pane", "-p", "-e", "-S", "-"]).stdout).into_owned()
     }
 
     /// Polls the screen until the command has ended; the screen then.
@@ -213,7 +224,10 @@ impl Drop for Tmux {
 }
 
 fn tmux_available() -> bool {
-    Command::new("tmux").arg("-V").output().is_ok_and(|o| o.status.success())
+    Command::new("tmux")
+        .arg("-V")
+        .output()
+        .is_ok_and(|o| o.status.success())
 }
 
 fn shell_quote(s: &str) -> String {
@@ -231,11 +245,7 @@ async fn a_terminal_gets_progress_and_colours_unless_told_otherwise() {
     std::fs::create_dir_all(&dir).unwrap();
     let bin = shell_quote(env!("CARGO_BIN_EXE_keyorder"));
     let bench = "bench --url memory:// --keys 4 --messages 400 --instances 1 --probes 0 --handler-ms 1";
-    let cases = [
-        ("plain", ""),
-        ("nocolor", "NO_COLOR=1"),
-        ("json", ""),
-    ];
+    let cases = [("plain", ""), ("nocolor", "NO_COLOR=1"), ("json", "")];
     for (tag, env) in cases {
         let json = if tag == "json" { " --json" } else { "" };
         let stdout = dir.join(format!("{tag}.out"));
@@ -252,8 +262,14 @@ async fn a_terminal_gets_progress_and_colours_unless_told_otherwise() {
             !out.contains("consumed [") && !out.contains("published ["),
             "{tag}: progress on stdout: {out:?}"
         );
-        assert!(out.contains("ratio (ordered/baseline)"), "{tag}: the result on stdout: {out:?}");
-        assert!(screen.contains("DEBUG"), "{tag}: the run logged on the terminal: {screen}");
+        assert!(
+            out.contains("ratio (ordered/baseline)"),
+            "{tag}: the result on stdout: {out:?}"
+        );
+        assert!(
+            screen.contains("DEBUG"),
+            "{tag}: the run logged on the terminal: {screen}"
+        );
         let progress = screen.contains("consumed [") && screen.contains("400/400");
         let coloured = screen.lines().any(|l| l.contains("DEBUG") && l.contains("\u{1b}["));
         match tag {
@@ -266,7 +282,10 @@ async fn a_terminal_gets_progress_and_colours_unless_told_otherwise() {
                 assert!(!coloured, "nocolor: colours under NO_COLOR: {screen:?}");
             }
             _ => {
-                assert!(!progress && !screen.contains("consumed ["), "json: progress drawn: {screen}");
+                assert!(
+                    !progress && !screen.contains("consumed ["),
+                    "json: progress drawn: {screen}"
+                );
                 let last = out.lines().last().unwrap_or_default();
                 assert!(
                     serde_json::from_str::<serde_json::Value>(last).is_ok(),
