@@ -296,3 +296,42 @@ async fn a_terminal_gets_progress_and_colours_unless_told_otherwise() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `failover --json` on the real PostgreSQL server (its event log there
+/// too): the takeover's time and the checker's verdict as the last line.
+#[cfg(feature = "all-adapters")]
+#[test]
+fn failover_json_reports_the_takeover() {
+    let url = std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let out = keyorder(
+        &[
+            "failover",
+            "--url",
+            &url,
+            "--keys",
+            "4",
+            "--ttl-ms",
+            "2000",
+            "--heartbeat-ms",
+            "500",
+            "--margin-ms",
+            "600",
+            "--json",
+        ],
+        &[],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let last = stdout.lines().last().expect("a line on stdout");
+    let v: serde_json::Value = serde_json::from_str(last).expect("the last line is JSON");
+    assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(
+        (v["lost"].as_u64(), v["violations"].as_u64()),
+        (Some(0), Some(0)),
+        "{v}"
+    );
+    // The dead owner's lease (2 s) must run out before the takeover.
+    let ms = v["failover_ms"].as_f64().expect("failover_ms");
+    assert!((500.0..60_000.0).contains(&ms), "{v}");
+    assert!(!out.stderr.contains(&0x1b), "an escape code in piped stderr");
+}
