@@ -11,7 +11,7 @@ use keyorder_check::{check, EventLog, Expectation};
 use serde_json::json;
 
 use crate::demo::uuid_like;
-use crate::run;
+use crate::{progress, run};
 
 #[derive(Debug, Args)]
 pub(crate) struct BenchArgs {
@@ -57,7 +57,8 @@ pub(crate) struct BenchArgs {
     /// Probe rate (messages per second).
     #[arg(long, default_value_t = 200)]
     probe_rate: u64,
-    /// Print one JSON object as the last line on stdout.
+    /// Print one JSON object as the last line on stdout, and draw no
+    /// progress (progress shows only when stderr is a terminal anyway).
     #[arg(long)]
     json: bool,
     /// Rounds of ordered-then-baseline, each reported; with more than one
@@ -175,6 +176,7 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
         Some(m) => rand::random_range(0..=m),
         None => h,
     };
+    let bar = progress::bar(a.messages, label, "published", a.json);
     let published = run::produce(
         &clients,
         &category,
@@ -182,9 +184,10 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
         a.messages,
         sleep,
         producers(keys.len()),
-        None,
+        Some(bar.clone()),
     )
     .await?;
+    bar.finish();
     // `VACUUM (ANALYZE)` of keyorder's tables on PostgreSQL (`Admin::vacuum`;
     // nothing elsewhere) once the backlog is published and before it is
     // consumed, so that each side starts on tables without the dead rows of
@@ -223,16 +226,33 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
     let target = published.len() as u64;
     let per_msg = a.handler_max_ms.unwrap_or(a.handler_ms) + 1;
     let deadline = Duration::from_secs(120 + target * per_msg / concurrency.clamp(1, 100) as u64);
+    let bar = progress::bar(target, label, "consumed", a.json);
+    let follow = {
+        let rec = rec.clone();
+        progress::Follow::new(&bar, move || rec.applied.load(Ordering::Relaxed))
+    };
     let res = run::wait_for("the backlog to be consumed", deadline, || {
         rec.applied.load(Ordering::Relaxed) >= target
     })
     .await;
+    drop(follow);
+    bar.set_position(rec.applied.load(Ordering::Relaxed));
+    if res.is_ok() {
+        bar.finish();
+    } else {
+        bar.abandon();
+    }
     let secs = rec.busy_secs();
     // Latency at low load: probes paced at `probe_rate`, publish to handler start.
     if res.is_ok() && a.probes > 0 {
         let publisher = clients[0].publisher(&category).await?;
         let gap = Duration::from_secs_f64(1.0 / a.probe_rate.max(1) as f64);
         let mut tick = tokio::time::interval(gap);
+        let bar = progress::bar(a.probes, label, "latency probes", a.json);
+        let follow = {
+            let rec = rec.clone();
+            progress::Follow::new(&bar, move || rec.probes.load(Ordering::Relaxed))
+        };
         for i in 0..a.probes {
             tick.tick().await;
             let key = &keys[i as usize % keys.len()];
@@ -243,6 +263,9 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
             rec.probes.load(Ordering::Relaxed) >= a.probes
         })
         .await?;
+        drop(follow);
+        bar.set_position(rec.probes.load(Ordering::Relaxed));
+        bar.finish();
     }
     for i in instances {
         let s = i.stats.snapshot();

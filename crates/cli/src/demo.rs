@@ -4,11 +4,10 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use clap::Args;
-use indicatif::{ProgressBar, ProgressStyle};
 use keyorder_check::{check, EventLog, Expectation};
 use rand::Rng;
 
-use crate::run;
+use crate::{progress, run};
 
 #[derive(Debug, Args)]
 pub(crate) struct DemoArgs {
@@ -30,6 +29,10 @@ pub(crate) struct DemoArgs {
     /// Handlers running at once per instance.
     #[arg(long, default_value_t = 64)]
     concurrency: usize,
+    /// Print one JSON object as the last line on stdout, and draw no
+    /// progress (progress shows only when stderr is a terminal anyway).
+    #[arg(long)]
+    json: bool,
 }
 
 pub(crate) async fn run(a: DemoArgs) -> anyhow::Result<()> {
@@ -93,9 +96,7 @@ pub(crate) async fn run(a: DemoArgs) -> anyhow::Result<()> {
         a.max_handler_ms
     );
     let keys: Vec<String> = (0..a.keys).map(|i| format!("customer-{i}")).collect();
-    let bar = ProgressBar::new(a.messages)
-        .with_style(ProgressStyle::with_template("{msg:>9} [{bar:40}] {pos}/{len} {per_sec}").expect("valid template"))
-        .with_message("applied");
+    let bar = progress::bar(a.messages, "demo", "applied", a.json);
     let max = a.max_handler_ms;
     let producer = {
         let clients = clients.clone();
@@ -113,19 +114,10 @@ pub(crate) async fn run(a: DemoArgs) -> anyhow::Result<()> {
             .await
         })
     };
-    let rec2 = rec.clone();
-    let bar2 = bar.clone();
-    let total = a.messages;
-    let progress = tokio::spawn(async move {
-        loop {
-            let n = rec2.applied.load(Ordering::Relaxed);
-            bar2.set_position(n);
-            if n >= total {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    });
+    let follow = {
+        let rec = rec.clone();
+        progress::Follow::new(&bar, move || rec.applied.load(Ordering::Relaxed))
+    };
     let published = producer.await??;
     let target = published.len() as u64;
     let deadline = Duration::from_secs(60 + target / 50);
@@ -133,7 +125,7 @@ pub(crate) async fn run(a: DemoArgs) -> anyhow::Result<()> {
         rec.applied.load(Ordering::Relaxed) >= target
     })
     .await;
-    progress.abort();
+    drop(follow);
     bar.set_position(rec.applied.load(Ordering::Relaxed));
     bar.finish();
     for i in instances {
@@ -159,6 +151,25 @@ pub(crate) async fn run(a: DemoArgs) -> anyhow::Result<()> {
         target,
         secs
     );
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "transport": clients[0].transport_name(),
+                "instances": a.instances,
+                "keys": a.keys,
+                "messages": target,
+                "max_handler_ms": a.max_handler_ms,
+                "concurrency": a.concurrency,
+                "violations": verdict.order.len(),
+                "lost": verdict.lost.len(),
+                "duplicates": verdict.duplicates,
+                "msgs_per_s": target as f64 / secs.max(1e-9),
+                "secs": secs,
+                "ok": verdict.is_ok(),
+            })
+        );
+    }
     if !verdict.is_ok() {
         anyhow::bail!("the checker found defects: {verdict}");
     }

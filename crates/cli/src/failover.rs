@@ -19,7 +19,7 @@ use keyorder_check::worker::{WorkerConfig, WorkerProcess};
 use keyorder_check::{check, EventLog, Expectation};
 
 use crate::demo::uuid_like;
-use crate::run;
+use crate::{progress, run};
 
 #[derive(Debug, Args)]
 pub(crate) struct FailoverArgs {
@@ -45,6 +45,10 @@ pub(crate) struct FailoverArgs {
     /// supervisor's restart) instead of another instance taking over.
     #[arg(long)]
     restart: bool,
+    /// Print one JSON object as the last line on stdout, and draw no
+    /// progress (progress shows only when stderr is a terminal anyway).
+    #[arg(long)]
+    json: bool,
 }
 
 pub(crate) async fn run(a: FailoverArgs) -> anyhow::Result<()> {
@@ -81,6 +85,7 @@ pub(crate) async fn run(a: FailoverArgs) -> anyhow::Result<()> {
     .map_err(anyhow::Error::msg)?;
     let client = keyorder::connect(&url).await?;
     let published = publish_keys(&client, &category, &keys("key", a.keys), 10, 0).await?;
+    let spin = progress::spinner("failover", "waiting for the owner to be inside a handler", a.json);
     let held = log.clone();
     run::wait_for_async("the owner to be inside a handler", Duration::from_secs(60), || {
         let held = held.clone();
@@ -94,7 +99,11 @@ pub(crate) async fn run(a: FailoverArgs) -> anyhow::Result<()> {
     .await?;
     let killed_at = log.now().await?;
     w1.kill9().await.map_err(anyhow::Error::msg)?;
-    eprintln!("killed the owner (kill -9) inside a handler; a second instance takes over");
+    progress::suspend(|| eprintln!("killed the owner (kill -9) inside a handler; a second instance takes over"));
+    spin.set_message(format!(
+        "waiting for the takeover (lease ttl {} ms) and every message to be applied",
+        a.ttl_ms
+    ));
     let builder = client
         .subscribe(&category, "g")
         .ordered_by(KeySource::routing_key())
@@ -117,6 +126,7 @@ pub(crate) async fn run(a: FailoverArgs) -> anyhow::Result<()> {
         },
     )
     .await?;
+    spin.finish_and_clear();
     i2.stop().await.map_err(anyhow::Error::msg)?;
     let events = log.events().await?;
     let first = events
@@ -144,6 +154,23 @@ pub(crate) async fn run(a: FailoverArgs) -> anyhow::Result<()> {
         a.ttl_ms,
         a.heartbeat_ms
     );
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "failover_ms": failover_ms,
+                "restart": a.restart,
+                "keys": a.keys,
+                "ttl_ms": a.ttl_ms,
+                "heartbeat_ms": a.heartbeat_ms,
+                "margin_ms": a.margin_ms,
+                "violations": verdict.order.len(),
+                "lost": verdict.lost.len(),
+                "duplicates": verdict.duplicates,
+                "ok": verdict.is_ok(),
+            })
+        );
+    }
     if !verdict.is_ok() {
         anyhow::bail!("the checker found defects: {verdict}");
     }

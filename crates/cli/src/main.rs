@@ -7,7 +7,10 @@ mod failover;
 mod ops;
 mod outbox;
 mod outbox_bench;
+mod progress;
 mod run;
+
+use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
@@ -44,7 +47,7 @@ enum Command {
     Failover(failover::FailoverArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> ExitCode {
     // `keyorder failover` re-executes this binary as its worker process.
     keyorder_check::worker::run_if_worker(|url| Box::pin(async move { keyorder::connect(&url).await }));
     tracing_subscriber::fmt()
@@ -52,11 +55,27 @@ fn main() -> anyhow::Result<()> {
             tracing_subscriber::EnvFilter::try_from_env("KEYORDER_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
-        .with_writer(std::io::stderr)
-        // Colours only on a terminal: a log file or a pipe gets plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        // Standard error, around a progress bar being drawn.
+        .with_writer(progress::LogWriter)
+        // Colours only on a terminal, and not under NO_COLOR: a log file or a
+        // pipe gets plain text.
+        .with_ansi(colours(
+            std::io::IsTerminal::is_terminal(&std::io::stderr()),
+            std::env::var_os("NO_COLOR").as_deref(),
+        ))
         .init();
+    // A usage error is clap's: its usage text, exit code 2.
     let cli = Cli::parse();
+    match execute(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", one_line(&e));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn execute(cli: Cli) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         match cli.command {
@@ -72,4 +91,65 @@ fn main() -> anyhow::Result<()> {
             Command::Failover(a) => failover::run(a).await,
         }
     })
+}
+
+/// Whether log lines get colours: on a terminal, unless `NO_COLOR` is set
+/// to something (<https://no-color.org>: an empty value does not count).
+fn colours(terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    terminal && no_color.is_none_or(|v| v.is_empty())
+}
+
+/// A user error as one line: the message and its causes joined by `": "`,
+/// a cause left out where the message before it already says it (errors
+/// that print their source), with control characters and line breaks
+/// escaped, so that nothing a broker or a message said can forge a line.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = keyorder::redact::text(&cause.to_string());
+        if text.is_empty() || line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::OsStr;
+
+    #[test]
+    fn causes_join_on_one_line_without_repeats() {
+        let root = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "connection refused");
+        let e = anyhow::Error::new(root)
+            .context("connecting to redis://127.0.0.1:1")
+            .context("listing scopes");
+        assert_eq!(
+            super::one_line(&e),
+            "listing scopes: connecting to redis://127.0.0.1:1: connection refused"
+        );
+        // A message that already holds its cause's text does not repeat it.
+        let e = anyhow::Error::new(std::io::Error::other("timed out")).context("connect failed: timed out");
+        assert_eq!(super::one_line(&e), "connect failed: timed out");
+    }
+
+    #[test]
+    fn a_line_break_or_escape_in_a_message_stays_inert() {
+        let e = anyhow::anyhow!("bad\nFORGED line \u{1b}[2J");
+        let line = super::one_line(&e);
+        assert!(!line.contains('\n') && !line.contains('\u{1b}'), "{line:?}");
+        assert!(line.contains("FORGED"), "{line:?}");
+    }
+
+    #[test]
+    fn colours_only_on_a_terminal_without_no_color() {
+        assert!(super::colours(true, None));
+        assert!(super::colours(true, Some(OsStr::new(""))));
+        assert!(!super::colours(true, Some(OsStr::new("1"))));
+        assert!(!super::colours(false, None));
+    }
 }

@@ -14,7 +14,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::demo::uuid_like;
-use crate::run;
+use crate::{progress, run};
 
 #[derive(Debug, Args)]
 pub(crate) struct OutboxBenchArgs {
@@ -55,7 +55,8 @@ pub(crate) struct OutboxBenchArgs {
     /// Keep each side's schema (for inspection).
     #[arg(long)]
     keep: bool,
-    /// Print one JSON object as the last line on stdout.
+    /// Print one JSON object as the last line on stdout, and draw no
+    /// progress (progress shows only when stderr is a terminal anyway).
     #[arg(long)]
     json: bool,
 }
@@ -82,7 +83,12 @@ struct Side {
 
 /// Stages `records` over `keys` keys from 4 tasks, each owning a subset of
 /// the keys, `batch` records per transaction.
-async fn stage(outbox: &Outbox, category: &str, a: &OutboxBenchArgs) -> anyhow::Result<()> {
+async fn stage(
+    outbox: &Outbox,
+    category: &str,
+    a: &OutboxBenchArgs,
+    bar: &indicatif::ProgressBar,
+) -> anyhow::Result<()> {
     let stagers = 4.min(a.keys);
     let payload = vec![b'x'; a.payload];
     let mut tasks = Vec::new();
@@ -100,6 +106,7 @@ async fn stage(outbox: &Outbox, category: &str, a: &OutboxBenchArgs) -> anyhow::
             })
             .collect();
         let batch = a.stage_batch.max(1);
+        let bar = bar.clone();
         tasks.push(tokio::spawn(async move {
             let rounds = mine.iter().map(|(_, n)| *n).max().unwrap_or(0);
             let mut pending: Vec<Outgoing> = Vec::with_capacity(batch);
@@ -109,12 +116,16 @@ async fn stage(outbox: &Outbox, category: &str, a: &OutboxBenchArgs) -> anyhow::
                         pending.push(Outgoing::new(&category, key, payload.clone()));
                     }
                     if pending.len() >= batch {
+                        let n = pending.len() as u64;
                         stage_tx(&outbox, std::mem::take(&mut pending)).await?;
+                        bar.inc(n);
                     }
                 }
             }
             if !pending.is_empty() {
+                let n = pending.len() as u64;
                 stage_tx(&outbox, pending).await?;
+                bar.inc(n);
             }
             anyhow::Ok(())
         }));
@@ -166,7 +177,9 @@ async fn side(a: &OutboxBenchArgs, ordered: bool) -> anyhow::Result<Side> {
 
     eprintln!("{name}: staging {} records over {} keys", a.records, a.keys);
     let staged_at = Instant::now();
-    stage(&outbox, &category, a).await?;
+    let bar = progress::bar(a.records, name, "staged", a.json);
+    stage(&outbox, &category, a, &bar).await?;
+    bar.finish();
     let stage_secs = staged_at.elapsed().as_secs_f64();
     let pending = scalar(
         &outbox,
@@ -211,12 +224,14 @@ async fn side(a: &OutboxBenchArgs, ordered: bool) -> anyhow::Result<Side> {
     let target = a.records;
     let deadline = started + Duration::from_secs(300 + target / 100);
     let mut first: Option<Instant> = None;
+    let bar = progress::bar(target, name, "relayed", a.json);
     let done = loop {
         let now = Instant::now();
         let s = running
             .iter()
             .map(|(stats, _, _)| stats.snapshot())
             .fold(RelayStatsSnapshot::default(), add);
+        bar.set_position(s.published);
         if s.published > 0 && first.is_none() {
             first = Some(now);
         }
@@ -239,6 +254,11 @@ async fn side(a: &OutboxBenchArgs, ordered: bool) -> anyhow::Result<Side> {
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
     };
+    if done.is_ok() {
+        bar.finish();
+    } else {
+        bar.abandon();
+    }
     let mut stats = RelayStatsSnapshot::default();
     for (_, stop, task) in running {
         let _ = stop.send(());

@@ -48,6 +48,13 @@ pub(crate) async fn clients(url: &str, n: usize) -> anyhow::Result<Vec<Client>> 
             first.clone()
         });
     }
+    // The URL without its password and query values (`redact::url`).
+    tracing::debug!(
+        transport = first.transport_name(),
+        url = %keyorder::redact::url(url),
+        clients = n,
+        "connected"
+    );
     Ok(out)
 }
 
