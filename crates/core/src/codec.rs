@@ -218,7 +218,10 @@ impl StdError for EncodeError {
 /// ```
 ///
 /// [`HandlerError::Poison`]: crate::HandlerError::Poison
-pub struct DecodeError {
+pub struct DecodeError(Box<Decode>);
+
+/// What a [`DecodeError`] holds (boxed: a `Result` carrying it stays small).
+struct Decode {
     type_name: &'static str,
     content_type: &'static str,
     id: String,
@@ -232,7 +235,7 @@ pub struct DecodeError {
 
 impl DecodeError {
     fn new<T>(content_type: &'static str, d: &Delivery, source: BoxError) -> Self {
-        DecodeError {
+        DecodeError(Box::new(Decode {
             type_name: type_name::<T>(),
             content_type,
             id: d.id().to_owned(),
@@ -242,27 +245,27 @@ impl DecodeError {
             attempt: d.attempt(),
             detail: scrub(&source.to_string(), d.key()),
             source,
-        }
+        }))
     }
     /// The Rust type asked for (`std::any::type_name`).
     pub fn type_name(&self) -> &'static str {
-        self.type_name
+        self.0.type_name
     }
     /// The codec's content type.
     pub fn content_type(&self) -> &'static str {
-        self.content_type
+        self.0.content_type
     }
     /// The message id.
     pub fn message_id(&self) -> &str {
-        &self.id
+        &self.0.id
     }
     /// The key's label (`k#...`), `None` for a keyless message.
     pub fn key_label(&self) -> Option<&str> {
-        self.key_label.as_deref()
+        self.0.key_label.as_deref()
     }
     /// What the codec said, with the key's value replaced by its label.
     pub fn detail(&self) -> &str {
-        &self.detail
+        &self.0.detail
     }
     /// The codec's own error (`serde_json::Error` for [`Json`], to
     /// downcast for its line and column). Its text may quote the payload,
@@ -270,7 +273,7 @@ impl DecodeError {
     /// is therefore not the [`source`](StdError::source), which error
     /// reporters print.
     pub fn codec_error(&self) -> &(dyn StdError + Send + Sync + 'static) {
-        &*self.source
+        &*self.0.source
     }
 }
 
@@ -335,20 +338,20 @@ fn split_position(text: &str) -> (&str, &str) {
 
 impl fmt::Display for DecodeError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "cannot decode message {} (", redact::quoted(&self.id))?;
-        if let Some(ty) = &self.message_type {
+        write!(f, "cannot decode message {} (", redact::quoted(&self.0.id))?;
+        if let Some(ty) = &self.0.message_type {
             write!(f, "type {}, ", redact::quoted(ty))?;
         }
         write!(
             f,
-            "key {}, scope {}, attempt {}) as `{}` from {}: {}; a payload that does not decode is poison \
-             (the poison policy applies: fix the producer or the type, then resolve the key)",
-            self.key_label.as_deref().unwrap_or("keyless"),
-            redact::quoted(&self.scope),
-            self.attempt,
-            self.type_name,
-            self.content_type,
-            self.detail
+            "key {}, scope {}, attempt {}) as `{}` from {}: {}; a payload that does not decode is poison: \
+             the poison policy applies at once (fix the producer or the type)",
+            self.0.key_label.as_deref().unwrap_or("keyless"),
+            redact::quoted(&self.0.scope),
+            self.0.attempt,
+            self.0.type_name,
+            self.0.content_type,
+            self.0.detail
         )
     }
 }
@@ -356,13 +359,13 @@ impl fmt::Display for DecodeError {
 impl fmt::Debug for DecodeError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DecodeError")
-            .field("type_name", &self.type_name)
-            .field("content_type", &self.content_type)
-            .field("id", &redact::text(&self.id))
-            .field("key_label", &self.key_label)
-            .field("scope", &redact::text(&self.scope))
-            .field("attempt", &self.attempt)
-            .field("detail", &self.detail)
+            .field("type_name", &self.0.type_name)
+            .field("content_type", &self.0.content_type)
+            .field("id", &redact::text(&self.0.id))
+            .field("key_label", &self.0.key_label)
+            .field("scope", &redact::text(&self.0.scope))
+            .field("attempt", &self.0.attempt)
+            .field("detail", &self.0.detail)
             .finish()
     }
 }
