@@ -169,7 +169,13 @@ async fn halt_scenario(client: Client) {
         async || {
             let halted = admin.halted(&category, "g").await.unwrap();
             let good = GOOD.iter().all(|k| applied(&log, k).len() == STEPS as usize);
-            (good && halted.len() == 1).then_some(halted)
+            // The observer hears of the halt just after the broker records it.
+            let reported = log
+                .lock()
+                .unwrap()
+                .settled
+                .contains(&(poison_id.clone(), Settlement::Halted));
+            (good && reported && halted.len() == 1).then_some(halted)
         },
     )
     .await;
