@@ -8,9 +8,15 @@ pub use keyorder_core::{
     GroupInfo, HaltedKey, Handler, HandlerError, HandlerResult, HeadAction, Health, HealthReport, HotKey, KeyError,
     KeyRule, KeyRules, KeySource, KeylessPolicy, LeaseConfig, MemoryTransport, Message, MessageType, OrderingKey,
     PoisonPolicy, PublishFence, Publisher, Resolved, Result, RetryPolicy, RunReport, ScopeInfo, Settled, SettledHook,
-    Settlement, Stats, StatsSnapshot, Strategy, Subscription, SubscriptionBuilder, KEY_HEADER, MAX_KEY_BYTES,
-    TYPE_HEADER,
+    Settlement, Stats, StatsSnapshot, Strategy, Subscription, SubscriptionBuilder, CONTENT_TYPE_HEADER, KEY_HEADER,
+    MAX_KEY_BYTES, TYPE_HEADER,
 };
+
+/// Typed payloads (feature `serde`): [`Message::json`], [`Delivery::json`]
+/// and any `serde` format through [`codec::Codec`]; a payload that does
+/// not decode is poison ([`keyorder_core::codec`]).
+#[cfg(feature = "serde")]
+pub use keyorder_core::codec;
 
 /// For adapter authors: the transport traits, the keyed dispatcher, leases
 /// and scope assignment ([`keyorder_core::raw`]). An application does not

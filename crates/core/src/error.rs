@@ -51,6 +51,11 @@ pub enum Error {
     /// An operator action named something that does not exist.
     #[error("not found: {0}")]
     NotFound(String),
+    /// A value the codec could not encode as a payload (feature `serde`:
+    /// `Message::json`, `Message::encode`); the text names its type.
+    #[cfg(feature = "serde")]
+    #[error(transparent)]
+    Encode(#[from] crate::codec::EncodeError),
 }
 
 impl Error {

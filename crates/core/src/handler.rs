@@ -10,7 +10,12 @@ type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// Why a handler failed: retry with back-off, apply the poison policy at
 /// once, or the handler's own store refused this delivery's fencing token.
 ///
-/// `?` on any error type gives a retryable error.
+/// `?` on any error type gives a retryable error, except a payload that
+/// does not decode (`keyorder_core::codec::DecodeError`, feature `serde`),
+/// which gives [`HandlerError::Poison`]: retrying cannot change a
+/// message's bytes. (It is recognised as it is converted; wrapped in
+/// another error type first, it is that type's error: call
+/// [`HandlerError::poison`] then.)
 pub enum HandlerError {
     /// Retry with back-off, then the poison policy.
     Retryable(BoxError),
@@ -116,8 +121,16 @@ impl fmt::Debug for SettledHook {
 }
 
 impl<E: Into<BoxError>> From<E> for HandlerError {
+    /// [`HandlerError::Retryable`], or [`HandlerError::Poison`] for a
+    /// `codec::DecodeError` (a blanket implementation cannot be
+    /// specialised, so the decode error is recognised here).
     fn from(err: E) -> Self {
-        HandlerError::Retryable(err.into())
+        let err = err.into();
+        #[cfg(feature = "serde")]
+        if err.is::<crate::codec::DecodeError>() {
+            return HandlerError::Poison(err);
+        }
+        HandlerError::Retryable(err)
     }
 }
 

@@ -5,6 +5,8 @@ pub mod assign;
 pub mod bench;
 pub mod capability;
 pub mod client;
+#[cfg(feature = "serde")]
+pub mod codec;
 pub mod dispatch;
 pub mod error;
 pub mod handler;
@@ -36,7 +38,9 @@ pub use health::{Health, HealthReport};
 pub use key::{KeyError, KeyRule, KeyRules, OrderingKey, MAX_KEY_BYTES};
 pub use lease::{LeaseConfig, LeaseState, ScopeLease};
 pub use memory::MemoryTransport;
-pub use message::{Delivery, KeySource, KeylessPolicy, Message, MessageType, KEY_HEADER, TYPE_HEADER};
+pub use message::{
+    Delivery, KeySource, KeylessPolicy, Message, MessageType, CONTENT_TYPE_HEADER, KEY_HEADER, TYPE_HEADER,
+};
 pub use stats::{Stats, StatsSnapshot};
 pub use strategy::{GlobalBackoff, PoisonPolicy, Resolved, RetryPolicy, Strategy};
 pub use subscription::{RunReport, Subscription, SubscriptionBuilder};

@@ -15,6 +15,11 @@ pub const KEY_HEADER: &str = "keyorder-key";
 /// The header that names a message's type (see [`MessageType`]).
 pub const TYPE_HEADER: &str = "keyorder-type";
 
+/// The header that names a payload's encoding as a media type
+/// (`application/json`): `Message::json` and `Message::encode` (feature
+/// `serde`) set it from the codec.
+pub const CONTENT_TYPE_HEADER: &str = "keyorder-content-type";
+
 /// An outbound message: key, headers, payload bytes, message id and
 /// correlation id.
 ///
