@@ -20,6 +20,12 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Serve Prometheus metrics (`/metrics`) and probes (`/livez`,
+    /// `/readyz`, `/healthz`) on this address while the command runs, e.g.
+    /// `127.0.0.1:9000`: for the long-running commands (`bench`, `demo`,
+    /// `failover`, `outbox bench`).
+    #[arg(long, global = true, value_name = "ADDR")]
+    metrics_addr: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -78,6 +84,16 @@ fn main() -> ExitCode {
 fn execute(cli: Cli) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
+        // Before any subscription starts: its latency histograms bind to
+        // the recorder installed now.
+        let _endpoint = match &cli.metrics_addr {
+            Some(addr) => {
+                let endpoint = keyorder::ops::serve(addr).await?;
+                tracing::info!(addr = %endpoint.local_addr(), "serving /metrics");
+                Some(endpoint)
+            }
+            None => None,
+        };
         match cli.command {
             Command::Demo(a) => demo::run(a).await,
             Command::Bench(a) => bench::run(a).await,
