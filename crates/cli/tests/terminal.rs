@@ -7,6 +7,21 @@
 use std::process::{Command, Output};
 use std::time::Duration;
 
+/// A demo that ends at once: one instance, 4 keys, 40 messages.
+const SMALL_DEMO: [&str; 11] = [
+    "demo",
+    "--url",
+    "memory://",
+    "--instances",
+    "1",
+    "--keys",
+    "4",
+    "--messages",
+    "40",
+    "--max-handler-ms",
+    "0",
+];
+
 fn keyorder(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_keyorder"));
     cmd.args(args)
@@ -114,22 +129,7 @@ fn a_usage_error_is_clap_s_with_exit_code_2() {
 /// lines without one escape code and no progress bar, on either stream.
 #[test]
 fn a_pipe_gets_plain_logs_and_no_progress() {
-    let out = keyorder(
-        &[
-            "demo",
-            "--url",
-            "memory://",
-            "--instances",
-            "1",
-            "--keys",
-            "4",
-            "--messages",
-            "40",
-            "--max-handler-ms",
-            "0",
-        ],
-        &[("KEYORDER_LOG", "debug")],
-    );
+    let out = keyorder(&SMALL_DEMO, &[("KEYORDER_LOG", "debug")]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stderr}");
@@ -148,23 +148,7 @@ fn a_pipe_gets_plain_logs_and_no_progress() {
 /// `--json`: the result is the last line on stdout, one JSON object.
 #[test]
 fn demo_json_is_one_object_on_the_last_line() {
-    let out = keyorder(
-        &[
-            "demo",
-            "--url",
-            "memory://",
-            "--instances",
-            "1",
-            "--keys",
-            "4",
-            "--messages",
-            "40",
-            "--max-handler-ms",
-            "0",
-            "--json",
-        ],
-        &[],
-    );
+    let out = keyorder(&[&SMALL_DEMO[..], &["--json"]].concat(), &[]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let last = stdout.lines().last().expect("a line on stdout");
