@@ -12,6 +12,7 @@ use std::time::Duration;
 use keyorder_core::{Client, Delivery, HandlerResult, KeySource, LeaseConfig};
 use keyorder_postgres::PgConfig;
 
+/// The schema (written out in the queries too: sqlx takes literal SQL only).
 const SCHEMA: &str = "keyorder_url_lease";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -44,17 +45,17 @@ async fn the_url_lease_ttl_is_what_the_rows_record() {
         "the member row and its slot leases",
         Duration::from_secs(60),
         async || {
-            let ttl: Option<i64> = sqlx::query_scalar(&format!(
-                "select ttl_ms from {SCHEMA}.members where queue = $1 and grp = 'g' and member = 'url-lease-a'"
-            ))
+            let ttl: Option<i64> = sqlx::query_scalar(
+                "select ttl_ms from keyorder_url_lease.members where queue = $1 and grp = 'g' and member = 'url-lease-a'",
+            )
             .bind(&queue)
             .fetch_optional(&db)
             .await
             .map_err(|e| e.to_string())?;
-            let left: Option<f64> = sqlx::query_scalar(&format!(
-            "select (extract(epoch from min(lease_expiry) - clock_timestamp()) * 1000)::float8 from {SCHEMA}.slots \
-             where queue = $1 and grp = 'g' and owner = 'url-lease-a'"
-        ))
+            let left: Option<f64> = sqlx::query_scalar(
+                "select (extract(epoch from min(lease_expiry) - clock_timestamp()) * 1000)::float8 \
+                 from keyorder_url_lease.slots where queue = $1 and grp = 'g' and owner = 'url-lease-a'",
+            )
             .bind(&queue)
             .fetch_one(&db)
             .await

@@ -280,12 +280,14 @@ impl RabbitConfig {
                 "heartbeat" | "frame_max" | "channel_max" | "connection_timeout" => {
                     rest.push((k.into_owned(), v.into_owned()))
                 }
-                other => return Err(Error::Url(format!(
+                other => {
+                    return Err(Error::Url(format!(
                     "amqp: unknown option `{}` (known: topology, queues, queue_type, declare, prefetch, expires_ms, \
                          consumer_timeout_ms, groups, cacertfile, {LEASE_URL_OPTIONS}, heartbeat, frame_max, \
                          channel_max, connection_timeout)",
                     keyorder_core::redact::text(other)
-                ))),
+                )))
+                }
             }
         }
         cfg.lease = lease.lease("amqp")?;
