@@ -86,11 +86,11 @@ pub fn bench_hints(url: &str) -> &'static dyn raw::BenchHints {
 ///
 /// | scheme | adapter | options |
 /// |---|---|---|
-/// | `memory://` | [`MemoryTransport`] (one process) | `partitions=N` |
-/// | `postgres://` | `keyorder_postgres::PgTransport` (feature `postgres`) | `schema`, `slots`, `pool`, `migrate`, `retention_batch`, `pooler`, `direct`, `layout` |
-/// | `redis://`, `rediss://` | `keyorder_redis::RedisTransport` (feature `redis`) | `layout`, `response_timeout_ms`, `reap_idle_ms`, `partition_warn` |
-/// | `amqp://`, `amqps://` | `keyorder_rabbitmq::RabbitTransport` (feature `rabbitmq`) | `topology`, `queues`, `queue_type`, `declare`, `prefetch` |
-/// | `kafka://` | `keyorder_kafka::KafkaTransport` (feature `kafka`) | `partitions`, `replication`, `assignor`, `fetch_wait_ms`, `max_unfinished`, `rdkafka.*` |
+/// | `memory://` | [`MemoryTransport`] (one process) | `partitions=N`, and on every adapter `lease_ttl_ms`, `lease_heartbeat_ms`, `lease_margin_ms` (the subscriptions' default lease) |
+/// | `postgres://` | `keyorder_postgres::PgTransport` (feature `postgres`) | `schema`, `slots`, `pool`, `migrate`, `retention_batch`, `pooler`, `direct`, `layout`, the lease options |
+/// | `redis://`, `rediss://` | `keyorder_redis::RedisTransport` (feature `redis`) | `layout`, `response_timeout_ms`, `reap_idle_ms`, `partition_warn`, the lease options |
+/// | `amqp://`, `amqps://` | `keyorder_rabbitmq::RabbitTransport` (feature `rabbitmq`) | `topology`, `queues`, `queue_type`, `declare`, `prefetch`, the lease options |
+/// | `kafka://` | `keyorder_kafka::KafkaTransport` (feature `kafka`) | `partitions`, `replication`, `assignor`, `fetch_wait_ms`, `max_unfinished`, `rdkafka.*`, the lease options |
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> keyorder::Result<()> {

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::error::{Error, Result};
 use crate::rt::{AtomicBool, AtomicU64, Notify};
 
 /// Process-wide, so a plain std atomic even under shuttle (a static outlives
@@ -47,9 +48,175 @@ impl Default for LeaseConfig {
 }
 
 impl LeaseConfig {
+    /// The shortest TTL [`LeaseConfig::from_ttl`] derives a usable lease
+    /// from, and the shortest [`SubscriptionBuilder::build`] accepts: below
+    /// it one slow broker round trip outlives the lease.
+    ///
+    /// [`SubscriptionBuilder::build`]: crate::SubscriptionBuilder::build
+    pub const MIN_TTL: Duration = Duration::from_secs(1);
+
+    /// The longest heartbeat [`LeaseConfig::from_ttl`] derives: a long TTL
+    /// still renews at least this often.
+    pub const MAX_DERIVED_HEARTBEAT: Duration = Duration::from_secs(5);
+
+    /// A lease of `ttl`, with the heartbeat and margin derived from it:
+    /// the heartbeat is a fifth of the TTL (at most
+    /// [`MAX_DERIVED_HEARTBEAT`](Self::MAX_DERIVED_HEARTBEAT)) and the
+    /// self-fence margin three tenths, so the owner renews at least three
+    /// times before its self-fence pauses work. `from_ttl(10 s)` is the
+    /// [`Default`] (10 s, 2 s, 3 s).
+    ///
+    /// [`check`](Self::check) (and so the subscription's `build`) refuses a
+    /// TTL below [`MIN_TTL`](Self::MIN_TTL); every TTL from it up is
+    /// accepted.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use keyorder_core::LeaseConfig;
+    /// let lease = LeaseConfig::from_ttl(Duration::from_secs(30));
+    /// assert_eq!(lease.heartbeat, Duration::from_secs(5));
+    /// assert_eq!(lease.margin, Duration::from_secs(9));
+    /// assert!(lease.check().is_ok());
+    /// assert!(LeaseConfig::from_ttl(Duration::from_millis(200)).check().is_err());
+    /// ```
+    pub fn from_ttl(ttl: Duration) -> LeaseConfig {
+        LeaseConfig {
+            ttl,
+            heartbeat: (ttl / 5).min(Self::MAX_DERIVED_HEARTBEAT),
+            margin: ttl * 3 / 10,
+        }
+    }
+
     /// The age past which the self-fence pauses a scope.
     pub fn fresh_for(&self) -> Duration {
         self.ttl.saturating_sub(self.margin)
+    }
+
+    /// Checks the timing: a TTL of at least [`MIN_TTL`](Self::MIN_TTL), a
+    /// heartbeat above zero and shorter than `ttl - margin` (the owner must
+    /// renew before its own self-fence pauses work).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the fix.
+    pub fn check(&self) -> Result<()> {
+        self.problem().map_or(Ok(()), |p| {
+            Err(Error::Config(format!(
+                "lease: {p}; LeaseConfig::from_ttl(ttl) derives a heartbeat and margin that fit any TTL of at \
+                 least {} ms",
+                Self::MIN_TTL.as_millis()
+            )))
+        })
+    }
+
+    fn problem(&self) -> Option<String> {
+        let ms = |d: Duration| d.as_millis();
+        if self.ttl < Self::MIN_TTL {
+            Some(format!(
+                "ttl {} ms is below the minimum of {} ms: use a TTL of at least {} ms",
+                ms(self.ttl),
+                ms(Self::MIN_TTL),
+                ms(Self::MIN_TTL)
+            ))
+        } else if self.heartbeat.is_zero() || self.heartbeat >= self.fresh_for() {
+            Some(format!(
+                "heartbeat {} ms must be above zero and shorter than ttl - margin ({} ms - {} ms = {} ms): shorten \
+                 the heartbeat or the margin (e.g. ttl 10000 ms, heartbeat 2000 ms, margin 3000 ms)",
+                ms(self.heartbeat),
+                ms(self.ttl),
+                ms(self.margin),
+                ms(self.fresh_for())
+            ))
+        } else {
+            None
+        }
+    }
+}
+
+/// The lease's URL options, the same on every adapter: the names an
+/// adapter lists among its known options.
+pub const LEASE_URL_OPTIONS: &str = "lease_ttl_ms, lease_heartbeat_ms, lease_margin_ms";
+
+/// The largest `lease_ttl_ms` a URL takes (one day).
+const MAX_URL_TTL_MS: u64 = 86_400_000;
+
+/// The lease a transport's URL states, parsed the same way by every
+/// adapter: `lease_ttl_ms` (1000 to 86400000), and optionally
+/// `lease_heartbeat_ms` and `lease_margin_ms`; what is not given is derived
+/// from the TTL as [`LeaseConfig::from_ttl`] does (the TTL defaults to
+/// 10000 ms when only the others are given). The result is the
+/// subscriptions' default lease ([`crate::Transport::default_lease`]); a
+/// lease set on the builder wins.
+///
+/// ```
+/// use std::time::Duration;
+/// use keyorder_core::lease::LeaseOptions;
+/// let url = url::Url::parse("redis://127.0.0.1:6379/?lease_ttl_ms=4000").unwrap();
+/// let mut opts = LeaseOptions::default();
+/// for (k, v) in url.query_pairs() {
+///     assert!(opts.accept("redis", &k, &v).unwrap());
+/// }
+/// let lease = opts.lease("redis").unwrap().unwrap();
+/// assert_eq!(lease.ttl, Duration::from_secs(4));
+/// assert_eq!(lease.heartbeat, Duration::from_millis(800));
+/// assert_eq!(lease.margin, Duration::from_millis(1200));
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LeaseOptions {
+    ttl: Option<Duration>,
+    heartbeat: Option<Duration>,
+    margin: Option<Duration>,
+}
+
+impl LeaseOptions {
+    /// Takes the URL option `key=value` when it is a lease option
+    /// (`Ok(true)`); `Ok(false)` for any other option. `adapter` prefixes
+    /// the error (`redis`, `amqp`, ...).
+    ///
+    /// # Errors
+    /// [`Error::Url`] for a bad value, naming the option and what it takes.
+    pub fn accept(&mut self, adapter: &str, key: &str, value: &str) -> Result<bool> {
+        let (slot, range) = match key {
+            "lease_ttl_ms" => (&mut self.ttl, Self::MIN_TTL_MS..=MAX_URL_TTL_MS),
+            "lease_heartbeat_ms" => (&mut self.heartbeat, 1..=MAX_URL_TTL_MS),
+            "lease_margin_ms" => (&mut self.margin, 0..=MAX_URL_TTL_MS),
+            _ => return Ok(false),
+        };
+        let ms = value.parse::<u64>().ok().filter(|n| range.contains(n)).ok_or_else(|| {
+            Error::Url(format!(
+                "{adapter}: {key}={}: expected a whole number of milliseconds in {}..={}",
+                crate::redact::text(value),
+                range.start(),
+                range.end()
+            ))
+        })?;
+        *slot = Some(Duration::from_millis(ms));
+        Ok(true)
+    }
+
+    const MIN_TTL_MS: u64 = LeaseConfig::MIN_TTL.as_millis() as u64;
+
+    /// The lease the options state, `None` when the URL names none.
+    ///
+    /// # Errors
+    /// [`Error::Url`] when the heartbeat or margin given does not fit the
+    /// TTL, naming the options to change.
+    pub fn lease(&self, adapter: &str) -> Result<Option<LeaseConfig>> {
+        if *self == LeaseOptions::default() {
+            return Ok(None);
+        }
+        let base = LeaseConfig::from_ttl(self.ttl.unwrap_or(LeaseConfig::default().ttl));
+        let lease = LeaseConfig {
+            ttl: base.ttl,
+            heartbeat: self.heartbeat.unwrap_or(base.heartbeat),
+            margin: self.margin.unwrap_or(base.margin),
+        };
+        match lease.problem() {
+            None => Ok(Some(lease)),
+            Some(p) => Err(Error::Url(format!(
+                "{adapter}: lease options: {p}; or give lease_ttl_ms alone (the heartbeat and margin are then \
+                 derived from it)"
+            ))),
+        }
     }
 }
 
@@ -166,6 +333,103 @@ impl ScopeLease {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn opts(query: &str) -> Result<Option<LeaseConfig>> {
+        let url = url::Url::parse(&format!("memory://?{query}")).unwrap();
+        let mut o = LeaseOptions::default();
+        for (k, v) in url.query_pairs() {
+            assert!(o.accept("memory", &k, &v)?, "{k} not taken");
+        }
+        o.lease("memory")
+    }
+
+    #[test]
+    fn from_ttl_gives_the_default_at_ten_seconds_and_fits_every_allowed_ttl() {
+        assert_eq!(LeaseConfig::from_ttl(Duration::from_secs(10)), LeaseConfig::default());
+        let hour = LeaseConfig::from_ttl(Duration::from_secs(3600));
+        assert_eq!(hour.heartbeat, LeaseConfig::MAX_DERIVED_HEARTBEAT);
+        assert_eq!(hour.margin, Duration::from_secs(1080));
+        for ms in (1000..=2000).chain([2999, 3001, 9_999, 60_000, 86_400_000, 86_400_001]) {
+            let l = LeaseConfig::from_ttl(Duration::from_millis(ms));
+            assert!(l.check().is_ok(), "{l:?}");
+            assert!(
+                l.heartbeat * 3 <= l.fresh_for(),
+                "renews three times before the fence: {l:?}"
+            );
+        }
+        for ms in [0, 1, 10, 999] {
+            let err = LeaseConfig::from_ttl(Duration::from_millis(ms))
+                .check()
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("below the minimum of 1000 ms"), "{err}");
+        }
+    }
+
+    #[test]
+    fn check_names_the_fix_for_a_heartbeat_that_does_not_fit() {
+        let bad = LeaseConfig {
+            ttl: Duration::from_secs(5),
+            heartbeat: Duration::from_secs(3),
+            margin: Duration::from_secs(2),
+        };
+        let err = bad.check().unwrap_err().to_string();
+        assert!(
+            err.contains("heartbeat 3000 ms") && err.contains("= 3000 ms") && err.contains("from_ttl"),
+            "{err}"
+        );
+        let zero = LeaseConfig {
+            heartbeat: Duration::ZERO,
+            ..LeaseConfig::default()
+        };
+        assert!(zero.check().is_err());
+        assert!(LeaseConfig::default().check().is_ok());
+    }
+
+    #[test]
+    fn url_options_derive_what_is_missing_and_refuse_bad_values() {
+        assert_eq!(opts("").unwrap(), None);
+        assert_eq!(
+            opts("lease_ttl_ms=4000").unwrap(),
+            Some(LeaseConfig::from_ttl(Duration::from_secs(4)))
+        );
+        assert_eq!(
+            opts("lease_ttl_ms=4000&lease_heartbeat_ms=500&lease_margin_ms=1500").unwrap(),
+            Some(LeaseConfig {
+                ttl: Duration::from_secs(4),
+                heartbeat: Duration::from_millis(500),
+                margin: Duration::from_millis(1500),
+            })
+        );
+        // Only the heartbeat: the default TTL's margin.
+        assert_eq!(
+            opts("lease_heartbeat_ms=1000").unwrap(),
+            Some(LeaseConfig {
+                heartbeat: Duration::from_secs(1),
+                ..LeaseConfig::default()
+            })
+        );
+        for (query, want) in [
+            (
+                "lease_ttl_ms=999",
+                "lease_ttl_ms=999: expected a whole number of milliseconds in 1000..=86400000",
+            ),
+            ("lease_ttl_ms=ten", "lease_ttl_ms=ten: expected"),
+            ("lease_ttl_ms=-5", "lease_ttl_ms=-5: expected"),
+            ("lease_heartbeat_ms=0", "lease_heartbeat_ms=0: expected"),
+            ("lease_margin_ms=1.5", "lease_margin_ms=1.5: expected"),
+            ("lease_ttl_ms=3000&lease_heartbeat_ms=2500", "heartbeat 2500 ms must be"),
+            (
+                "lease_ttl_ms=3000&lease_margin_ms=3000",
+                "ttl - margin (3000 ms - 3000 ms = 0 ms)",
+            ),
+        ] {
+            let err = opts(query).unwrap_err().to_string();
+            assert!(err.starts_with("url: memory: ") && err.contains(want), "{query}: {err}");
+        }
+        let mut o = LeaseOptions::default();
+        assert!(!o.accept("memory", "partitions", "4").unwrap());
+    }
 
     #[tokio::test(start_paused = true)]
     async fn a_stale_lease_pauses_until_confirmed_and_a_lost_one_refuses() {

@@ -60,7 +60,7 @@ pub struct SubscriptionBuilder {
     types: Vec<MessageType>,
     dispatch: DispatchConfig,
     keyless: KeylessPolicy,
-    lease: LeaseConfig,
+    lease: Option<LeaseConfig>,
     instance: Option<String>,
     batch: usize,
     observer: Option<crate::handler::SettledHook>,
@@ -78,7 +78,7 @@ impl SubscriptionBuilder {
             types: Vec::new(),
             dispatch: DispatchConfig::default(),
             keyless: KeylessPolicy::default(),
-            lease: LeaseConfig::default(),
+            lease: None,
             instance: None,
             batch: 256,
             observer: None,
@@ -167,9 +167,23 @@ impl SubscriptionBuilder {
         self.keyless = policy;
         self
     }
-    /// Lease timing (TTL, heartbeat, self-fence margin).
+    /// Lease timing (TTL, heartbeat, self-fence margin), checked in
+    /// [`build`](Self::build) ([`LeaseConfig::check`]). Without it the
+    /// subscription uses the lease the transport's URL states
+    /// (`lease_ttl_ms`, see [`crate::lease::LeaseOptions`]), else
+    /// [`LeaseConfig::default`]. [`LeaseConfig::from_ttl`] derives the
+    /// heartbeat and margin from a TTL.
+    ///
+    /// ```
+    /// # use keyorder_core::{Client, LeaseConfig};
+    /// # use std::time::Duration;
+    /// let builder = Client::memory()
+    ///     .subscribe("orders", "billing")
+    ///     .lease(LeaseConfig::from_ttl(Duration::from_secs(30)));
+    /// # let _ = builder;
+    /// ```
     pub fn lease(mut self, lease: LeaseConfig) -> Self {
-        self.lease = lease;
+        self.lease = Some(lease);
         self
     }
     /// Calls `hook` as each delivery this process ran (or discarded before
@@ -301,11 +315,11 @@ impl SubscriptionBuilder {
                 Some(resolved)
             }
         };
-        if self.lease.fresh_for().is_zero() || self.lease.heartbeat >= self.lease.fresh_for() {
-            return Err(Error::Config(
-                "lease: heartbeat must be shorter than ttl - margin (e.g. ttl 10s, heartbeat 2s, margin 3s)".into(),
-            ));
-        }
+        let lease = self
+            .lease
+            .or_else(|| self.client.transport.default_lease())
+            .unwrap_or_default();
+        lease.check()?;
         if !self.correlated.is_empty() && resolved.is_none() {
             return Err(Error::Config(
                 "correlated_with needs an ordered subscription: add .ordered_by(...) with the correlation value".into(),
@@ -320,7 +334,7 @@ impl SubscriptionBuilder {
                 .clone()
                 .unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
             ordered: resolved == Some(Resolved::TransportNative),
-            lease: self.lease,
+            lease,
             key_rules: self.client.rules.clone(),
         };
         let source = self.client.transport.open(&spec).await?;

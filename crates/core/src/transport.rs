@@ -54,6 +54,15 @@ pub trait Transport: Send + Sync + fmt::Debug + 'static {
 
     /// The operator's view of this transport.
     fn admin(&self) -> Arc<dyn Admin>;
+
+    /// The lease a subscription uses when its builder sets none: the one
+    /// the transport's URL states (`lease_ttl_ms`, `lease_heartbeat_ms`,
+    /// `lease_margin_ms`, parsed by [`crate::lease::LeaseOptions`]), or
+    /// `None` for [`LeaseConfig::default`]. A transport that wraps another
+    /// forwards it.
+    fn default_lease(&self) -> Option<LeaseConfig> {
+        None
+    }
 }
 
 /// What a source is opened for.

@@ -3,7 +3,8 @@
 
 use std::collections::BTreeMap;
 
-use keyorder_core::{Error, Result};
+use keyorder_core::lease::{LeaseOptions, LEASE_URL_OPTIONS};
+use keyorder_core::{Error, LeaseConfig, Result};
 
 /// How the group's partitions are assigned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,6 +64,9 @@ pub enum StartAt {
 /// | `start` | `earliest` | where a partition this group never consumed starts: `earliest`, `latest`, or `group:<group id>` (another group's committed offsets); see [`StartAt`] |
 /// | `reset_layout` | `false` | when the category's `.keyorder-state` topic holds no records and its partition count is not the topic's (left by an earlier attempt), delete it and create it again with the topic's count; never when it holds records. Use it once: partitions added to a topic that holds messages of the same keys break their order (drain first) |
 /// | `static_membership` | `false` | join as a static member (`group.instance.id` = the subscription's instance id): a restart does not move the other members' partitions (see below) |
+/// | `lease_ttl_ms` | `10000` | the subscriptions' lease TTL (1000..=86400000): the group session timeout (`session.timeout.ms`, which the broker bounds by its `group.min.session.timeout.ms` and `group.max.session.timeout.ms`); the heartbeat and margin are derived from it ([`LeaseConfig::from_ttl`](keyorder_core::LeaseConfig::from_ttl)) unless given |
+/// | `lease_heartbeat_ms` | a fifth of the TTL, at most 5000 | `heartbeat.interval.ms`, and how often owned partitions are confirmed |
+/// | `lease_margin_ms` | 3/10 of the TTL | the self-fence pauses work once the last confirmation is older than `ttl - margin` |
 /// | `rdkafka.<name>` | | any librdkafka setting, passed through (e.g. `rdkafka.security.protocol=ssl`); `partition.assignment.strategy` is `assignor`'s, `max.poll.interval.ms` is raised to at least the session timeout plus a second, and `group.instance.id` is refused (use `static_membership`) |
 ///
 /// **Static membership** (KIP-345). Each subscription joins with
@@ -127,6 +131,9 @@ pub struct KafkaConfig {
     pub reset_layout: bool,
     /// librdkafka settings passed through.
     pub extra: BTreeMap<String, String>,
+    /// The subscriptions' default lease (`lease_ttl_ms=`...), if the URL
+    /// states one; a lease set on the builder wins.
+    pub lease: Option<LeaseConfig>,
 }
 
 impl Default for KafkaConfig {
@@ -143,6 +150,7 @@ impl Default for KafkaConfig {
             start: StartAt::Earliest,
             reset_layout: false,
             extra: BTreeMap::new(),
+            lease: None,
         }
     }
 }
@@ -157,8 +165,12 @@ impl KafkaConfig {
         let mut cfg = KafkaConfig::default();
         let host = url.host_str().unwrap_or("127.0.0.1");
         let mut brokers = vec![format!("{host}:{}", url.port().unwrap_or(9092))];
+        let mut lease = LeaseOptions::default();
         for (k, v) in url.query_pairs() {
             let (k, v) = (k.as_ref(), v.as_ref());
+            if lease.accept("kafka://", k, v)? {
+                continue;
+            }
             match k {
                 "brokers" => brokers.extend(v.split(',').filter(|s| !s.is_empty()).map(str::to_owned)),
                 "partitions" => {
@@ -231,14 +243,16 @@ impl KafkaConfig {
                     }
                     _ => {
                         return Err(Error::Url(format!(
-                            "kafka:// has no option `{other}` (options: brokers, partitions, replication, create, \
+                            "kafka:// has no option `{}` (options: brokers, partitions, replication, create, \
                              assignor, fetch_wait_ms, max_unfinished, static_membership, start, reset_layout, \
-                             rdkafka.<librdkafka setting>)"
+                             {LEASE_URL_OPTIONS}, rdkafka.<librdkafka setting>)",
+                            keyorder_core::redact::text(other)
                         )))
                     }
                 },
             }
         }
+        cfg.lease = lease.lease("kafka://")?;
         cfg.brokers = brokers.join(",");
         check_extra(&cfg.extra)?;
         Ok(cfg)
@@ -261,6 +275,7 @@ impl std::fmt::Debug for KafkaConfig {
             .field("start", &self.start)
             .field("reset_layout", &self.reset_layout)
             .field("extra", &extra)
+            .field("lease", &self.lease)
             .finish()
     }
 }
@@ -318,6 +333,35 @@ pub(crate) fn apply_extra(c: &mut rdkafka::ClientConfig, cfg: &KafkaConfig) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The lease options parse to the subscriptions' default lease and never
+    /// reach librdkafka; a bad one is named; the unknown-option list names
+    /// them.
+    #[test]
+    fn lease_options() {
+        use std::time::Duration;
+        let parse = |q: &str| KafkaConfig::from_url(&url::Url::parse(&format!("kafka://127.0.0.1:9092?{q}")).unwrap());
+        assert_eq!(parse("partitions=2").unwrap().lease, None);
+        let cfg = parse("lease_ttl_ms=12000&lease_margin_ms=2000").unwrap();
+        assert_eq!(
+            cfg.lease,
+            Some(LeaseConfig {
+                margin: Duration::from_secs(2),
+                ..LeaseConfig::from_ttl(Duration::from_secs(12))
+            })
+        );
+        assert!(cfg.extra.is_empty(), "{:?}", cfg.extra);
+        let err = parse("lease_heartbeat_ms=soon").unwrap_err().to_string();
+        assert!(
+            err.contains("kafka://: lease_heartbeat_ms=soon: expected a whole number of milliseconds"),
+            "{err}"
+        );
+        let err = parse("lease_ttl=1").unwrap_err().to_string();
+        assert!(
+            err.contains("lease_ttl_ms, lease_heartbeat_ms, lease_margin_ms"),
+            "{err}"
+        );
+    }
 
     /// No pass-through value reaches `Debug` or an error (issue 37), not
     /// even the part of it librdkafka would quote.

@@ -110,4 +110,8 @@ impl Transport for KafkaTransport {
     fn admin(&self) -> Arc<dyn Admin> {
         Arc::new(KafkaAdmin { t: self.clone() })
     }
+
+    fn default_lease(&self) -> Option<keyorder_core::LeaseConfig> {
+        self.cfg.lease
+    }
 }

@@ -1,9 +1,11 @@
 //! The `postgres://` URL's options, parsed into [`PgConfig`]: keyorder's own
 //! (`schema`, `slots`, `pool`, `retention_batch`, `pooler`, `direct`,
-//! `layout`, `migrate`) and the driver's, on an allow-list; a refusal names
+//! `layout`, `migrate`, and the lease's `lease_ttl_ms`,
+//! `lease_heartbeat_ms`, `lease_margin_ms`) and the driver's, on an allow-list; a refusal names
 //! the fix.
 
-use keyorder_core::{Error, Result};
+use keyorder_core::lease::{LeaseOptions, LEASE_URL_OPTIONS};
+use keyorder_core::{Error, LeaseConfig, Result};
 
 use crate::shared;
 
@@ -61,6 +63,12 @@ pub struct PgConfig {
     pub direct: Option<String>,
     /// The queue layout (`?layout=slots|plain`, default `slots`).
     pub layout: Layout,
+    /// The subscriptions' default lease (`?lease_ttl_ms=` 1000..=86400000,
+    /// optionally `lease_heartbeat_ms=` and `lease_margin_ms=`, derived
+    /// from the TTL by [`LeaseConfig::from_ttl`] when not given): a slot
+    /// lease row expires this long after its owner's last renewal. A lease
+    /// set on the builder wins. `None`: [`LeaseConfig::default`].
+    pub lease: Option<LeaseConfig>,
 }
 
 /// Shows the URLs without their passwords or option values.
@@ -76,6 +84,7 @@ impl std::fmt::Debug for PgConfig {
             .field("pooled", &self.pooled)
             .field("direct", &self.direct.as_deref().map(keyorder_core::redact::url))
             .field("layout", &self.layout)
+            .field("lease", &self.lease)
             .finish()
     }
 }
@@ -95,11 +104,16 @@ impl PgConfig {
             pooled: false,
             direct: None,
             layout: Layout::Slots,
+            lease: None,
         };
+        let mut lease = LeaseOptions::default();
         let mut rest = url.clone();
         rest.set_query(None);
         let mut driver = Vec::new();
         for (k, v) in url.query_pairs() {
+            if lease.accept("postgres", &k, &v)? {
+                continue;
+            }
             match &*k {
                 "schema" => cfg.schema = v.into_owned(),
                 "slots" => cfg.slots = in_range("slots", &v, 1..=4096)?,
@@ -151,7 +165,7 @@ impl PgConfig {
                 k => {
                     return Err(Error::Url(format!(
                         "postgres: unknown URL option `{}` (keyorder's: schema, slots, pool, retention_batch, \
-                         pooler, direct, layout, migrate; the driver's: {})",
+                         pooler, direct, layout, migrate, {LEASE_URL_OPTIONS}; the driver's: {})",
                         keyorder_core::redact::text(k),
                         shared::DRIVER_OPTIONS.join(", ")
                     )))
@@ -161,6 +175,7 @@ impl PgConfig {
         if !driver.is_empty() {
             rest.query_pairs_mut().extend_pairs(driver);
         }
+        cfg.lease = lease.lease("postgres")?;
         shared::check_schema(&cfg.schema)?;
         if cfg.pooled && cfg.direct.is_none() {
             return Err(Error::Url(
@@ -209,6 +224,36 @@ mod tests {
             "postgres://app@db/test?ssl-mode=require&options[statement_timeout]=5s",
         ))
         .unwrap();
+    }
+
+    /// The lease options parse to the subscriptions' default lease, and
+    /// never reach the driver; a bad one is named; the unknown-option list
+    /// names them.
+    #[test]
+    fn lease_options() {
+        use keyorder_core::LeaseConfig;
+        use std::time::Duration;
+        let parse = |q: &str| PgConfig::from_url(&url::Url::parse(&format!("postgres://app@db/test?{q}")).unwrap());
+        assert_eq!(parse("migrate=true").unwrap().lease, None);
+        let cfg = parse("lease_ttl_ms=5000&lease_heartbeat_ms=500").unwrap();
+        assert_eq!(
+            cfg.lease,
+            Some(LeaseConfig {
+                heartbeat: Duration::from_millis(500),
+                ..LeaseConfig::from_ttl(Duration::from_secs(5))
+            })
+        );
+        assert!(!cfg.url.contains("lease"), "{}", cfg.url);
+        let err = parse("lease_margin_ms=-1").unwrap_err().to_string();
+        assert!(
+            err.contains("postgres: lease_margin_ms=-1: expected a whole number of milliseconds"),
+            "{err}"
+        );
+        let err = parse("lease=5").unwrap_err().to_string();
+        assert!(
+            err.contains("lease_ttl_ms, lease_heartbeat_ms, lease_margin_ms"),
+            "{err}"
+        );
     }
 
     /// `sslmode=verify-ca` is refused wherever a URL reaches the driver

@@ -367,4 +367,8 @@ impl Transport for PgTransport {
     fn admin(&self) -> Arc<dyn Admin> {
         Arc::new(PgAdmin { t: self.pg.clone() })
     }
+
+    fn default_lease(&self) -> Option<keyorder_core::LeaseConfig> {
+        self.pg.cfg.lease
+    }
 }

@@ -1,6 +1,7 @@
 //! Configuration from an `amqp://` URL, decided without a broker round trip.
 
-use keyorder_core::{Error, Result};
+use keyorder_core::lease::{LeaseOptions, LEASE_URL_OPTIONS};
+use keyorder_core::{Error, LeaseConfig, Result};
 
 /// How a category's queues are laid out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,6 +95,13 @@ impl std::fmt::Display for ConsumerTimeout {
 /// | `consumer_timeout_ms` | see below | how long a halted head may stay unacknowledged: a whole number of ms, or `off` |
 /// | `groups` | none | consumer groups (comma-separated) whose topology a publisher declares before its first publish, so they keep what is published before their first consumer starts |
 /// | `cacertfile` | the system's roots | `amqps://` only: a PEM file of the CA certificates to trust (with the `tls` feature; `amqps://` without it is refused, never connected in plaintext) |
+/// | `lease_ttl_ms` | `10000` | the subscriptions' lease TTL (1000..=86400000); the AMQP heartbeat is `ceil((ttl - margin) / 2)` s, so the broker closes a stalled owner's connection after 2 to 3 of them; the heartbeat and margin are derived from it ([`LeaseConfig::from_ttl`](keyorder_core::LeaseConfig::from_ttl)) unless given |
+/// | `lease_heartbeat_ms` | a fifth of the TTL, at most 5000 | how often the owner confirms its leases (a round trip on each owned queue's channel) |
+/// | `lease_margin_ms` | 3/10 of the TTL | the self-fence pauses work once the last confirmation is older than `ttl - margin` |
+///
+/// The lease options set the default of every subscription on this
+/// transport; a lease set on the builder
+/// ([`SubscriptionBuilder::lease`](keyorder_core::SubscriptionBuilder::lease)) wins.
 ///
 /// `groups`: each consumer group has queues of its own behind the
 /// category's entry exchange, created when the group's first subscription
@@ -150,6 +158,9 @@ pub struct RabbitConfig {
     /// CA certificates to trust (`cacertfile=`, the name RabbitMQ's URI
     /// spec uses; `amqps://` only); `None`: the system's roots.
     pub ca_file: Option<std::path::PathBuf>,
+    /// The subscriptions' default lease (`lease_ttl_ms=`...), if the URL
+    /// states one.
+    pub lease: Option<LeaseConfig>,
 }
 
 /// Without a TLS backend lapin would connect an `amqps://` URL in
@@ -187,6 +198,7 @@ impl RabbitConfig {
             consumer_timeout: None,
             groups: Vec::new(),
             ca_file: None,
+            lease: None,
             probe: (url.scheme() == "amqp").then(|| {
                 (
                     url.host_str().unwrap_or("127.0.0.1").to_owned(),
@@ -195,7 +207,11 @@ impl RabbitConfig {
             }),
         };
         let mut rest = Vec::new();
+        let mut lease = LeaseOptions::default();
         for (k, v) in url.query_pairs() {
+            if lease.accept("amqp", &k, &v)? {
+                continue;
+            }
             let bad = |expected: &str| Error::Url(format!("amqp: {k}={v}: expected {expected}"));
             match k.as_ref() {
                 "topology" => topology = v.into_owned(),
@@ -214,13 +230,7 @@ impl RabbitConfig {
                     }
                 }
                 "declare" => cfg.declare = v.parse().map_err(|_| bad("`true` or `false`"))?,
-                "prefetch" => {
-                    cfg.prefetch = v
-                        .parse()
-                        .ok()
-                        .filter(|n| *n >= 1)
-                        .ok_or_else(|| bad("1..=65535"))?
-                }
+                "prefetch" => cfg.prefetch = v.parse().ok().filter(|n| *n >= 1).ok_or_else(|| bad("1..=65535"))?,
                 "expires_ms" => {
                     cfg.expires_ms = Some(
                         v.parse()
@@ -246,7 +256,9 @@ impl RabbitConfig {
                         let g = g.trim();
                         if g.is_empty()
                             || g.len() > 200
-                            || !g.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+                            || !g
+                                .chars()
+                                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
                         {
                             return Err(bad(
                                 "a comma-separated list of group names, each 1 to 200 characters of [A-Za-z0-9._-]",
@@ -270,12 +282,15 @@ impl RabbitConfig {
                 }
                 other => {
                     return Err(Error::Url(format!(
-                        "amqp: unknown option `{other}` (known: topology, queues, queue_type, declare, prefetch, expires_ms, \
-                         consumer_timeout_ms, groups, cacertfile, heartbeat, frame_max, channel_max, connection_timeout)"
-                    )))
+                    "amqp: unknown option `{}` (known: topology, queues, queue_type, declare, prefetch, expires_ms, \
+                         consumer_timeout_ms, groups, cacertfile, {LEASE_URL_OPTIONS}, heartbeat, frame_max, \
+                         channel_max, connection_timeout)",
+                    keyorder_core::redact::text(other)
+                )))
                 }
             }
         }
+        cfg.lease = lease.lease("amqp")?;
         cfg.topology = match topology.as_str() {
             "plain" => Topology::Plain,
             "sac" => Topology::SingleActiveConsumer,
@@ -338,6 +353,7 @@ impl std::fmt::Debug for RabbitConfig {
             .field("consumer_timeout", &self.consumer_timeout)
             .field("groups", &self.groups)
             .field("ca_file", &self.ca_file)
+            .field("lease", &self.lease)
             .finish()
     }
 }
@@ -360,6 +376,27 @@ mod tests {
             Ok(_) => assert!(built, "amqps accepted without TLS"),
             Err(e) => assert!(!built && !e.to_string().contains("s3cret"), "{e}"),
         }
+    }
+
+    /// The lease options parse to the subscriptions' default lease; a bad
+    /// one is named; the unknown-option list names them.
+    #[test]
+    fn lease_options() {
+        use std::time::Duration;
+        let parse = |q: &str| {
+            RabbitConfig::from_url(&url::Url::parse(&format!("amqp://127.0.0.1/%2f?topology=hash&{q}")).unwrap())
+        };
+        assert_eq!(parse("queues=2").unwrap().lease, None);
+        let cfg = parse("lease_ttl_ms=6000").unwrap();
+        assert_eq!(cfg.lease, Some(LeaseConfig::from_ttl(Duration::from_secs(6))));
+        assert!(!cfg.uri.contains("lease"), "{}", cfg.uri);
+        let err = parse("lease_ttl_ms=6000&lease_margin_ms=5500").unwrap_err().to_string();
+        assert!(err.contains("amqp: lease options: heartbeat 1200 ms must be"), "{err}");
+        let err = parse("lease_ttl_s=6").unwrap_err().to_string();
+        assert!(
+            err.contains("lease_ttl_ms, lease_heartbeat_ms, lease_margin_ms"),
+            "{err}"
+        );
     }
 
     /// The password stays out of `Debug` (issue 37).

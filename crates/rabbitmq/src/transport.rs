@@ -154,10 +154,18 @@ impl RabbitTransport {
     }
 
     /// What an ordered consumer does about RabbitMQ's `consumer_timeout`,
-    /// which would redeliver a halted head (it stays unacknowledged):
-    /// `Some(ms)` to set on each consumer (`x-consumer-timeout`, RabbitMQ
-    /// 3.11.15 and later), `None` when the broker cannot take it but the URL
-    /// states its setting; otherwise an error that names the fix.
+    /// which redelivers a delivery left unacknowledged past it (a halted
+    /// head stays unacknowledged): `Some(ms)` to set on each consumer
+    /// (`x-consumer-timeout`, RabbitMQ 3.11.15 and later); `None` on an
+    /// older broker (or one that does not tell its version), which lets no
+    /// client set or read it: there the broker's own setting applies (30
+    /// min by default). That keeps the order: the broker closes the
+    /// channel, and the halted head comes back first of its key (the queue
+    /// returns a closed channel's deliveries in order, as after a crash)
+    /// and halts again on its next consumer without running, its attempts
+    /// counted on the attempts stream; the channel's other unsettled
+    /// deliveries are fenced and delivered again. The URL's
+    /// `consumer_timeout_ms` states the broker's setting for the log.
     pub(crate) async fn consumer_timeout_arg(&self) -> Result<Option<i64>> {
         self.timeout_arg
             .get_or_try_init(|| async {
@@ -168,31 +176,19 @@ impl RabbitTransport {
                         "rabbitmq: ordered consumers set x-consumer-timeout");
                     return Ok(Some(t.consumer_arg_ms()));
                 }
-                let runs = match &version {
-                    Some(v) => format!("runs RabbitMQ {v}, which"),
-                    None => {
-                        "did not tell its version (TLS, or no answer to a plain handshake); before 3.11.15 RabbitMQ"
-                            .to_owned()
-                    }
-                };
+                let version = version.unwrap_or_else(|| "unknown (TLS, or no answer to a plain handshake)".into());
                 match self.c.cfg.consumer_timeout {
-                    Some(t) => {
-                        tracing::info!(broker = %self.c.cfg.display, timeout = %t,
-                            "rabbitmq: the broker's consumer_timeout as stated in the URL: a head halted longer \
-                             is redelivered (and halts again on its next consumer)");
-                        Ok(None)
-                    }
-                    None => Err(Error::Config(format!(
-                        "rabbitmq: {} {runs} closes the channel of a delivery left unacknowledged past its \
-                         `consumer_timeout` (30 min by default) and redelivers it, and lets no client set or read \
-                         that timeout: a halted head (kept unacknowledged) would be redelivered. Set \
-                         `consumer_timeout = <ms>` in rabbitmq.conf above the longest halt you tolerate (or disable \
-                         it: `{{rabbit, [{{consumer_timeout, undefined}}]}}` in advanced.config) and state it in the \
-                         URL with `consumer_timeout_ms=<ms>` (or `consumer_timeout_ms=off`), or upgrade to RabbitMQ \
-                         3.11.15 or later, where each ordered consumer sets its own",
-                        self.c.cfg.display
-                    ))),
+                    Some(t) => tracing::info!(broker = %self.c.cfg.display, version = %version, timeout = %t,
+                        "rabbitmq: the broker's consumer_timeout as stated in the URL: a head halted longer is \
+                         redelivered in order and halts again on its next consumer"),
+                    None => tracing::warn!(broker = %self.c.cfg.display, version = %version,
+                        "rabbitmq: this broker lets no client set or read its consumer_timeout (30 min by \
+                         default; per consumer from RabbitMQ 3.11.15): a head halted longer is redelivered in \
+                         order and halts again on its next consumer, and its queue's other unsettled deliveries \
+                         run again. To hold halts longer, raise `consumer_timeout` in rabbitmq.conf \
+                         (scripts/services sets 3600000) and state it with consumer_timeout_ms=<ms> (or off)"),
                 }
+                Ok(None)
             })
             .await
             .copied()
@@ -254,6 +250,10 @@ impl Transport for RabbitTransport {
         Ok(Box::new(
             Source::open(timeout_arg, self.c.clone(), spec.clone(), group).await?,
         ))
+    }
+
+    fn default_lease(&self) -> Option<keyorder_core::LeaseConfig> {
+        self.c.cfg.lease
     }
 
     fn admin(&self) -> Arc<dyn Admin> {

@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use keyorder_core::{Error, Result};
+use keyorder_core::lease::{LeaseOptions, LEASE_URL_OPTIONS};
+use keyorder_core::{Error, LeaseConfig, Result};
 
 /// How a category is laid out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,6 +26,13 @@ pub enum Layout {
 /// | `reap_idle_ms` | `3600000` | remove a drained partition idle this long (0: never) |
 /// | `partition_warn` | `2000` | warn when a category has more live partitions |
 /// | `ca_file` | the system's roots | `rediss://` only: a PEM file of the CA certificates to trust |
+/// | `lease_ttl_ms` | `10000` | the subscriptions' lease TTL (1000..=86400000): a partition's lease key expires this long after its owner's last renewal; the heartbeat and margin are derived from it ([`LeaseConfig::from_ttl`]) unless given |
+/// | `lease_heartbeat_ms` | a fifth of the TTL, at most 5000 | how often the owner renews its leases |
+/// | `lease_margin_ms` | 3/10 of the TTL | the self-fence pauses work once the last renewal is older than `ttl - margin` |
+///
+/// The lease options set the default of every subscription on this
+/// transport; a lease set on the builder
+/// ([`SubscriptionBuilder::lease`](keyorder_core::SubscriptionBuilder::lease)) wins.
 ///
 /// `rediss://` connects with TLS and verifies the server's certificate and
 /// name; it needs the `tls` feature (part of keyorder's `all-adapters`) and
@@ -52,6 +60,9 @@ pub struct RedisConfig {
     /// CA certificates to trust (`ca_file=`, `rediss://` only); `None`: the
     /// system's roots.
     pub ca_file: Option<std::path::PathBuf>,
+    /// The subscriptions' default lease (`lease_ttl_ms=`...), if the URL
+    /// states one.
+    pub lease: Option<LeaseConfig>,
 }
 
 impl RedisConfig {
@@ -98,13 +109,18 @@ impl RedisConfig {
             reap_idle: Duration::from_secs(3600),
             partition_warn: 2000,
             ca_file: None,
+            lease: None,
         };
+        let mut lease = LeaseOptions::default();
         let num = |k: &str, v: &str| -> Result<u64> {
             v.parse()
                 .map_err(|_| Error::Url(format!("redis: {k}={v}: expected a whole number")))
         };
         let mut rest = Vec::new();
         for (k, v) in url.query_pairs() {
+            if lease.accept("redis", &k, &v)? {
+                continue;
+            }
             match k.as_ref() {
                 "layout" => {
                     cfg.layout = match v.as_ref() {
@@ -126,12 +142,14 @@ impl RedisConfig {
                 "protocol" | "db" => rest.push((k.into_owned(), v.into_owned())),
                 other => {
                     return Err(Error::Url(format!(
-                        "redis: unknown option `{other}` (known: layout, response_timeout_ms, reap_idle_ms, \
-                         partition_warn, ca_file)"
+                        "redis: unknown option `{}` (known: layout, response_timeout_ms, reap_idle_ms, \
+                         partition_warn, ca_file, {LEASE_URL_OPTIONS}, protocol, db)",
+                        keyorder_core::redact::text(other)
                     )))
                 }
             }
         }
+        cfg.lease = lease.lease("redis")?;
         check_tls(url.scheme(), cfg.ca_file.is_some(), cfg!(feature = "tls"))?;
         // redis-rs reads `#insecure` as "skip certificate verification" when
         // any crate of the build enables its insecure feature: refused.
@@ -161,6 +179,7 @@ impl std::fmt::Debug for RedisConfig {
             .field("reap_idle", &self.reap_idle)
             .field("partition_warn", &self.partition_warn)
             .field("ca_file", &self.ca_file)
+            .field("lease", &self.lease)
             .finish()
     }
 }
@@ -185,6 +204,28 @@ mod tests {
         let url = url::Url::parse("redis://127.0.0.1:6379/?ca_file=/tmp/ca.pem").unwrap();
         let err = RedisConfig::from_url(&url).unwrap_err().to_string();
         assert!(err.contains("use rediss://"), "{err}");
+    }
+
+    /// The lease options parse to the subscriptions' default lease; a bad
+    /// one is named; the unknown-option list names them.
+    #[test]
+    fn lease_options() {
+        let parse = |q: &str| RedisConfig::from_url(&url::Url::parse(&format!("redis://127.0.0.1:6379/?{q}")).unwrap());
+        assert_eq!(parse("").unwrap().lease, None);
+        assert_eq!(
+            parse("lease_ttl_ms=3000").unwrap().lease,
+            Some(LeaseConfig::from_ttl(Duration::from_secs(3)))
+        );
+        let err = parse("lease_ttl_ms=3s").unwrap_err().to_string();
+        assert!(
+            err.contains("redis: lease_ttl_ms=3s: expected a whole number of milliseconds"),
+            "{err}"
+        );
+        let err = parse("lease_ttl=3000").unwrap_err().to_string();
+        assert!(
+            err.contains("lease_ttl_ms, lease_heartbeat_ms, lease_margin_ms"),
+            "{err}"
+        );
     }
 
     /// `#insecure` (or any fragment) never reaches the client.

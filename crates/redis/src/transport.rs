@@ -185,4 +185,8 @@ impl Transport for RedisTransport {
     fn admin(&self) -> Arc<dyn Admin> {
         Arc::new(RedisAdmin { t: self.c.clone() })
     }
+
+    fn default_lease(&self) -> Option<keyorder_core::LeaseConfig> {
+        self.c.cfg.lease
+    }
 }

@@ -120,6 +120,9 @@ impl<H: Hooks> Transport for Wrapped<H> {
     fn admin(&self) -> Arc<dyn Admin> {
         self.inner.admin()
     }
+    fn default_lease(&self) -> Option<keyorder_core::LeaseConfig> {
+        self.inner.default_lease()
+    }
 }
 
 #[derive(Debug)]

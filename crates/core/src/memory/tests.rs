@@ -96,3 +96,79 @@ async fn room_a_partition_cannot_use_goes_to_the_others() {
     let count = |p: u32| got.iter().filter(|i| part(i) == p).count();
     assert_eq!((count(0), count(1)), (1, 7), "the fetch is filled from partition 1");
 }
+
+/// The member's TTL the broker keeps (it expires the member after it).
+fn member_ttl(t: &MemoryTransport, category: &str, group: &str, instance: &str) -> Option<Duration> {
+    let st = t.broker.lock();
+    st.categories
+        .get(category)?
+        .groups
+        .get(group)?
+        .members
+        .get(instance)
+        .map(|m| m.ttl)
+}
+
+/// `lease_ttl_ms=` in the URL is the lease a subscription that sets none
+/// uses: the broker expires its member after that TTL; a lease set on the
+/// builder wins over it.
+#[tokio::test]
+async fn the_url_lease_is_the_default_and_the_builder_wins() {
+    let url = url::Url::parse("memory://?partitions=2&lease_ttl_ms=4000").unwrap();
+    let t = MemoryTransport::from_url(&url).unwrap();
+    let client = crate::Client::new(std::sync::Arc::new(t.clone()));
+    let build = |group: &str, instance: &str| {
+        client
+            .subscribe("leases", group)
+            .ordered_by(crate::KeySource::routing_key())
+            .instance_id(instance)
+    };
+    let _a = build("g", "a").build().await.unwrap();
+    assert_eq!(member_ttl(&t, "leases", "g", "a"), Some(Duration::from_secs(4)));
+    let _b = build("h", "b")
+        .lease(LeaseConfig::from_ttl(Duration::from_secs(7)))
+        .build()
+        .await
+        .unwrap();
+    assert_eq!(member_ttl(&t, "leases", "h", "b"), Some(Duration::from_secs(7)));
+    // Without the option: the default lease.
+    let plain_t = MemoryTransport::with_partitions(2);
+    let plain = crate::Client::new(std::sync::Arc::new(plain_t.clone()));
+    let _c = plain
+        .subscribe("leases", "g")
+        .ordered_by(crate::KeySource::routing_key())
+        .instance_id("c")
+        .build()
+        .await
+        .unwrap();
+    assert_eq!(
+        member_ttl(&plain_t, "leases", "g", "c"),
+        Some(LeaseConfig::default().ttl)
+    );
+    // A builder's lease below the minimum is refused, naming the fix.
+    let err = build("i", "c")
+        .lease(LeaseConfig::from_ttl(Duration::from_millis(500)))
+        .build()
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("ttl 500 ms is below the minimum of 1000 ms"), "{err}");
+}
+
+/// A bad lease option is refused with the option named; the unknown-option
+/// error lists the lease options.
+#[test]
+fn memory_url_lease_errors_name_the_option() {
+    let parse = |q: &str| MemoryTransport::from_url(&url::Url::parse(&format!("memory://?{q}")).unwrap());
+    let err = parse("lease_ttl_ms=50").unwrap_err().to_string();
+    assert!(
+        err.contains("lease_ttl_ms=50: expected a whole number of milliseconds in 1000..=86400000"),
+        "{err}"
+    );
+    let err = parse("lease_tll_ms=5000").unwrap_err().to_string();
+    assert!(
+        err.contains("lease_ttl_ms, lease_heartbeat_ms, lease_margin_ms"),
+        "{err}"
+    );
+    assert_eq!(parse("").unwrap().lease, None);
+}

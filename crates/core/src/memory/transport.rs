@@ -25,13 +25,16 @@ pub const DEFAULT_PARTITIONS: u32 = 16;
 /// The in-memory transport. Clones share one broker.
 #[derive(Clone)]
 pub struct MemoryTransport {
-    broker: Arc<Broker>,
+    pub(super) broker: Arc<Broker>,
+    /// The subscriptions' default lease (`lease_ttl_ms=`...), if the URL set one.
+    pub(super) lease: Option<LeaseConfig>,
 }
 
 impl fmt::Debug for MemoryTransport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MemoryTransport")
             .field("partitions", &self.broker.partitions)
+            .field("lease", &self.lease)
             .finish()
     }
 }
@@ -56,13 +59,26 @@ impl MemoryTransport {
                 state: Mutex::new(BrokerState::default()),
                 notify: Notify::new(),
             }),
+            lease: None,
         }
     }
 
-    /// Parses `memory://[?partitions=N]`.
+    /// The same broker, with `lease` as its subscriptions' default lease
+    /// (what `lease_ttl_ms=` sets; a builder's own lease wins).
+    pub fn with_default_lease(mut self, lease: LeaseConfig) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// Parses `memory://[?partitions=N][&lease_ttl_ms=MS...]` (the lease
+    /// options are [`crate::lease::LeaseOptions`]').
     pub fn from_url(url: &url::Url) -> Result<Self> {
         let mut partitions = DEFAULT_PARTITIONS;
+        let mut lease = crate::lease::LeaseOptions::default();
         for (k, v) in url.query_pairs() {
+            if lease.accept("memory://", &k, &v)? {
+                continue;
+            }
             match &*k {
                 "partitions" => {
                     partitions = v
@@ -73,12 +89,16 @@ impl MemoryTransport {
                 }
                 other => {
                     return Err(Error::Url(format!(
-                        "memory:// has no option `{other}` (known: partitions)"
+                        "memory:// has no option `{}` (known: partitions, {})",
+                        crate::redact::text(other),
+                        crate::lease::LEASE_URL_OPTIONS
                     )))
                 }
             }
         }
-        Ok(Self::with_partitions(partitions))
+        let mut t = Self::with_partitions(partitions);
+        t.lease = lease.lease("memory://")?;
+        Ok(t)
     }
 }
 
@@ -188,5 +208,9 @@ impl Transport for MemoryTransport {
         Arc::new(MemoryAdmin {
             broker: self.broker.clone(),
         })
+    }
+
+    fn default_lease(&self) -> Option<LeaseConfig> {
+        self.lease
     }
 }
