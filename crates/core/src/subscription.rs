@@ -342,7 +342,7 @@ impl SubscriptionBuilder {
         // A turn waits at most a fetch (100 ms), a broker call or a full
         // dispatcher's refill; one stuck past several lease TTLs has lost
         // its leases anyway.
-        let stall = (self.lease.ttl * 3).max(Duration::from_secs(30));
+        let stall = (spec.lease.ttl * 3).max(Duration::from_secs(30));
         Ok(Subscription {
             health: Health::new(stats.clone(), stall),
             spec,
