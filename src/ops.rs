@@ -38,7 +38,7 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http_body_util::Full;
@@ -57,11 +57,13 @@ const BUCKETS: &[f64] = &[
 /// How often the broker is asked for each registered subscription's scopes.
 pub const POLL: Duration = Duration::from_secs(5);
 
-static RECORDER: OnceLock<PrometheusHandle> = OnceLock::new();
+static RECORDER: Mutex<Option<PrometheusHandle>> = Mutex::new(None);
 
-/// The process's Prometheus recorder: installed on first use.
+/// The process's Prometheus recorder: installed on first use (under the
+/// lock, so that two endpoints starting at once install one).
 fn recorder() -> Result<PrometheusHandle> {
-    if let Some(handle) = RECORDER.get() {
+    let mut installed = RECORDER.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(handle) = installed.as_ref() {
         return Ok(handle.clone());
     }
     let recorder = PrometheusBuilder::new()
@@ -77,7 +79,7 @@ fn recorder() -> Result<PrometheusHandle> {
                 .into(),
         )
     })?;
-    let _ = RECORDER.set(handle.clone());
+    *installed = Some(handle.clone());
     describe();
     Ok(handle)
 }
@@ -211,8 +213,19 @@ impl Endpoint {
     }
 }
 
+/// Connections served at once; more wait in the listener's backlog.
+const MAX_CONNECTIONS: usize = 32;
+/// How long a client may take to send its request head.
+const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+
 async fn accept(listener: TcpListener, handle: PrometheusHandle, watched: Arc<Mutex<Vec<Watched>>>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
+        // A slow or idle client holds one of a bounded number of places,
+        // and for at most the head timeout (one request per connection).
+        let Ok(place) = slots.clone().acquire_owned().await else {
+            return;
+        };
         let (stream, _) = match listener.accept().await {
             Ok(conn) => conn,
             Err(e) => {
@@ -224,16 +237,23 @@ async fn accept(listener: TcpListener, handle: PrometheusHandle, watched: Arc<Mu
         let handle = handle.clone();
         let watched = watched.clone();
         tokio::spawn(async move {
+            let _place = place;
             let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
                 let response = respond(req.uri().path(), &handle, &watched);
                 async move { Ok::<_, Infallible>(response) }
             });
             let io = hyper_util::rt::TokioIo::new(stream);
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
-                .serve_connection(io, service)
-                .await
-            {
-                tracing::debug!(error = %e, "ops endpoint: connection ended");
+            let serving = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEAD_TIMEOUT)
+                .keep_alive(false)
+                .serve_connection(io, service);
+            // The whole exchange is bounded too: a client that reads the
+            // answer slowly does not keep its place.
+            match tokio::time::timeout(HEAD_TIMEOUT * 3, serving).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::debug!(error = %e, "ops endpoint: connection ended"),
+                Err(_) => tracing::debug!("ops endpoint: a connection took too long; closed"),
             }
         });
     }

@@ -254,3 +254,27 @@ async fn the_ops_endpoint_on_every_broker() {
         scrape_on(&endpoint, &url, broker).await;
     }
 }
+
+/// A client that connects and sends nothing holds its place for at most
+/// the head timeout, and many of them do not keep a scrape out for longer.
+#[tokio::test]
+async fn idle_clients_are_closed_and_bounded() {
+    let endpoint = keyorder::ops::serve("127.0.0.1:0").await.unwrap();
+    let addr = endpoint.local_addr();
+    let mut idle = Vec::new();
+    for _ in 0..40 {
+        idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    let mut first = idle.remove(0);
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(60), first.read_to_end(&mut rest)).await;
+    assert!(
+        matches!(closed, Ok(Ok(_))),
+        "an idle connection was not closed: {closed:?}"
+    );
+    let scraped = tokio::time::timeout(Duration::from_secs(60), get(addr, "/metrics")).await;
+    assert!(
+        matches!(scraped, Ok(Ok((200, _)))),
+        "a scrape behind 39 idle clients: {scraped:?}"
+    );
+}
