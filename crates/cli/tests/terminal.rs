@@ -101,6 +101,27 @@ fn an_unreachable_broker_is_one_line_with_its_causes() {
     );
 }
 
+/// An unreachable Kafka broker is the same one line: librdkafka's own log
+/// of each failed connection attempt does not flood standard error.
+#[cfg(feature = "all-adapters")]
+#[test]
+fn an_unreachable_kafka_broker_is_one_line() {
+    let out = keyorder(
+        &[
+            "scopes",
+            "--url",
+            "kafka://127.0.0.1:1",
+            "--category",
+            "c",
+            "--group",
+            "g",
+        ],
+        &BACKTRACE,
+    );
+    let line = assert_one_line_error("unreachable kafka", &out);
+    assert!(line.contains("kafka"), "{line:?}");
+}
+
 /// A refusal of the CLI's own (no `--yes`) is the same one line.
 #[test]
 fn a_refusal_is_one_line_and_exit_code_1() {
