@@ -59,7 +59,11 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("KEYORDER_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                // librdkafka logs every failed connection attempt (hundreds
+                // of lines while a broker is unreachable) and the adapter
+                // reports the failure itself: its log is KEYORDER_LOG's to
+                // ask for (`KEYORDER_LOG=warn,librdkafka=warn,rdkafka=warn`).
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,librdkafka=off,rdkafka=off")),
         )
         // Standard error, around a progress bar being drawn.
         .with_writer(progress::LogWriter)
