@@ -29,12 +29,15 @@
 //!
 //! For every registered subscription the endpoint also polls the broker
 //! ([`Admin::scopes`]) every few seconds and sets the gauges
+//! `keyorder_lag{category,group}` (all scopes),
 //! `keyorder_scope_lag{category,group,scope}`,
 //! `keyorder_scope_halted_keys{category,group,scope}`,
 //! `keyorder_scopes_owned{category,group}` (scopes this process's instance
 //! owns) and `keyorder_scopes_unowned{category,group}`, plus
 //! `keyorder_health_{live,ready,degraded}{category,group}` (0 or 1). Labels
-//! name categories, groups and scopes, never a key.
+//! name categories, groups and scopes, never a key; per-scope series are
+//! kept for at most [`MAX_SCOPE_SERIES`] scopes of a subscription (halted
+//! first, then by lag), since on Redis a scope is a key's stream.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -328,34 +331,72 @@ fn publish_health(watched: &[Watched]) {
     }
 }
 
+/// Per-scope series kept per subscription at most: on a layout with a
+/// scope per key (Redis) the rest would grow with the keys. The scopes
+/// with halted keys come first, then the largest lag; a scope that drops
+/// out is set to 0 once.
+pub const MAX_SCOPE_SERIES: usize = 64;
+
+/// How long one `Admin::scopes` call may take before the poller moves on.
+const POLL_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Asks the broker for every registered subscription's scopes, every
 /// [`POLL`].
 async fn poll(watched: Arc<Mutex<Vec<Watched>>>) {
+    // The scope series each subscription (category, group) has now.
+    let mut shown: std::collections::HashMap<(String, String), std::collections::HashSet<String>> =
+        std::collections::HashMap::new();
     loop {
         let list = watched.lock().unwrap_or_else(|e| e.into_inner()).clone();
         for w in &list {
-            match w.admin.scopes(&w.category, &w.group).await {
-                Ok(scopes) => {
-                    let labels = [("category", w.category.clone()), ("group", w.group.clone())];
-                    let owned = scopes
-                        .iter()
-                        .filter(|s| s.owner.as_deref() == Some(&w.instance))
-                        .count();
-                    let unowned = scopes.iter().filter(|s| s.owner.is_none()).count();
-                    metrics::gauge!("keyorder_scopes_owned", &labels).set(owned as f64);
-                    metrics::gauge!("keyorder_scopes_unowned", &labels).set(unowned as f64);
-                    for s in &scopes {
-                        let labels = [
-                            ("category", w.category.clone()),
-                            ("group", w.group.clone()),
-                            ("scope", s.scope.clone()),
-                        ];
-                        metrics::gauge!("keyorder_scope_lag", &labels).set(s.lag as f64);
-                        metrics::gauge!("keyorder_scope_halted_keys", &labels).set(s.halted as f64);
-                    }
-                }
-                Err(e) => tracing::debug!(error = %e, category = %w.category, "ops endpoint: scopes not read"),
+            if !w.health.check().live {
+                continue;
             }
+            let labels = [("category", w.category.clone()), ("group", w.group.clone())];
+            let read = tokio::time::timeout(POLL_TIMEOUT, w.admin.scopes(&w.category, &w.group)).await;
+            // 0 while the broker does not answer: the scope gauges then
+            // hold the last values read, and say so.
+            metrics::gauge!("keyorder_scopes_read", &labels).set(f64::from(u8::from(matches!(read, Ok(Ok(_))))));
+            let scopes = match read {
+                Ok(Ok(scopes)) => scopes,
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, category = %w.category, "ops endpoint: scopes not read");
+                    continue;
+                }
+                Err(_) => {
+                    tracing::debug!(category = %w.category, "ops endpoint: scopes not read in time");
+                    continue;
+                }
+            };
+            let owned = scopes
+                .iter()
+                .filter(|s| s.owner.as_deref() == Some(&w.instance))
+                .count();
+            let unowned = scopes.iter().filter(|s| s.owner.is_none()).count();
+            metrics::gauge!("keyorder_scopes_owned", &labels).set(owned as f64);
+            metrics::gauge!("keyorder_scopes_unowned", &labels).set(unowned as f64);
+            metrics::gauge!("keyorder_lag", &labels).set(scopes.iter().map(|s| s.lag).sum::<u64>() as f64);
+            let mut ranked: Vec<&keyorder_core::ScopeInfo> = scopes.iter().collect();
+            ranked.sort_by(|a, b| b.halted.cmp(&a.halted).then(b.lag.cmp(&a.lag)));
+            ranked.truncate(MAX_SCOPE_SERIES);
+            let scope_labels = |scope: &str| {
+                [
+                    ("category", w.category.clone()),
+                    ("group", w.group.clone()),
+                    ("scope", scope.to_owned()),
+                ]
+            };
+            let now: std::collections::HashSet<String> = ranked.iter().map(|s| s.scope.clone()).collect();
+            let before = shown.entry((w.category.clone(), w.group.clone())).or_default();
+            for gone in before.difference(&now) {
+                metrics::gauge!("keyorder_scope_lag", &scope_labels(gone)).set(0.0);
+                metrics::gauge!("keyorder_scope_halted_keys", &scope_labels(gone)).set(0.0);
+            }
+            for s in ranked {
+                metrics::gauge!("keyorder_scope_lag", &scope_labels(&s.scope)).set(s.lag as f64);
+                metrics::gauge!("keyorder_scope_halted_keys", &scope_labels(&s.scope)).set(s.halted as f64);
+            }
+            *before = now;
         }
         tokio::time::sleep(POLL).await;
     }

@@ -186,9 +186,16 @@ async fn scrape_on(endpoint: &keyorder::ops::Endpoint, url: &str, broker: &str) 
             .any(|l| l.starts_with("keyorder_scope_halted_keys{") && l.contains(&category)),
         "{broker}: per-scope halted keys"
     );
-    assert!(
-        !metrics.contains("halted\""),
-        "{broker}: a key appeared as a label value"
+    for key in keys.iter().chain(&["halted"]) {
+        assert!(
+            !metrics.contains(&format!("=\"{key}\"")),
+            "{broker}: the key {key} appeared as a label value"
+        );
+    }
+    assert_eq!(
+        counted("keyorder_scopes_read"),
+        Some(1.0),
+        "{broker}: the scopes poll answered"
     );
     // The halted key degrades; the probes stay up and say why on /healthz.
     assert_eq!(
@@ -277,4 +284,44 @@ async fn idle_clients_are_closed_and_bounded() {
         matches!(scraped, Ok(Ok((200, _)))),
         "a scrape behind 39 idle clients: {scraped:?}"
     );
+}
+
+/// Per-scope series stop at `MAX_SCOPE_SERIES` scopes a subscription: on a
+/// layout with a scope per key they would grow with the keys.
+#[tokio::test]
+async fn per_scope_series_are_bounded() {
+    let endpoint = keyorder::ops::serve("127.0.0.1:0").await.unwrap();
+    let client = keyorder::connect("memory://?partitions=100").await.unwrap();
+    let category = format!("ops_bounded_{}", uuid_like());
+    let subscription = client
+        .subscribe(&category, "g")
+        .ordered_by(KeySource::routing_key())
+        .build()
+        .await
+        .unwrap();
+    endpoint.register(&subscription, client.admin());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(
+        subscription.run(|_d: Delivery| async { HandlerResult::Ok(()) }, async move {
+            let _ = stopped.await;
+        }),
+    );
+    let addr = endpoint.local_addr();
+    let lines = until("the scope series of 100 partitions", DEADLINE, async || {
+        let (_, body) = get(addr, "/metrics").await?;
+        let lines = body
+            .lines()
+            .filter(|l| l.starts_with("keyorder_scope_lag{") && l.contains(&category))
+            .count();
+        let unowned = value(&body, "keyorder_scopes_unowned", &[("category", category.as_str())]);
+        if lines > 0 && unowned.is_some() {
+            Ok(lines)
+        } else {
+            Err(format!("{lines} lines"))
+        }
+    })
+    .await;
+    assert_eq!(lines, keyorder::ops::MAX_SCOPE_SERIES, "per-scope series of 100 scopes");
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
 }

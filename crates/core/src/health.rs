@@ -53,12 +53,12 @@ struct Inner {
     /// Milliseconds from `epoch` to the end of the last turn of the loop.
     turned: AtomicU64,
     phase: AtomicU8,
-    /// Whether the last turn reached the broker (no transport error).
-    connected: AtomicBool,
     /// Whether the dispatcher was backing off as a whole at the last turn.
     backing_off: AtomicBool,
-    /// The last transport error, while the loop retries it.
-    error: Mutex<Option<String>>,
+    /// Whether the last turn reached the broker: `None` before the first
+    /// turn ended, `Some(None)` connected, `Some(Some(error))` while the
+    /// loop retries a transport error (one lock: never read half-updated).
+    link: Mutex<Option<Option<String>>>,
     /// A loop that has not turned for this long is not live.
     stall: Duration,
     stats: Arc<Stats>,
@@ -115,9 +115,8 @@ impl Health {
                 epoch: Instant::now(),
                 turned: AtomicU64::new(0),
                 phase: AtomicU8::new(BUILT),
-                connected: AtomicBool::new(false),
                 backing_off: AtomicBool::new(false),
-                error: Mutex::new(None),
+                link: Mutex::new(None),
                 stall,
                 stats,
             }),
@@ -141,9 +140,8 @@ impl Health {
 
     /// A turn ended: `error` is the transport error it ended with, if any.
     pub(crate) fn turned(&self, error: Option<String>, backing_off: bool) {
-        self.inner.connected.store(error.is_none(), Ordering::Relaxed);
         self.inner.backing_off.store(backing_off, Ordering::Relaxed);
-        *self.inner.error.lock().unwrap_or_else(|e| e.into_inner()) = error;
+        *self.inner.link.lock().unwrap_or_else(|e| e.into_inner()) = Some(error);
         self.inner.turned.store(self.now_ms(), Ordering::Relaxed);
     }
 
@@ -181,13 +179,12 @@ impl Health {
                         inner.stall.as_millis()
                     ));
                 }
-                let connected = inner.connected.load(Ordering::Relaxed);
-                if !connected {
-                    let error = inner.error.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                    reasons.push(match error {
-                        Some(e) => format!("transport error, retrying: {e}"),
-                        None => "connecting: the first turn has not finished".to_owned(),
-                    });
+                let link = inner.link.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                let connected = matches!(link, Some(None));
+                match link {
+                    Some(None) => {}
+                    Some(Some(e)) => reasons.push(format!("transport error, retrying: {e}")),
+                    None => reasons.push("connecting: the first turn has not finished".to_owned()),
                 }
                 (!stuck, connected && !stuck)
             }
@@ -202,8 +199,8 @@ impl Health {
         };
         if halted > 0 {
             reasons.push(format!(
-                "{halted} key(s) halted at a poison head: list them with `keyorder halted` and resolve with \
-                 `keyorder resolve` (retry, skip or park)"
+                "{halted} key(s) halted at a poison head: see them with `keyorder head show` and resolve each \
+                 with `keyorder head skip|dlq|resume`"
             ));
         }
         if backing_off {
@@ -254,6 +251,17 @@ mod tests {
             "{report:?}"
         );
         assert_eq!(report.status(), "degraded");
+        // The fix it names is a command the CLI has (`keyorder head ...`;
+        // there is no `keyorder halted` nor `keyorder resolve`).
+        let halt = report
+            .reasons
+            .iter()
+            .find(|r| r.contains("halted"))
+            .expect("a halt reason");
+        assert!(
+            halt.contains("keyorder head show") && halt.contains("keyorder head skip|dlq|resume"),
+            "{halt}"
+        );
         health.turned(Some("connection refused".into()), false);
         let report = health.check();
         assert_eq!(report.status(), "not ready", "{report:?}");
