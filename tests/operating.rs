@@ -170,6 +170,16 @@ async fn scrape_on(endpoint: &keyorder::ops::Endpoint, url: &str, broker: &str) 
         value(&metrics, "keyorder_halts_total", &[]).is_some_and(|v| v >= 1.0),
         "{broker}: halts"
     );
+    // Present from the first lease on; counted by the heartbeats (none on
+    // RabbitMQ, whose broker holds a queue while its channel lives).
+    assert!(
+        value(&metrics, "keyorder_lease_renewals_total", &[]).is_some_and(|v| v >= 1.0 || broker == "rabbitmq"),
+        "{broker}: lease renewals"
+    );
+    assert!(
+        value(&metrics, "keyorder_lease_losses_total", &[]).is_some(),
+        "{broker}: lease losses"
+    );
     assert!(
         metrics.contains("keyorder_scopes_unowned{"),
         "{broker}: unowned scopes gauge"
@@ -324,4 +334,101 @@ async fn per_scope_series_are_bounded() {
     assert_eq!(lines, keyorder::ops::MAX_SCOPE_SERIES, "per-scope series of 100 scopes");
     let _ = stop.send(());
     run.await.unwrap().unwrap();
+}
+
+/// Lease renewals and losses are counted: a Redis subscription's heartbeat
+/// renews its partition leases (`keyorder_lease_renewals_total` rises);
+/// another holder written over those leases on the server makes the next
+/// heartbeat find them lost (`keyorder_lease_losses_total` rises by at
+/// least one per overwritten lease).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_renewals_and_losses_are_counted() {
+    let endpoint = keyorder::ops::serve("127.0.0.1:0").await.unwrap();
+    let addr = endpoint.local_addr();
+    let url = format!("{}?lease_ttl_ms=6000", Broker::Redis.url());
+    let client = keyorder::connect(&url).await.unwrap();
+    let category = format!("ops_lease_{}", uuid_like());
+    let subscription = client
+        .subscribe(&category, "g")
+        .ordered_by(KeySource::routing_key())
+        .build()
+        .await
+        .unwrap();
+    let handled = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = {
+        let handled = handled.clone();
+        tokio::spawn(subscription.run(
+            move |_d: Delivery| {
+                let handled = handled.clone();
+                async move {
+                    handled.fetch_add(1, Ordering::SeqCst);
+                    HandlerResult::Ok(())
+                }
+            },
+            async move {
+                let _ = stopped.await;
+            },
+        ))
+    };
+    let publisher = client.publisher(&category).await.unwrap();
+    for k in ["a", "b", "c"] {
+        publisher.publish(Message::new(k).with_key(k).unwrap()).await.unwrap();
+    }
+    until("the three messages handled", DEADLINE, async || {
+        let n = handled.load(Ordering::SeqCst);
+        if n >= 3 {
+            Ok(())
+        } else {
+            Err(format!("{n} handled"))
+        }
+    })
+    .await;
+    let series = async |name: &str| -> Result<f64, String> {
+        let (_, body) = get(addr, "/metrics").await?;
+        value(&body, name, &[]).ok_or_else(|| format!("no {name}"))
+    };
+    let renewed = series("keyorder_lease_renewals_total").await.unwrap();
+    until("a heartbeat renews the leases", DEADLINE, async || {
+        let now = series("keyorder_lease_renewals_total").await?;
+        if now > renewed {
+            Ok(())
+        } else {
+            Err(format!("renewals still {now}"))
+        }
+    })
+    .await;
+    let lost = series("keyorder_lease_losses_total").await.unwrap();
+    // Another holder takes every lease of the group on the server.
+    let redis = redis::Client::open(Broker::Redis.url()).unwrap();
+    let mut conn = redis.get_multiplexed_async_connection().await.unwrap();
+    let leases: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{category}:*__lease__:g"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(!leases.is_empty(), "no lease keys for {category}");
+    for key in &leases {
+        let () = redis::cmd("SET")
+            .arg(key)
+            .arg("intruder:999999")
+            .arg("PX")
+            .arg(120_000)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+    until("the heartbeat finds the leases lost", DEADLINE, async || {
+        let now = series("keyorder_lease_losses_total").await?;
+        if now >= lost + 1.0 {
+            Ok(())
+        } else {
+            Err(format!("losses {now} (were {lost})"))
+        }
+    })
+    .await;
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+    let () = redis::cmd("DEL").arg(&leases).query_async(&mut conn).await.unwrap();
+    let _ = client.admin().delete_category(&category).await;
 }

@@ -85,19 +85,27 @@ fn main() -> ExitCode {
     }
 }
 
+/// The `--metrics-addr` endpoint, while the command runs.
+static ENDPOINT: std::sync::OnceLock<keyorder::ops::Endpoint> = std::sync::OnceLock::new();
+
+/// Registers a subscription with the `--metrics-addr` endpoint (its health
+/// on the probes, its scopes' gauges); nothing without one.
+pub(crate) fn watch(subscription: &keyorder::Subscription, admin: std::sync::Arc<dyn keyorder::Admin>) {
+    if let Some(endpoint) = ENDPOINT.get() {
+        endpoint.register(subscription, admin);
+    }
+}
+
 fn execute(cli: Cli) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         // Before any subscription starts: its latency histograms bind to
         // the recorder installed now.
-        let _endpoint = match &cli.metrics_addr {
-            Some(addr) => {
-                let endpoint = keyorder::ops::serve(addr).await?;
-                tracing::info!(addr = %endpoint.local_addr(), "serving /metrics");
-                Some(endpoint)
-            }
-            None => None,
-        };
+        if let Some(addr) = &cli.metrics_addr {
+            let endpoint = keyorder::ops::serve(addr).await?;
+            tracing::info!(addr = %endpoint.local_addr(), "serving /metrics");
+            let _ = ENDPOINT.set(endpoint);
+        }
         match cli.command {
             Command::Demo(a) => demo::run(a).await,
             Command::Bench(a) => bench::run(a).await,

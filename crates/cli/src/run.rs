@@ -206,6 +206,7 @@ pub(crate) struct Built {
 /// Builds the subscription of `instance` (see [`Built`]).
 pub(crate) async fn build(builder: SubscriptionBuilder, instance: String, rec: Arc<Recorder>) -> anyhow::Result<Built> {
     let settled = rec.clone();
+    let admin = builder.admin();
     let subscription = builder
         .instance_id(instance.clone())
         .on_settled(move |s| {
@@ -217,6 +218,7 @@ pub(crate) async fn build(builder: SubscriptionBuilder, instance: String, rec: A
         })
         .build()
         .await?;
+    crate::watch(&subscription, admin);
     Ok(Built {
         subscription,
         instance,

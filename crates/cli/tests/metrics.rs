@@ -1,6 +1,7 @@
 //! `--metrics-addr`: a long-running command serves `/metrics` while it
-//! runs (scraped during a `demo`), and an address it cannot use is a
-//! one-line error.
+//! runs (scraped during a `demo`, whose subscriptions are registered: their
+//! health gauges are there), and an address it cannot use is a one-line
+//! error.
 
 use std::io::{Read, Write};
 use std::process::{Command, Stdio};
@@ -56,10 +57,15 @@ async fn demo_serves_metrics_while_it_runs() {
             let text = scrape(&addr)?;
             let applied = first(&text, "keyorder_applied_total").unwrap_or(0.0);
             let handled = first(&text, "keyorder_handler_seconds_count{").unwrap_or(0.0);
-            if applied > 0.0 && handled > 0.0 {
+            // The demo's subscriptions are registered: their health is served.
+            let live = text
+                .lines()
+                .filter(|l| l.starts_with("keyorder_health_live{") && l.contains("keyorder-demo-"))
+                .count();
+            if applied > 0.0 && handled > 0.0 && live > 0 {
                 Ok(text)
             } else {
-                Err(format!("applied {applied}, handled {handled}"))
+                Err(format!("applied {applied}, handled {handled}, {live} live series"))
             }
         },
     )

@@ -231,6 +231,11 @@ pub enum LeaseState {
     Lost,
 }
 
+/// Counter: fenced round trips that confirmed a held lease.
+const RENEWALS: &str = "keyorder_lease_renewals_total";
+/// Counter: leases lost to the broker (not released by choice).
+const LOSSES: &str = "keyorder_lease_losses_total";
+
 /// The consumer-side record of one owned scope.
 #[derive(Debug)]
 pub struct ScopeLease {
@@ -253,6 +258,9 @@ impl ScopeLease {
         // `base` precedes every instant this lease will see, so offsets are
         // never negative (a confirmation older than `base` counts as `base`).
         let base = confirmed_at;
+        // Both series exist from the first lease on, at 0 until counted.
+        metrics::counter!(RENEWALS).increment(0);
+        metrics::counter!(LOSSES).increment(0);
         Arc::new(ScopeLease {
             scope: scope.into(),
             generation,
@@ -274,17 +282,37 @@ impl ScopeLease {
         self.generation
     }
 
-    /// Records a fenced round trip that succeeded; `sent_at` is when it was sent.
+    /// Records a fenced round trip that succeeded; `sent_at` is when it was
+    /// sent. Counted in `keyorder_lease_renewals_total`.
     pub fn confirm(&self, sent_at: Instant) {
         let ns = sent_at.saturating_duration_since(self.base).as_nanos() as u64;
         self.confirmed_ns.fetch_max(ns, Ordering::SeqCst);
+        metrics::counter!(RENEWALS).increment(1);
         self.changed.notify_waiters();
     }
 
-    /// Marks the scope lost: nothing more starts under this lease.
+    /// Marks the scope ended here by this instance's own choice (a
+    /// hand-over it was asked for, a release, a close): nothing more starts
+    /// under this lease. Not a loss: see [`ScopeLease::lose_to_broker`].
     pub fn lose(&self) {
+        self.end(false);
+    }
+
+    /// Marks the scope lost because the broker no longer confirms this
+    /// owner: a renewal refused or unanswered past the lease, a newer
+    /// owner's generation seen, the group removed, a fenced settlement
+    /// refused. Nothing more starts under this lease; the first call counts
+    /// one in `keyorder_lease_losses_total`.
+    pub fn lose_to_broker(&self) {
+        self.end(true);
+    }
+
+    fn end(&self, lost_to_broker: bool) {
         if !self.lost.swap(true, Ordering::SeqCst) {
             LOST_EPOCH.fetch_add(1, Ordering::SeqCst);
+            if lost_to_broker {
+                metrics::counter!(LOSSES).increment(1);
+            }
         }
         self.changed.notify_waiters();
     }

@@ -212,6 +212,12 @@ impl SubscriptionBuilder {
         self
     }
 
+    /// The administration interface of the client this builder came from
+    /// (for example to register the subscription with an ops endpoint).
+    pub fn admin(&self) -> Arc<dyn crate::Admin> {
+        self.client.admin()
+    }
+
     /// This instance's id (default: a fresh UUID).
     pub fn instance_id(mut self, id: impl Into<String>) -> Self {
         self.instance = Some(id.into());

@@ -369,7 +369,7 @@ impl PlainSource {
                 held.lease.confirm(sent);
             } else if let Some(h) = holdings.held.remove(&k) {
                 // Settled meanwhile (gone from `held` then), or lost.
-                h.lease.lose();
+                h.lease.lose_to_broker();
                 lost += 1;
             }
         }
@@ -503,7 +503,7 @@ impl PlainSettle {
         if ours {
             Ok(())
         } else {
-            self.held.lease.lose();
+            self.held.lease.lose_to_broker();
             Err(self.fenced())
         }
     }

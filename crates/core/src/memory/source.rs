@@ -53,7 +53,7 @@ impl MemorySource {
         group.rebalance(sent, partitions, &self.category);
         let Some(me) = group.members.get_mut(&self.member) else {
             for lease in self.leases.values() {
-                lease.lose();
+                lease.lose_to_broker();
             }
             self.leases.clear();
             return Err(Error::Fenced {
@@ -84,13 +84,13 @@ impl MemorySource {
                 (Some(gen), Some(lease)) if lease.generation() == gen => lease.confirm(sent),
                 (Some(gen), old) => {
                     if let Some(old) = old {
-                        old.lose();
+                        old.lose_to_broker();
                     }
                     let lease = ScopeLease::new(scope_name(&self.category, p), gen, &self.lease_cfg, sent);
                     self.leases.insert(p, lease);
                 }
                 (None, Some(lease)) => {
-                    lease.lose();
+                    lease.lose_to_broker();
                     self.leases.remove(&p);
                 }
                 (None, None) => {}

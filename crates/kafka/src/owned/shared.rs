@@ -253,7 +253,7 @@ impl Shared {
             );
         }
         for p in lost {
-            p.lease.lose();
+            p.lease.lose_to_broker();
         }
         self.replace.store(true, Ordering::SeqCst);
         self.completed.send_modify(|_| {});
@@ -295,7 +295,7 @@ impl Shared {
             "kafka: partitions lost (a newer owner wrote their state, or their revoke did not drain in time)"
         );
         for p in lost {
-            p.lease.lose();
+            p.lease.lose_to_broker();
         }
         if rejoin {
             self.replace.store(true, Ordering::SeqCst);
@@ -326,7 +326,7 @@ impl Shared {
             "kafka: assignment lost; every partition lost"
         );
         for p in lost {
-            p.lease.lose();
+            p.lease.lose_to_broker();
         }
         self.completed.send_modify(|_| {});
     }

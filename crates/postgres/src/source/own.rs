@@ -115,7 +115,7 @@ impl Ownership {
         self.removed = true;
         lock_kept(&self.kept).held.clear();
         for (_, o) in std::mem::take(&mut self.owned) {
-            o.lease.lose();
+            o.lease.lose_to_broker();
         }
     }
 
@@ -282,7 +282,7 @@ impl Ownership {
         }
         for slot in lost {
             if let Some(o) = self.disown(slot) {
-                o.lease.lose();
+                o.lease.lose_to_broker();
             }
         }
         Ok(())
@@ -494,7 +494,7 @@ pub(super) async fn keep_round(
             }
         } else if let Some((_, lease)) = kept.held.remove(&slot) {
             tracing::warn!(slot, generation, "slot lease lost");
-            lease.lose();
+            lease.lose_to_broker();
             kept.lost.push(slot);
         }
     }

@@ -80,8 +80,10 @@ async fn activation(mut a: Activation) {
         }
     }
     a.ended.store(true, std::sync::atomic::Ordering::SeqCst);
+    // The broker ended the consumer (a release here marked the lease lost
+    // before closing its channel: counted as a loss only when it was not).
     if let Some(l) = a.slot.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
-        l.lose();
+        l.lose_to_broker();
     }
 }
 

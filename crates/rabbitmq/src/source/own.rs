@@ -64,7 +64,7 @@ impl Source {
             // CANCEL_BEFORE_CLOSE, verification/rabbitmq.pml).
             for o in self.owned.values() {
                 if let Some(l) = o.lease() {
-                    l.lose();
+                    l.lose_to_broker();
                 }
             }
             if let Some(link) = self.link.take() {
@@ -153,7 +153,7 @@ impl Source {
         // that is not answered was still sent first.
         for q in &lost {
             if let Some(l) = self.owned.get(q).and_then(Owned::lease) {
-                l.lose();
+                l.lose_to_broker();
             }
         }
         let closes = lost

@@ -214,6 +214,9 @@ impl Source {
     pub(super) fn lose_all(&mut self, why: &str) {
         let queues: Vec<String> = self.owned.keys().cloned().collect();
         for q in queues {
+            if let Some(l) = self.owned.get(&q).and_then(Owned::lease) {
+                l.lose_to_broker();
+            }
             if let Some(o) = self.drop_owned(&q) {
                 tracing::warn!(scope = %o.scope, why, "rabbitmq: queue lost");
             }

@@ -147,7 +147,7 @@ impl TransportSource for Source {
                 .map_err(broker)?;
             metrics::counter!("keyorder_redis_partitions_released_total").increment(1);
         }
-        self.drop_part(&key);
+        self.drop_part(&key, false);
         Ok(())
     }
 

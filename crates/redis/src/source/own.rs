@@ -59,7 +59,7 @@ impl Source {
         for (k, ok) in held.iter().zip(flags.iter().chain(std::iter::repeat(&0))) {
             if *ok == 1 {
                 self.parts[k].lease.confirm(sent);
-            } else if let Some(p) = self.drop_part(k) {
+            } else if let Some(p) = self.drop_part(k, true) {
                 metrics::counter!("keyorder_redis_leases_lost_total").increment(1);
                 tracing::warn!(scope = %p.lease.scope(), generation = p.generation, "redis: partition lease lost");
             }
@@ -192,7 +192,7 @@ impl Source {
                 }
             }
             0 => {
-                if let Some(p) = self.drop_part(key) {
+                if let Some(p) = self.drop_part(key, true) {
                     tracing::warn!(scope = %p.lease.scope(), "redis: partition lease lost while joining a stream");
                 }
             }
@@ -366,7 +366,7 @@ impl Source {
             if done == 1 {
                 metrics::counter!("keyorder_redis_partitions_reaped_total").increment(1);
                 if single {
-                    if let Some(p) = self.drop_part(&k) {
+                    if let Some(p) = self.drop_part(&k, false) {
                         tracing::debug!(scope = %p.lease.scope(), "redis: cold partition reaped");
                     }
                 } else if let Some(p) = self.parts.get_mut(&k) {

@@ -168,7 +168,7 @@ impl Source {
         };
         for ((k, i, share), r) in chunk.iter().zip(results) {
             if matches!(r, Value::Int(0)) {
-                if let Some(p) = self.drop_part(k) {
+                if let Some(p) = self.drop_part(k, true) {
                     metrics::counter!("keyorder_redis_fence_rejections_total").increment(1);
                     tracing::warn!(scope = %p.lease.scope(), generation = p.generation, "redis: fenced read rejected");
                 }

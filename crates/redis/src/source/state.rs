@@ -134,10 +134,16 @@ impl Source {
         out
     }
 
-    pub(super) fn drop_part(&mut self, key: &str) -> Option<Part> {
+    /// Forgets a partition; `lost` when the server refused this owner (a
+    /// loss), not when it was released or reaped here.
+    pub(super) fn drop_part(&mut self, key: &str, lost: bool) -> Option<Part> {
         let p = self.parts.remove(key)?;
         self.scopes.remove(p.lease.scope());
-        p.lease.lose();
+        if lost {
+            p.lease.lose_to_broker();
+        } else {
+            p.lease.lose();
+        }
         Some(p)
     }
 }
