@@ -9,6 +9,7 @@ use crate::capability::Capabilities;
 use crate::error::{Error, Result};
 use crate::key::KeyRules;
 use crate::message::{Message, KEY_HEADER};
+use crate::trace::TRACEPARENT_HEADER;
 use crate::transport::{Admin, PublishFence, Transport, TransportPublisher};
 
 /// A handle on one transport: publishers, subscriptions, the admin view.
@@ -168,13 +169,21 @@ impl Publisher {
     }
 
     fn checked(&self, message: Message) -> Result<Message> {
-        Ok(match message.key() {
+        let mut message = match message.key() {
             Some(key) => {
                 self.rules.check(key.as_str())?;
                 let key = key.as_str().to_owned();
                 message.with_header(KEY_HEADER, key)
             }
             None => message,
-        })
+        };
+        // Feature `otel`: the current span's trace context, unless the
+        // message carries one already (the outbox's, from its staging).
+        if message.header(TRACEPARENT_HEADER).is_none() {
+            for (name, value) in crate::trace::current_context() {
+                message = message.with_header(name, value);
+            }
+        }
+        Ok(message)
     }
 }
