@@ -89,7 +89,9 @@ async fn consume(client: &Client, category: &str, what: &str) -> Consumer {
         move |d: Delivery| {
             let seen = seen.clone();
             async move {
-                seen.lock().unwrap().push(d.message().header(TRACEPARENT_HEADER).map(str::to_owned));
+                seen.lock()
+                    .unwrap()
+                    .push(d.message().header(TRACEPARENT_HEADER).map(str::to_owned));
                 HandlerResult::Ok(())
             }
         }
@@ -134,7 +136,10 @@ async fn parent_is_the_publisher(client: Client, broker: &str) {
         delivery.parent_span_id, publisher_span,
         "{broker}: the delivery span's parent is not the publisher's span"
     );
-    assert!(delivery.parent_span_is_remote, "{broker}: the parent came from the headers");
+    assert!(
+        delivery.parent_span_is_remote,
+        "{broker}: the parent came from the headers"
+    );
     let seen = consumer.finish(broker).await;
     assert_eq!(
         seen,
@@ -202,9 +207,16 @@ async fn a_traceparent_the_message_carries_wins() {
         .await
         .unwrap();
     let delivery = delivery_span("foreign", foreign_trace).await;
-    assert_eq!(delivery.parent_span_id, foreign_span, "foreign: the delivery span's parent");
+    assert_eq!(
+        delivery.parent_span_id, foreign_span,
+        "foreign: the delivery span's parent"
+    );
     let seen = consumer.finish("foreign").await;
-    assert_eq!(seen, [Some(traceparent)], "foreign: the message's own traceparent was replaced");
+    assert_eq!(
+        seen,
+        [Some(traceparent)],
+        "foreign: the message's own traceparent was replaced"
+    );
 }
 
 /// Through the outbox: the record staged inside a span in the caller's
@@ -253,7 +265,11 @@ async fn outbox_delivery_continues_the_staging_trace() {
         "outbox: the delivery span's parent is not the staging span"
     );
     let seen = consumer.finish("outbox").await;
-    assert_eq!(seen, [Some(format!("00-{trace}-{staging_span}-01"))], "outbox: traceparent");
+    assert_eq!(
+        seen,
+        [Some(format!("00-{trace}-{staging_span}-01"))],
+        "outbox: traceparent"
+    );
     let _ = stop_relay.send(());
     relay.await.unwrap().unwrap();
 }

@@ -133,6 +133,9 @@ impl fmt::Debug for Publisher {
 impl Publisher {
     /// Publishes one message and returns once the broker acknowledged it.
     /// Awaiting each publish before the next keeps a key's publish order.
+    /// With the feature `otel`, the message carries the current span's
+    /// trace context unless it has a [`crate::TRACEPARENT_HEADER`] already
+    /// ([`crate::trace`]).
     ///
     /// # Errors
     /// [`Error::Key`] when the key breaks a rule of this client's
