@@ -9,7 +9,7 @@ pub use keyorder_core::{
     KeyRule, KeyRules, KeySource, KeylessPolicy, LeaseConfig, MemoryTransport, Message, MessageType, OrderingKey,
     PoisonPolicy, PublishFence, Publisher, Resolved, Result, RetryPolicy, RunReport, ScopeInfo, Settled, SettledHook,
     Settlement, Stats, StatsSnapshot, Strategy, Subscription, SubscriptionBuilder, CONTENT_TYPE_HEADER, KEY_HEADER,
-    MAX_KEY_BYTES, TYPE_HEADER,
+    MAX_KEY_BYTES, TRACEPARENT_HEADER, TRACESTATE_HEADER, TYPE_HEADER,
 };
 
 /// Typed payloads (feature `serde`): [`Message::json`], [`Delivery::json`]

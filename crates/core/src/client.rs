@@ -9,6 +9,7 @@ use crate::capability::Capabilities;
 use crate::error::{Error, Result};
 use crate::key::KeyRules;
 use crate::message::{Message, KEY_HEADER};
+use crate::trace::TRACEPARENT_HEADER;
 use crate::transport::{Admin, PublishFence, Transport, TransportPublisher};
 
 /// A handle on one transport: publishers, subscriptions, the admin view.
@@ -132,6 +133,9 @@ impl fmt::Debug for Publisher {
 impl Publisher {
     /// Publishes one message and returns once the broker acknowledged it.
     /// Awaiting each publish before the next keeps a key's publish order.
+    /// With the feature `otel`, the message carries the current span's
+    /// trace context unless it has a [`crate::TRACEPARENT_HEADER`] already
+    /// ([`crate::trace`]).
     ///
     /// # Errors
     /// [`Error::Key`] when the key breaks a rule of this client's
@@ -168,13 +172,21 @@ impl Publisher {
     }
 
     fn checked(&self, message: Message) -> Result<Message> {
-        Ok(match message.key() {
+        let mut message = match message.key() {
             Some(key) => {
                 self.rules.check(key.as_str())?;
                 let key = key.as_str().to_owned();
                 message.with_header(KEY_HEADER, key)
             }
             None => message,
-        })
+        };
+        // Feature `otel`: the current span's trace context, unless the
+        // message carries one already (the outbox's, from its staging).
+        if message.header(TRACEPARENT_HEADER).is_none() {
+            for (name, value) in crate::trace::current_context() {
+                message = message.with_header(name, value);
+            }
+        }
+        Ok(message)
     }
 }

@@ -1266,12 +1266,15 @@ impl Inner {
                     fencing_token: lease.generation(),
                     scope: lease.scope().clone(),
                 };
-                let span = tracing::debug_span!(
+                let span = tracing::info_span!(
                     "keyorder.delivery",
                     key = %job.key.as_ref().map_or_else(|| "keyless".to_owned(), OrderingKey::label),
                     attempt,
                     token = lease.generation(),
                 );
+                // Feature `otel`: the producer's span (the message's
+                // `traceparent`) is this span's parent.
+                crate::trace::continue_from(&span, job.message.headers());
                 let run = AssertUnwindSafe(self.handler.handle(delivery)).catch_unwind();
                 let started = std::time::Instant::now();
                 let ran = tracing::Instrument::instrument(run, span).await;

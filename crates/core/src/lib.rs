@@ -20,6 +20,7 @@ mod rt;
 pub mod stats;
 pub mod strategy;
 pub mod subscription;
+pub mod trace;
 pub mod transport;
 
 /// Switches the planted dispatcher bug on or off for the shuttle runs of
@@ -44,6 +45,7 @@ pub use message::{
 pub use stats::{Stats, StatsSnapshot};
 pub use strategy::{GlobalBackoff, PoisonPolicy, Resolved, RetryPolicy, Strategy};
 pub use subscription::{RunReport, Subscription, SubscriptionBuilder};
+pub use trace::{TRACEPARENT_HEADER, TRACESTATE_HEADER};
 pub use transport::{
     Admin, DeadLetter, GroupInfo, HaltedKey, HeadAction, HotKey, Inbound, PublishFence, Room, ScopeInfo, Settle,
     SourceEvent, SourceSpec, Transport, TransportPublisher, TransportSource,

@@ -339,11 +339,24 @@ impl Outbox {
     /// takes the counters in key order (no deadlock between two such
     /// transactions).
     ///
+    /// With keyorder-core's feature `otel` (this crate's `otel`), the
+    /// record's headers take the current `tracing` span's W3C trace context
+    /// ([`keyorder_core::TRACEPARENT_HEADER`], [`keyorder_core::TRACESTATE_HEADER`])
+    /// unless it sets its own: the consumer's delivery span continues the
+    /// trace of the staging transaction, not the relay's.
+    ///
     /// # Errors
     /// [`Error::Key`] (invalid key), [`Error::Config`] (invalid category
     /// name, schema not migrated), [`Error::Broker`] (the database failed:
     /// roll the transaction back).
-    pub async fn stage(&self, conn: &mut PgConnection, message: Outgoing) -> Result<Staged> {
+    pub async fn stage(&self, conn: &mut PgConnection, mut message: Outgoing) -> Result<Staged> {
+        // Feature `otel`: the staging span's trace context, unless the
+        // record carries one; the relay publishes it as it is.
+        if !message.headers.contains_key(keyorder_core::TRACEPARENT_HEADER) {
+            for (name, value) in keyorder_core::trace::current_context() {
+                message.headers.insert(name.to_owned(), value);
+            }
+        }
         let key = OrderingKey::with_rules(&message.key, &self.cfg.key_rules)?;
         if !category_ok(&message.category) {
             return Err(Error::Config(format!(
