@@ -71,6 +71,11 @@ impl Tmux {
         assert!(out.status.success(), "tmux: {}", String::from_utf8_lossy(&out.stderr));
     }
 
+    fn resize(&self, width: u16, height: u16) {
+        let out = self.tmux(&["resize-window", "-x", &width.to_string(), "-y", &height.to_string()]);
+        assert!(out.status.success(), "tmux: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
     /// Whether the pane is on the alternate screen.
     fn alternate(&self) -> bool {
         let out = self.tmux(&["display-message", "-p", "#{alternate_on}"]);
@@ -97,6 +102,14 @@ impl Drop for Tmux {
 
 fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', "'\\''"))
+}
+
+/// The answered polls the status line counts (`ok: 3 polls answered`).
+fn polls(screen: &str) -> u64 {
+    screen
+        .lines()
+        .find_map(|l| l.split("ok: ").nth(1)?.split(' ').next()?.parse().ok())
+        .unwrap_or(0)
 }
 
 /// Whether `screen` (from `capture-pane -e`) sets a foreground or
@@ -149,7 +162,7 @@ async fn top_on(broker: Broker, url: &str) {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_nanos();
-    let category = format!("top-{name}-{}-{nanos}", std::process::id());
+    let category = format!("top-{name}-{}-{}", std::process::id(), nanos % 1_000_000_000);
     let subscription = client
         .subscribe(&category, "g")
         .ordered_by(KeySource::routing_key())
@@ -204,6 +217,10 @@ async fn top_on(broker: Broker, url: &str) {
     let (scopes, halted) = settled(observer.admin().as_ref(), &category).await;
     let lag: u64 = scopes.iter().map(|s| s.lag).sum();
     let label = OrderingKey::new(POISONED).unwrap().label();
+    // A scope's row: the table's left border, then its name without the
+    // `<category>/` every scope of the category starts with.
+    let prefix = format!("{category}/");
+    let row = |scope: &str| format!("│{} ", scope.strip_prefix(&prefix).unwrap_or(scope));
     let bin = env!("CARGO_BIN_EXE_keyorder");
     let args = [
         "top",
@@ -236,16 +253,22 @@ async fn top_on(broker: Broker, url: &str) {
                 &format!("lag {lag} "),
                 "halted keys 1",
                 "halted heads (1)",
+                // A steady lag: no change between polls.
+                "lag change +0.0/s",
+                "net drain/s (fall in lag): now 0 ",
             ] {
                 if !s.contains(want) {
                     return Err(format!("no {want:?}"));
                 }
             }
+            if polls(s) < 3 {
+                return Err("fewer than 3 polls answered".into());
+            }
             for scope in &scopes {
                 let owner = scope.owner.as_deref().unwrap_or("-");
                 if !s
                     .lines()
-                    .any(|l| l.contains(&format!("{} ", scope.scope)) && l.contains(owner))
+                    .any(|l| l.starts_with(&row(&scope.scope)) && l.contains(owner))
                 {
                     return Err(format!("no row for {} owned by {owner}", scope.scope));
                 }
@@ -261,10 +284,10 @@ async fn top_on(broker: Broker, url: &str) {
     assert_eq!(halted.label, label, "{name}: the broker's label");
     let first_row = screen
         .lines()
-        .find(|l| scopes.iter().any(|s| l.contains(&format!("{} ", s.scope))))
+        .find(|l| scopes.iter().any(|s| l.starts_with(&row(&s.scope))))
         .unwrap();
     assert!(
-        first_row.contains(&format!("{} ", halted.scope)),
+        first_row.starts_with(&row(&halted.scope)),
         "{name}: the halted scope is not the first row:\n{screen}"
     );
     assert!(
@@ -272,7 +295,23 @@ async fn top_on(broker: Broker, url: &str) {
         "{name}: no colour on the terminal"
     );
     if let Ok(dir) = std::env::var("KEYORDER_TOP_SCREENSHOT") {
-        std::fs::write(std::path::Path::new(&dir).join(format!("{name}.txt")), &screen).unwrap();
+        // At a README's width, after a few more polls.
+        tmux.resize(120, 30);
+        let at = polls(&screen) + 5;
+        let shot = tmux
+            .wait(&format!("{name}: the screenshot"), |s| {
+                (polls(s) >= at && s.lines().all(|l| l.chars().count() <= 120))
+                    .then_some(())
+                    .ok_or_else(|| "not redrawn yet".into())
+            })
+            .await;
+        let shot: Vec<&str> = shot.lines().map(str::trim_end).collect();
+        std::fs::write(
+            std::path::Path::new(&dir).join(format!("{name}.txt")),
+            shot.join("\n").trim_end(),
+        )
+        .unwrap();
+        tmux.resize(200, 50);
     }
     // Scrolling: the last row, then one up.
     let n = scopes.len();
@@ -398,4 +437,118 @@ async fn rabbitmq() {
 async fn kafka() {
     let url = format!("kafka://{}?partitions=2&fetch_wait_ms=10", Broker::Kafka.url());
     top_on(Broker::Kafka, &url).await;
+}
+
+/// Runs `top` with `url` in `tmux`; `q` ends it later.
+fn start_top(tmux: &Tmux, url: &str, category: &str) {
+    tmux.run(&format!(
+        "env -u KEYORDER_URL {} top --url {} --category {} --group g --interval 300ms",
+        shell_quote(env!("CARGO_BIN_EXE_keyorder")),
+        shell_quote(url),
+        shell_quote(category)
+    ));
+}
+
+/// `q`, then the exit code 0 and a restored terminal.
+async fn quit(tmux: &Tmux, what: &str) {
+    tmux.keys(&["q"]);
+    let after = tmux
+        .wait(&format!("{what}: q ends the view"), |s| {
+            s.contains("__stty=")
+                .then_some(())
+                .ok_or_else(|| "still running".into())
+        })
+        .await;
+    assert!(after.contains("__exit=0"), "{what}: top failed:\n{after}");
+    assert!(after.contains("__stty=icanon,echo,"), "{what}: left raw:\n{after}");
+    assert!(!tmux.alternate(), "{what}: still on the alternate screen");
+}
+
+/// A broker that does not answer when the view starts: the view starts
+/// anyway, says why in its status line and keeps retrying.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_broker_is_retried_on_screen() {
+    let tmux = Tmux::new("unreachable");
+    start_top(&tmux, "redis://127.0.0.1:1", "c");
+    let screen = tmux
+        .wait("the error, retried", |s| {
+            let retried = s.lines().any(|l| {
+                l.starts_with("error (")
+                    && l.contains("in a row, retrying every 0.3s)")
+                    && !l.starts_with("error (1 in a row")
+                    && !l.starts_with("error (2 in a row")
+            });
+            retried.then_some(()).ok_or_else(|| "not retried 3 times".into())
+        })
+        .await;
+    assert!(
+        screen.to_lowercase().contains("refused"),
+        "the cause is shown:\n{screen}"
+    );
+    quit(&tmux, "unreachable").await;
+}
+
+/// A broker lost while the view runs (PostgreSQL behind a fault proxy that
+/// resets the connections and then forwards nothing): the last answer stays
+/// on screen with the error and its age, and once the broker is back the
+/// view is current again; it never exits on its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_broker_shows_in_the_status_line_and_the_view_recovers() {
+    let url = format!("{}?migrate=true&slots=4", Broker::Postgres.url());
+    let client = Broker::Postgres.require(&url, keyorder::connect(&url)).await;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let category = format!("top-lost-{}-{}", std::process::id(), nanos % 1_000_000_000);
+    let subscription = client
+        .subscribe(&category, "g")
+        .ordered_by(KeySource::routing_key())
+        .build()
+        .await
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(
+        subscription.run(|_d: Delivery| async move { HandlerResult::Ok(()) }, async move {
+            let _ = stopped.await;
+        }),
+    );
+    let mut via = url::Url::parse(&url).unwrap();
+    let upstream = format!("{}:{}", via.host_str().unwrap(), via.port().unwrap_or(5432));
+    let upstream = tokio::net::lookup_host(&upstream).await.unwrap().next().unwrap();
+    let proxy = keyorder_testkit::proxy::FaultProxy::start("127.0.0.1:0".parse().unwrap(), upstream)
+        .await
+        .unwrap();
+    via.set_host(Some("127.0.0.1")).unwrap();
+    via.set_port(Some(proxy.addr().port())).unwrap();
+
+    let tmux = Tmux::new("lost");
+    start_top(&tmux, via.as_str(), &category);
+    let owned = |s: &str| s.contains("scopes 4 (owned 4, unowned 0)");
+    tmux.wait("the scopes through the proxy", |s| {
+        (owned(s) && polls(s) >= 1)
+            .then_some(())
+            .ok_or_else(|| "no scopes yet".into())
+    })
+    .await;
+    proxy.blackhole(true);
+    proxy.cut();
+    let lost = tmux
+        .wait("the lost broker in the status line", |s| {
+            (s.contains("error (") && s.contains("showing the answer of") && owned(s))
+                .then_some(())
+                .ok_or_else(|| "no error with the last answer".into())
+        })
+        .await;
+    assert!(tmux.alternate(), "the view exited:\n{lost}");
+    proxy.blackhole(false);
+    tmux.wait("the view current again", |s| {
+        (s.lines().any(|l| l.starts_with("ok: ")) && owned(s))
+            .then_some(())
+            .ok_or_else(|| "still failing".into())
+    })
+    .await;
+    quit(&tmux, "lost broker").await;
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
 }

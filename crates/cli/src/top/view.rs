@@ -62,10 +62,14 @@ pub(crate) fn render(frame: &mut Frame<'_>, model: &Model, theme: Theme) {
     ])
     .areas(frame.area());
     render_header(frame, header, model, theme);
-    // The scopes table as wide as its rows need, up to 70% of the width.
-    let (scope_w, owner_w) = scope_widths(model);
-    let needed = scope_w.saturating_add(owner_w).saturating_add(10 + 10 + 6 + 4 + 2);
-    let most = (u32::from(body.width) * 7 / 10) as u16;
+    // The scopes table as wide as its rows need, between half and 60% of
+    // the width.
+    let w = Widths::of(model);
+    let needed = w
+        .scope
+        .saturating_add(w.owner)
+        .saturating_add(w.generation + w.lag + 6 + 4 + 2);
+    let most = (u32::from(body.width) * 6 / 10) as u16;
     let left_w = needed.max(body.width / 2).min(most);
     let [left, right] = Layout::horizontal([Constraint::Length(left_w), Constraint::Fill(1)]).areas(body);
     render_scopes(frame, left, model, theme);
@@ -87,14 +91,6 @@ fn render_header(frame: &mut Frame<'_>, area: Rect, model: &Model, theme: Theme)
             text(&model.group)
         )),
         Span::styled(every, theme.dim()),
-        Span::styled(
-            if model.live {
-                "  (q quit, arrows or j/k scroll)"
-            } else {
-                ""
-            },
-            theme.dim(),
-        ),
     ]);
     let halted = model.halted_keys();
     let change = match model.lag_change {
@@ -117,21 +113,49 @@ fn render_header(frame: &mut Frame<'_>, area: Rect, model: &Model, theme: Theme)
     frame.render_widget(Paragraph::new(vec![first, second]), area);
 }
 
-/// The widths of the scope and owner columns: their longest value.
-fn scope_widths(model: &Model) -> (u16, u16) {
-    let width =
-        |f: &dyn Fn(&keyorder::ScopeInfo) -> usize| model.scopes.iter().map(f).max().unwrap_or(0).clamp(5, 200) as u16;
-    (
-        width(&|s| text(&s.scope).chars().count()),
-        width(&|s| s.owner.as_deref().map_or(1, |o| text(o).chars().count())),
-    )
+/// A scope's name as shown: without the `<category>/` that every scope of
+/// the category starts with (the header names the category).
+fn short(model: &Model, scope: &str) -> String {
+    let prefix = format!("{}/", model.category);
+    text(scope.strip_prefix(&prefix).unwrap_or(scope))
+}
+
+/// The scopes table's column widths: their longest value or title.
+struct Widths {
+    scope: u16,
+    owner: u16,
+    generation: u16,
+    lag: u16,
+}
+
+impl Widths {
+    fn of(model: &Model) -> Widths {
+        let w =
+            |values: &mut dyn Iterator<Item = usize>, title: usize| values.max().unwrap_or(0).clamp(title, 200) as u16;
+        let digits = |n: u64| n.to_string().len();
+        Widths {
+            scope: w(
+                &mut model.scopes.iter().map(|s| short(model, &s.scope).chars().count()),
+                5,
+            ),
+            owner: w(
+                &mut model
+                    .scopes
+                    .iter()
+                    .map(|s| s.owner.as_deref().map_or(1, |o| text(o).chars().count())),
+                5,
+            ),
+            generation: w(&mut model.scopes.iter().map(|s| digits(s.generation)), 3),
+            lag: w(&mut model.scopes.iter().map(|s| digits(s.lag)), 3),
+        }
+    }
 }
 
 fn render_scopes(frame: &mut Frame<'_>, area: Rect, model: &Model, theme: Theme) {
-    let (scope_w, owner_w) = scope_widths(model);
+    let w = Widths::of(model);
     let rows = model.scopes.iter().map(|s| {
         let row = Row::new(vec![
-            text(&s.scope),
+            short(model, &s.scope),
             s.owner.as_deref().map_or_else(|| "-".into(), text),
             s.generation.to_string(),
             s.lag.to_string(),
@@ -151,16 +175,14 @@ fn render_scopes(frame: &mut Frame<'_>, area: Rect, model: &Model, theme: Theme)
     let table = Table::new(
         rows,
         [
-            Constraint::Max(scope_w),
-            Constraint::Max(owner_w),
-            Constraint::Length(10),
-            Constraint::Length(10),
+            Constraint::Length(w.scope),
+            Constraint::Fill(1),
+            Constraint::Length(w.generation),
+            Constraint::Length(w.lag),
             Constraint::Length(6),
         ],
     )
-    .header(
-        Row::new(["scope", "owner", "generation", "lag", "halted"]).style(Style::new().add_modifier(Modifier::BOLD)),
-    )
+    .header(Row::new(["scope", "owner", "gen", "lag", "halted"]).style(Style::new().add_modifier(Modifier::BOLD)))
     .row_highlight_style(Style::new().add_modifier(Modifier::REVERSED))
     .block(
         Block::new()
@@ -177,7 +199,7 @@ fn render_halted(frame: &mut Frame<'_>, area: Rect, model: &Model, theme: Theme)
         Row::new(vec![
             // keyorder's own label: `k#` and a hash, never the key.
             h.label.clone(),
-            text(&h.scope),
+            short(model, &h.scope),
             h.attempts.to_string(),
             h.held.map_or_else(|| "-".into(), |n| n.to_string()),
             text(&h.reason),
@@ -190,8 +212,8 @@ fn render_halted(frame: &mut Frame<'_>, area: Rect, model: &Model, theme: Theme)
             Constraint::Length(18),
             Constraint::Fill(1),
             Constraint::Length(8),
-            Constraint::Length(5),
-            Constraint::Fill(1),
+            Constraint::Length(4),
+            Constraint::Fill(2),
         ],
     )
     .header(Row::new(["key", "scope", "attempts", "held", "reason"]).style(Style::new().add_modifier(Modifier::BOLD)))
@@ -211,9 +233,20 @@ fn render_hot(frame: &mut Frame<'_>, area: Rect, model: &Model, theme: Theme) {
             format!("{:.1}%", (100.0 * h.backlog as f64 / total as f64).min(100.0)),
         ])
     });
+    let backlog_w = model
+        .hot
+        .iter()
+        .map(|h| h.backlog.to_string().len())
+        .max()
+        .unwrap_or(0)
+        .max(7) as u16;
     let table = Table::new(
         rows,
-        [Constraint::Length(18), Constraint::Length(10), Constraint::Length(8)],
+        [
+            Constraint::Length(18),
+            Constraint::Length(backlog_w),
+            Constraint::Length(6),
+        ],
     )
     .header(Row::new(["key", "backlog", "of lag"]).style(Style::new().add_modifier(Modifier::BOLD)))
     .block(
@@ -240,7 +273,7 @@ fn render_sparks(frame: &mut Frame<'_>, area: Rect, model: &Model, theme: Theme)
     spark(
         frame,
         drain,
-        format!(" net drain/s (fall in lag: consumed minus published): now {now_drain} "),
+        format!(" net drain/s (fall in lag): now {now_drain} "),
         &model.drain_history,
         theme.fg(Color::Green),
         theme,
@@ -273,7 +306,8 @@ fn spark(
 
 fn render_status(frame: &mut Frame<'_>, area: Rect, model: &Model, theme: Theme) {
     let state = if model.errors.is_empty() {
-        Span::styled(format!("ok: {} polls", model.polls), theme.ok())
+        let polls = if model.polls == 1 { "poll" } else { "polls" };
+        Span::styled(format!("ok: {} {polls} answered", model.polls), theme.ok())
     } else {
         let stale = match model.stale_for {
             Some(d) => format!(", showing the answer of {} ago", seconds(d.as_secs_f64())),
@@ -289,7 +323,18 @@ fn render_status(frame: &mut Frame<'_>, area: Rect, model: &Model, theme: Theme)
             theme.error(),
         )
     };
-    frame.render_widget(Paragraph::new(Line::from(state)).wrap(Wrap { trim: false }), area);
+    let keys = Span::styled(
+        if model.live {
+            "   q quit, arrows or j/k scroll"
+        } else {
+            ""
+        },
+        theme.dim(),
+    );
+    frame.render_widget(
+        Paragraph::new(Line::from(vec![state, keys])).wrap(Wrap { trim: false }),
+        area,
+    );
 }
 
 /// `1s`, `0.5s`, `2.3s`.
@@ -385,12 +430,12 @@ mod tests {
             "total lag: now 32, max 42",
             "net drain/s",
             "now 10",
-            "ok: 2 polls",
+            "ok: 2 polls answered",
         ] {
             assert!(screen.contains(want), "{want:?} missing from\n{screen}");
         }
         // Halted first: orders.1 is the first row under the header.
-        let rows: Vec<&str> = screen.lines().filter(|l| l.contains("orders.")).collect();
+        let rows: Vec<&str> = screen.lines().filter(|l| l.contains("│orders.")).collect();
         assert!(rows[0].contains("orders.1"), "{screen}");
         assert!(!screen.contains("secr"), "a key preview was shown:\n{screen}");
         assert!(
