@@ -296,11 +296,11 @@ async fn top_on(broker: Broker, url: &str) {
     );
     if let Ok(dir) = std::env::var("KEYORDER_TOP_SCREENSHOT") {
         // At a README's width, after a few more polls.
-        tmux.resize(120, 30);
+        tmux.resize(100, 17);
         let at = polls(&screen) + 5;
         let shot = tmux
             .wait(&format!("{name}: the screenshot"), |s| {
-                (polls(s) >= at && s.lines().all(|l| l.chars().count() <= 120))
+                (polls(s) >= at && s.lines().all(|l| l.chars().count() <= 100))
                     .then_some(())
                     .ok_or_else(|| "not redrawn yet".into())
             })

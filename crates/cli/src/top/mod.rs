@@ -225,12 +225,14 @@ fn snapshot(model: &Model, terminal: bool) -> String {
         .then(|| ratatui::crossterm::terminal::size().ok())
         .flatten()
         .map_or(120, |(w, _)| w.max(60));
-    let list = |n: usize, share: f64| ((n + 3) as f64 / share).ceil() as usize;
+    // The scopes' rows, or the halted heads' (at most 60% of the body)
+    // above the hot keys'; the header, the sparklines and the status line.
+    let halted = ((model.halted.len() + 3) as f64 / 0.6).ceil() as usize;
     let body = (model.scopes.len() + 3)
-        .max(list(model.halted.len(), 0.55))
-        .max(list(model.hot.len(), 0.45))
+        .max(halted)
+        .max(model.halted.len() + 3 + model.hot.len() + 3)
         .max(6);
-    let height = (body + 10).min(2000) as u16;
+    let height = (body + 2 + 5 + 2).min(2000) as u16;
     let mut terminal =
         ratatui::Terminal::new(ratatui::backend::TestBackend::new(width, height)).expect("a test backend cannot fail");
     terminal
@@ -420,5 +422,32 @@ mod tests {
             assert!(text.contains(&format!("s{i:02} ")), "s{i:02} missing:\n{text}");
         }
         assert!(!text.contains('\u{1b}'));
+        // Few scopes, many halted heads and hot keys: every one listed.
+        let head = |i: usize| keyorder::HaltedKey {
+            label: format!("k#{i:016x}"),
+            preview: String::new(),
+            scope: "s00".into(),
+            head_id: i.to_string(),
+            attempts: 1,
+            reason: "r".into(),
+            held: None,
+        };
+        let hot = |i: usize| keyorder::HotKey {
+            label: format!("k#{:016x}", 1000 + i),
+            backlog: 1,
+        };
+        m.apply(
+            Duration::from_secs(1),
+            Poll {
+                scopes: Some(Ok(vec![model::tests::scope("s00", None, 1, 20)])),
+                halted: Some(Ok((0..20).map(head).collect())),
+                hot: Some(Ok((0..8).map(hot).collect())),
+                failed: None,
+            },
+        );
+        let text = snapshot(&m, false);
+        for label in (0..20).map(|i| head(i).label).chain((0..8).map(|i| hot(i).label)) {
+            assert!(text.contains(&label), "{label} missing:\n{text}");
+        }
     }
 }

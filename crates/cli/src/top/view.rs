@@ -54,11 +54,13 @@ impl Theme {
 
 /// Draws the whole view.
 pub(crate) fn render(frame: &mut Frame<'_>, model: &Model, theme: Theme) {
+    // The status line takes a second row for an error.
+    let status_h = if model.errors.is_empty() { 1 } else { 2 };
     let [header, body, sparks, status] = Layout::vertical([
         Constraint::Length(2),
         Constraint::Min(6),
-        Constraint::Length(6),
-        Constraint::Length(2),
+        Constraint::Length(5),
+        Constraint::Length(status_h),
     ])
     .areas(frame.area());
     render_header(frame, header, model, theme);
@@ -73,7 +75,12 @@ pub(crate) fn render(frame: &mut Frame<'_>, model: &Model, theme: Theme) {
     let left_w = needed.max(body.width / 2).min(most);
     let [left, right] = Layout::horizontal([Constraint::Length(left_w), Constraint::Fill(1)]).areas(body);
     render_scopes(frame, left, model, theme);
-    let [halted, hot] = Layout::vertical([Constraint::Percentage(55), Constraint::Percentage(45)]).areas(right);
+    // The halted heads as tall as they need, up to 60%; the hot keys below.
+    let most = (u32::from(right.height) * 6 / 10) as u16;
+    let halted_h = u16::try_from(model.halted.len() + 3)
+        .unwrap_or(u16::MAX)
+        .clamp(4, most.max(4));
+    let [halted, hot] = Layout::vertical([Constraint::Length(halted_h), Constraint::Fill(1)]).areas(right);
     render_halted(frame, halted, model, theme);
     render_hot(frame, hot, model, theme);
     render_sparks(frame, sparks, model, theme);
