@@ -449,11 +449,11 @@ fn start_top(tmux: &Tmux, url: &str, category: &str) {
     ));
 }
 
-/// `q`, then the exit code 0 and a restored terminal.
-async fn quit(tmux: &Tmux, what: &str) {
-    tmux.keys(&["q"]);
+/// `key` (`q`, `C-c`), then the exit code 0 and a restored terminal.
+async fn quit(tmux: &Tmux, key: &str, what: &str) {
+    tmux.keys(&[key]);
     let after = tmux
-        .wait(&format!("{what}: q ends the view"), |s| {
+        .wait(&format!("{what}: {key} ends the view"), |s| {
             s.contains("__stty=")
                 .then_some(())
                 .ok_or_else(|| "still running".into())
@@ -465,7 +465,7 @@ async fn quit(tmux: &Tmux, what: &str) {
 }
 
 /// A broker that does not answer when the view starts: the view starts
-/// anyway, says why in its status line and keeps retrying.
+/// anyway, says why in its status line and keeps retrying; Ctrl-C ends it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_broker_is_retried_on_screen() {
     let tmux = Tmux::new("unreachable");
@@ -485,7 +485,7 @@ async fn an_unreachable_broker_is_retried_on_screen() {
         screen.to_lowercase().contains("refused"),
         "the cause is shown:\n{screen}"
     );
-    quit(&tmux, "unreachable").await;
+    quit(&tmux, "C-c", "unreachable").await;
 }
 
 /// A broker lost while the view runs (PostgreSQL behind a fault proxy that
@@ -548,7 +548,7 @@ async fn a_lost_broker_shows_in_the_status_line_and_the_view_recovers() {
             .ok_or_else(|| "still failing".into())
     })
     .await;
-    quit(&tmux, "lost broker").await;
+    quit(&tmux, "q", "lost broker").await;
     let _ = stop.send(());
     run.await.unwrap().unwrap();
 }
