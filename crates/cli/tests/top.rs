@@ -261,6 +261,18 @@ async fn top_on(broker: Broker, url: &str) {
                     return Err(format!("no {want:?}"));
                 }
             }
+            // The label in the halted heads' first row and the hot keys'
+            // first row (on Redis a scope is named by its key's label too).
+            let lines: Vec<&str> = s.lines().collect();
+            for pane in ["halted heads (1)", " hot keys "] {
+                let first = lines
+                    .iter()
+                    .position(|l| l.contains(pane))
+                    .and_then(|top| lines.get(top + 2));
+                if !first.is_some_and(|l| l.contains(&format!("││{label} "))) {
+                    return Err(format!("{label} is not the first row of {pane:?}"));
+                }
+            }
             if polls(s) < 3 {
                 return Err("fewer than 3 polls answered".into());
             }
