@@ -9,6 +9,7 @@ mod outbox;
 mod outbox_bench;
 mod progress;
 mod run;
+mod top;
 
 use std::process::ExitCode;
 
@@ -39,6 +40,9 @@ enum Command {
     Scopes(ops::Target),
     /// Halted keys: show their heads, skip, dead-letter or resume them.
     Head(ops::HeadArgs),
+    /// A live view in the terminal: scopes with owner, generation, lag and
+    /// halted heads, the hot keys, and lag over time.
+    Top(top::TopArgs),
     /// Keys holding the largest share of the backlog.
     HotKeys(ops::HotKeysArgs),
     /// Dead-lettered messages of a group.
@@ -111,6 +115,7 @@ fn execute(cli: Cli) -> anyhow::Result<()> {
             Command::Bench(a) => bench::run(a).await,
             Command::Scopes(t) => ops::scopes(t).await,
             Command::Head(a) => ops::head(a).await,
+            Command::Top(a) => top::run(a).await,
             Command::HotKeys(a) => ops::hot_keys(a).await,
             Command::DeadLetters(t) => ops::dead_letters(t).await,
             Command::Groups(a) => ops::groups(a).await,
@@ -123,7 +128,7 @@ fn execute(cli: Cli) -> anyhow::Result<()> {
 
 /// Whether log lines get colours: on a terminal, unless `NO_COLOR` is set
 /// to something (<https://no-color.org>: an empty value does not count).
-fn colours(terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+pub(crate) fn colours(terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
     terminal && no_color.is_none_or(|v| v.is_empty())
 }
 
@@ -131,7 +136,7 @@ fn colours(terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
 /// a cause left out where the message before it already says it (errors
 /// that print their source), with control characters and line breaks
 /// escaped, so that nothing a broker or a message said can forge a line.
-fn one_line(e: &anyhow::Error) -> String {
+pub(crate) fn one_line(e: &anyhow::Error) -> String {
     let mut line = String::new();
     for cause in e.chain() {
         let text = keyorder::redact::text(&cause.to_string());

@@ -9,13 +9,13 @@ use keyorder::HeadAction;
 pub(crate) struct Target {
     /// The transport URL (memory://, redis://, amqp://, kafka://, postgres://).
     #[arg(long, hide_env_values = true, env = "KEYORDER_URL", default_value = "memory://")]
-    url: String,
+    pub(crate) url: String,
     /// The category.
     #[arg(long)]
-    category: String,
+    pub(crate) category: String,
     /// The consumer group.
     #[arg(long)]
-    group: String,
+    pub(crate) group: String,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]

@@ -40,6 +40,41 @@ pub(crate) fn suspend<R>(f: impl FnOnce() -> R) -> R {
     }
 }
 
+/// Log lines held while a full-screen view (`keyorder top`) owns the
+/// terminal: `None` when lines go straight to standard error.
+static HELD: Mutex<Option<Vec<u8>>> = Mutex::new(None);
+
+/// At most this much of the log is held (the newest lines are dropped past
+/// it, and the drop is said once the log is let go).
+const HELD_LIMIT: usize = 64 * 1024;
+
+/// Holds log lines back from standard error until dropped, then writes
+/// them: for a view that draws on the whole terminal, which a log line
+/// would tear.
+pub(crate) struct HoldLogs(());
+
+impl HoldLogs {
+    pub(crate) fn new() -> HoldLogs {
+        if let Ok(mut held) = HELD.lock() {
+            held.get_or_insert_with(Vec::new);
+        }
+        HoldLogs(())
+    }
+}
+
+impl Drop for HoldLogs {
+    fn drop(&mut self) {
+        let held = HELD.lock().ok().and_then(|mut h| h.take());
+        if let Some(lines) = held.filter(|l| !l.is_empty()) {
+            let mut err = io::stderr().lock();
+            let _ = err.write_all(&lines);
+            if lines.len() >= HELD_LIMIT {
+                let _ = writeln!(err, "(log lines after the first {HELD_LIMIT} bytes were dropped)");
+            }
+        }
+    }
+}
+
 /// The log's writer: standard error, around the bar being drawn.
 pub(crate) struct LogWriter;
 
@@ -56,6 +91,13 @@ pub(crate) struct LogLine;
 
 impl Write for LogLine {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if let Ok(mut held) = HELD.lock() {
+            if let Some(lines) = held.as_mut() {
+                let room = HELD_LIMIT.saturating_sub(lines.len());
+                lines.extend_from_slice(&buf[..buf.len().min(room)]);
+                return Ok(buf.len());
+            }
+        }
         suspend(|| io::stderr().lock().write_all(buf))?;
         Ok(buf.len())
     }
