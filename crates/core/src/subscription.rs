@@ -532,10 +532,14 @@ impl Subscription {
             .filter(|s| dispatcher.held_in_scope(s) == 0)
             .cloned()
             .collect();
-        for scope in drained {
-            self.source.release(&scope).await?;
-            st.revoking.remove(&scope);
-            bump(&self.stats.scopes_released, "keyorder_scopes_released_total");
+        if !drained.is_empty() {
+            // One call for all: a broker that releases many scopes in one
+            // round trip hands thousands over at once.
+            self.source.release_all(&drained).await?;
+            for scope in drained {
+                st.revoking.remove(&scope);
+                bump(&self.stats.scopes_released, "keyorder_scopes_released_total");
+            }
         }
         // Paused scopes first, in order: a later delivery of a scope never
         // overtakes one that was handed back.

@@ -260,6 +260,17 @@ pub trait TransportSource: Send + Sync + fmt::Debug {
     async fn maintain(&mut self) -> Result<Vec<SourceEvent>>;
     /// Hands a revoked scope over once its in-flight work returned.
     async fn release(&mut self, scope: &str) -> Result<()>;
+    /// Releases every scope of `scopes` (each drained, as for
+    /// [`TransportSource::release`]); a source whose broker lets many go in
+    /// one round trip overrides it (Redis). On an error the subscription
+    /// calls it again with the same scopes: releasing a scope no longer
+    /// held here does nothing.
+    async fn release_all(&mut self, scopes: &[Arc<str>]) -> Result<()> {
+        for scope in scopes {
+            self.release(scope).await?;
+        }
+        Ok(())
+    }
     /// Leaves: releases every owned scope (called after draining).
     async fn close(&mut self) -> Result<()>;
 }

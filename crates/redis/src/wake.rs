@@ -21,8 +21,16 @@ use crate::names::Names;
 pub(crate) struct Wake {
     keys: Mutex<HashSet<String>>,
     all: AtomicBool,
+    /// Ownership moved in the category: an instance joined or left, or
+    /// leases were released.
+    owners: AtomicBool,
     pub(crate) notify: Notify,
 }
+
+/// The wake-up message that says ownership moved (no key's segment is
+/// spelled so): every consumer of the category looks at its leases now
+/// rather than at its next heartbeat.
+pub(crate) const OWNERS: &str = "__owners__";
 
 const MAX_WOKEN: usize = 65_536;
 
@@ -43,6 +51,17 @@ impl Wake {
     pub(crate) fn all(&self) {
         self.all.store(true, Ordering::SeqCst);
         self.notify.notify_one();
+    }
+
+    /// Ownership moved: the next upkeep runs at once.
+    fn owners(&self) {
+        self.owners.store(true, Ordering::SeqCst);
+        self.notify.notify_one();
+    }
+
+    /// Whether ownership moved since the last call.
+    pub(crate) fn take_owners(&self) -> bool {
+        self.owners.swap(false, Ordering::SeqCst)
     }
 
     /// Takes the woken keys, and whether everything must be looked at.
@@ -68,7 +87,9 @@ pub(crate) fn listen(client: redis::Client, channel: String, wake: Arc<Wake>) ->
                         let mut messages = pubsub.on_message();
                         while let Some(m) = messages.next().await {
                             let segment: String = m.get_payload().unwrap_or_default();
-                            if segment.is_empty() {
+                            if segment == OWNERS {
+                                wake.owners();
+                            } else if segment.is_empty() {
                                 wake.push(segment);
                             } else if let Some(key) = Names::key_of(&segment) {
                                 wake.push(key.into_owned());

@@ -213,17 +213,20 @@ return 1
     )
 });
 
-/// Releases a lease held by this holder.
-///
-/// KEYS: lease. ARGV: holder. Returns 1 when it was ours.
-pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+/// Releases leases still held by their holder: KEYS the leases, ARGV
+/// their holders in the same order (a lease another holder has now stays).
+/// Returns how many went.
+pub(crate) static RELEASE_MANY: LazyLock<Script> = LazyLock::new(|| {
     script(
         r"
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  return 1
+local n = 0
+for i = 1, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[i] then
+    redis.call('DEL', KEYS[i])
+    n = n + 1
+  end
 end
-return 0
+return n
 ",
     )
 });

@@ -26,9 +26,14 @@ use crate::names::Names;
 use crate::plain::GroupReader;
 use crate::scripts;
 use crate::settle::Mode;
-use crate::wake::{listen, Wake};
+use crate::wake::{listen, Wake, OWNERS};
 
 pub(crate) use state::Source;
+use state::RELEASE_CHUNK;
+
+/// The least time between two upkeeps that other instances' ownership
+/// wake-ups cause (a burst of them costs one).
+const OWNERS_SPACING: Duration = Duration::from_millis(20);
 
 impl Source {
     pub(crate) async fn open(t: Conn, spec: SourceSpec) -> Result<Self> {
@@ -92,11 +97,31 @@ impl Source {
             last_maintain: None,
             last_reap: Instant::now(),
             soon: false,
+            owners_woken: false,
             rotate: 0,
             warned: false,
         };
         source.maintain_now().await?;
+        // The others hand this one its share now, not at their next heartbeat.
+        source.owners_moved().await;
         Ok(source)
+    }
+}
+
+impl Source {
+    /// Tells every consumer of the categories that ownership moved (best
+    /// effort: without it they look at their next heartbeat).
+    async fn owners_moved(&self) {
+        for n in &self.cats {
+            let sent: redis::RedisResult<i64> = redis::cmd("PUBLISH")
+                .arg(n.wake())
+                .arg(OWNERS)
+                .query_async(&mut self.t.conn.clone())
+                .await;
+            if let Err(e) = sent {
+                tracing::debug!(error = %e, "redis: ownership wake-up not sent");
+            }
+        }
     }
 }
 
@@ -114,12 +139,18 @@ impl TransportSource for Source {
     }
 
     async fn maintain(&mut self) -> Result<Vec<SourceEvent>> {
-        let every = if self.soon {
+        if self.wake.take_owners() {
+            self.owners_woken = true;
+        }
+        let every = if self.owners_woken {
+            OWNERS_SPACING.min(self.spec.lease.heartbeat)
+        } else if self.soon {
             Duration::from_millis(100).min(self.spec.lease.heartbeat)
         } else {
             self.spec.lease.heartbeat
         };
         if self.last_maintain.is_none_or(|t| t.elapsed() >= every) {
+            self.owners_woken = false;
             self.maintain_now().await?;
             // A periodic full look covers any lost wake-up.
             for p in self.parts.values_mut() {
@@ -133,35 +164,46 @@ impl TransportSource for Source {
     }
 
     async fn release(&mut self, scope: &str) -> Result<()> {
-        let Some(key) = self.scopes.get(scope).cloned() else {
-            return Ok(());
-        };
-        if let Some(p) = self.parts.get(&key) {
-            // Release at the server first: on failure the partition stays
-            // owned here and the release is retried.
-            let _: i64 = scripts::RELEASE
-                .key(&p.lease_key)
-                .arg(&p.holder)
-                .invoke_async(&mut self.t.conn.clone())
-                .await
-                .map_err(broker)?;
-            metrics::counter!("keyorder_redis_partitions_released_total").increment(1);
+        self.release_all(&[Arc::from(scope)]).await
+    }
+
+    async fn release_all(&mut self, scopes: &[Arc<str>]) -> Result<()> {
+        let keys: Vec<String> = scopes
+            .iter()
+            .filter_map(|s| self.scopes.get(s).cloned())
+            .filter(|k| self.parts.contains_key(k))
+            .collect();
+        for chunk in keys.chunks(RELEASE_CHUNK) {
+            // Released at the server first, a chunk per round trip: on a
+            // failure these partitions stay owned here and are released
+            // again at the next call (one already gone is skipped).
+            let mut inv = scripts::RELEASE_MANY.prepare_invoke();
+            for k in chunk {
+                let p = &self.parts[k];
+                inv.key(&p.lease_key).arg(&p.holder);
+            }
+            let _: i64 = inv.invoke_async(&mut self.t.conn.clone()).await.map_err(broker)?;
+            metrics::counter!("keyorder_redis_partitions_released_total").increment(chunk.len() as u64);
+            for k in chunk {
+                self.drop_part(k, false);
+            }
         }
-        self.drop_part(&key, false);
+        if !keys.is_empty() {
+            self.owners_moved().await;
+        }
         Ok(())
     }
 
     async fn close(&mut self) -> Result<()> {
         let scopes: Vec<Arc<str>> = self.scopes.keys().cloned().collect();
-        for s in scopes {
-            self.release(&s).await?;
-        }
+        self.release_all(&scopes).await?;
         let _: i64 = redis::cmd("ZREM")
             .arg(self.ctl.members(&self.group))
             .arg(&self.spec.instance)
             .query_async(&mut self.t.conn.clone())
             .await
             .map_err(broker)?;
+        self.owners_moved().await;
         for l in &self.listeners {
             l.abort();
         }

@@ -21,6 +21,9 @@ use crate::wire::text;
 /// Streams per script call (two keys each).
 pub(super) const CHUNK: usize = 64;
 
+/// Leases released per script call.
+pub(super) const RELEASE_CHUNK: usize = 512;
+
 /// One stream of an owned partition (one per category).
 pub(super) struct Stream {
     pub(super) cat: usize,
@@ -70,6 +73,9 @@ pub(crate) struct Source {
     /// Look again soon: a wanted partition is still held elsewhere, or a
     /// wake-up named a partition or stream not known yet.
     pub(super) soon: bool,
+    /// Another instance said ownership moved (see [`crate::wake::OWNERS`]):
+    /// the next upkeep runs at once.
+    pub(super) owners_woken: bool,
     pub(super) rotate: usize,
     pub(super) warned: bool,
 }

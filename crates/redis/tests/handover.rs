@@ -1,0 +1,146 @@
+//! A joining instance gets its share of the keys at once, not at the
+//! current owner's next heartbeat, on the real Redis server.
+//!
+//! Both instances heartbeat every 40 s. The first owns every key from its
+//! first upkeep on; the second joins a few seconds later. An owner that
+//! learnt of the join only from its own heartbeat would hand nothing over
+//! for about 40 s: the second instance must run messages of its share
+//! within 15 s. Every message is applied once, in per-key order, across
+//! the hand-over.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use keyorder_core::{Client, Delivery, KeySource, LeaseConfig, Message, Subscription};
+use keyorder_testkit::until;
+use tokio::sync::oneshot;
+
+const KEYS: usize = 40;
+
+/// `(instance, key, sequence)` in the order handlers ran.
+type Log = Arc<Mutex<Vec<(String, String, u64)>>>;
+
+async fn start(sub: Subscription, who: &str, log: Log) -> (oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
+    let who = who.to_owned();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let run = tokio::spawn(async move {
+        sub.run(
+            move |d: Delivery| {
+                let (who, log) = (who.clone(), log.clone());
+                async move {
+                    let key = d.key().map(|k| k.as_str().to_owned()).unwrap_or_default();
+                    let seq = std::str::from_utf8(d.payload()).unwrap().parse().unwrap();
+                    log.lock().unwrap().push((who, key, seq));
+                    Ok(())
+                }
+            },
+            async move {
+                let _ = stopped.await;
+            },
+        )
+        .await
+        .unwrap();
+    });
+    (stop, run)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joining_instance_takes_its_share_before_the_next_heartbeat() {
+    let url = common::url();
+    let transport = Arc::new(common::connect(&url).await);
+    let client = Client::new(transport.clone());
+    let category = format!("handover-{}", uuid::Uuid::new_v4().simple());
+    let lease = LeaseConfig {
+        ttl: Duration::from_secs(120),
+        heartbeat: Duration::from_secs(40),
+        margin: Duration::from_secs(10),
+    };
+    let publisher = client.publisher(&category).await.unwrap();
+    let keys: Vec<String> = (0..KEYS).map(|i| format!("key-{i}")).collect();
+    let publish_round = async |seq: u64| {
+        for k in &keys {
+            publisher
+                .publish(Message::new(seq.to_string()).with_key(k.as_str()).unwrap())
+                .await
+                .unwrap();
+        }
+    };
+    publish_round(1).await;
+    let log: Log = Arc::default();
+    let subscribe = async |id: &str| {
+        client
+            .subscribe(&category, "g")
+            .ordered_by(KeySource::routing_key())
+            .lease(lease.clone())
+            .instance_id(id)
+            .build()
+            .await
+            .unwrap()
+    };
+    let (stop_a, run_a) = start(subscribe("a").await, "a", log.clone()).await;
+    let count = |who: &'static str, log: Log| move || log.lock().unwrap().iter().filter(|e| e.0 == who).count();
+    let by_a = count("a", log.clone());
+    until(
+        "the first instance to apply every key's first message",
+        Duration::from_secs(60),
+        async || {
+            let n = by_a();
+            if n >= KEYS {
+                Ok(())
+            } else {
+                Err(format!("{n} applied"))
+            }
+        },
+    )
+    .await;
+    let joined = std::time::Instant::now();
+    let (stop_b, run_b) = start(subscribe("b").await, "b", log.clone()).await;
+    publish_round(2).await;
+    let by_b = count("b", log.clone());
+    until(
+        "the joining instance to apply messages of its share (owner's heartbeat: 40 s)",
+        Duration::from_secs(15),
+        async || {
+            let n = by_b();
+            if n > 0 {
+                Ok(())
+            } else {
+                Err(format!("{n} applied by the joining instance"))
+            }
+        },
+    )
+    .await;
+    assert!(
+        joined.elapsed() < Duration::from_secs(30),
+        "the check ran past the owner's heartbeat"
+    );
+    until("every message applied", Duration::from_secs(60), async || {
+        let n = log.lock().unwrap().len();
+        if n >= 2 * KEYS {
+            Ok(())
+        } else {
+            Err(format!("{n} of {} applied", 2 * KEYS))
+        }
+    })
+    .await;
+    let _ = stop_b.send(());
+    let _ = stop_a.send(());
+    run_b.await.unwrap();
+    run_a.await.unwrap();
+    let log = log.lock().unwrap().clone();
+    let mut seen: HashMap<&str, Vec<u64>> = HashMap::new();
+    for (_, k, seq) in &log {
+        seen.entry(k.as_str()).or_default().push(*seq);
+    }
+    for k in &keys {
+        assert_eq!(
+            seen.get(k.as_str()),
+            Some(&vec![1, 2]),
+            "a key's messages, in the order applied"
+        );
+    }
+    let _ = client.admin().delete_category(&category).await;
+}
