@@ -74,7 +74,7 @@ async fn a_joining_instance_takes_its_share_before_the_next_heartbeat() {
         client
             .subscribe(&category, "g")
             .ordered_by(KeySource::routing_key())
-            .lease(lease.clone())
+            .lease(lease)
             .instance_id(id)
             .build()
             .await
