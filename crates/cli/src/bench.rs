@@ -213,6 +213,22 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
     // The transport's spacing between launches (Kafka: its group handling),
     // the same on both sides of a run.
     let spacing = hints.launch_spacing();
+    // On Redis (a lease per key): when the last instance holds its share.
+    let last = format!("{label}-{}", built.len().saturating_sub(1));
+    let handover = (ordered && built.len() > 1 && url.starts_with("redis://"))
+        .then(|| {
+            let share = keys.len() / built.len();
+            crate::handover::watch(
+                &url,
+                &category,
+                run::GROUP,
+                &keys,
+                last.clone(),
+                share,
+                Duration::from_secs(120),
+            )
+        })
+        .transpose()?;
     let mut instances = Vec::new();
     for b in built {
         if !instances.is_empty() && !spacing.is_zero() {
@@ -327,6 +343,16 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
     // Unordered consumers compete for every message: no key is taken over.
     for (who, at) in joins.iter().filter(|_| ordered) {
         eprintln!("{label}: {}", join_report(&events, who, *at));
+    }
+    if let Some(probe) = handover {
+        match probe.await.ok().flatten() {
+            Some(took) => eprintln!(
+                "{label}: hand-over: {last} held the leases of its {} keys {:.0} ms after the instances were launched",
+                keys.len() / a.instances.max(1),
+                took.as_secs_f64() * 1e3
+            ),
+            None => eprintln!("{label}: hand-over: {last} did not hold its share of the leases within 120 s"),
+        }
     }
     if ordered && !verdict.order.is_empty() {
         // The bench's own keys (`key-N`), not user data.

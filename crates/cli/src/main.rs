@@ -4,6 +4,7 @@ mod bench;
 mod clock;
 mod demo;
 mod failover;
+mod handover;
 mod ops;
 mod outbox;
 mod outbox_bench;

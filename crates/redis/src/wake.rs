@@ -109,3 +109,15 @@ pub(crate) fn listen(client: redis::Client, channel: String, wake: Arc<Wake>) ->
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// No key publishes the ownership wake-up: a key spelled so is encoded.
+    #[test]
+    fn no_key_is_the_owners_message() {
+        assert!(Names::key_of(OWNERS).is_none());
+        assert_ne!(Names::segment(OWNERS), OWNERS);
+    }
+}
