@@ -144,3 +144,80 @@ async fn a_joining_instance_takes_its_share_before_the_next_heartbeat() {
     }
     let _ = client.admin().delete_category(&category).await;
 }
+
+/// REVIEW: the ownership wake-up (`__owners__`) goes out on the category's
+/// wake channel, which every group's consumers listen on: an instance of
+/// another group joining (or releasing, or leaving) makes every instance of
+/// every group of the category run a full upkeep at once (heartbeat script,
+/// the whole partition index, trim and reap, and a fenced re-read of every
+/// partition it owns), instead of at its own heartbeat. Here group `g1`'s
+/// only member heartbeats every 12 s; its member score (written by each
+/// upkeep) must not move when instances of group `g2` come and go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_other_groups_hand_overs_do_not_wake_this_groups_upkeep() {
+    let url = common::url();
+    let transport = Arc::new(common::connect(&url).await);
+    let client = Client::new(transport.clone());
+    let category = format!("handover-storm-{}", uuid::Uuid::new_v4().simple());
+    let lease = LeaseConfig {
+        ttl: Duration::from_secs(60),
+        heartbeat: Duration::from_secs(12),
+        margin: Duration::from_secs(10),
+    };
+    let publisher = client.publisher(&category).await.unwrap();
+    publisher
+        .publish(Message::new("1").with_key("a").unwrap())
+        .await
+        .unwrap();
+    let log: Log = Arc::default();
+    let sub = client
+        .subscribe(&category, "g1")
+        .ordered_by(KeySource::routing_key())
+        .lease(lease)
+        .instance_id("x")
+        .build()
+        .await
+        .unwrap();
+    let (stop, run) = start(sub, "x", log.clone()).await;
+    until("g1 applies its message", Duration::from_secs(30), async || {
+        if log.lock().unwrap().len() >= 1 { Ok(()) } else { Err("none".into()) }
+    })
+    .await;
+    let redis = redis::Client::open(url.as_str()).unwrap();
+    let mut conn = redis.get_multiplexed_async_connection().await.unwrap();
+    let members = format!("{category}:__members__:g1");
+    let score = async |conn: &mut redis::aio::MultiplexedConnection| -> f64 {
+        redis::cmd("ZSCORE").arg(&members).arg("x").query_async(conn).await.unwrap()
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = score(&mut conn).await;
+    // Instances of another group come and go (each open and close says
+    // `__owners__` on the category's wake channel).
+    let mut woken = 0;
+    let mut last = before;
+    for i in 0..10 {
+        let other = client
+            .subscribe(&category, "g2")
+            .ordered_by(KeySource::routing_key())
+            .lease(lease)
+            .instance_id(format!("other-{i}"))
+            .build()
+            .await
+            .unwrap();
+        drop(other);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let now = score(&mut conn).await;
+        if now != last {
+            woken += 1;
+            last = now;
+        }
+    }
+    let _ = stop.send(());
+    run.await.unwrap();
+    let _ = client.admin().delete_category(&category).await;
+    // In ~3.5 s g1's own heartbeat (12 s) runs at most once.
+    assert!(
+        woken <= 1,
+        "g1's upkeep ran {woken} times in ~3.5 s (heartbeat 12 s), each time because an instance of group g2 joined"
+    );
+}
