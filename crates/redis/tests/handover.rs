@@ -221,3 +221,132 @@ async fn review_other_groups_hand_overs_do_not_wake_this_groups_upkeep() {
         "g1's upkeep ran {woken} times in ~3.5 s (heartbeat 12 s), each time because an instance of group g2 joined"
     );
 }
+
+/// REVIEW: hand-overs at wake-up speed under churn: instances join and
+/// leave (graceful) every few hundred ms while messages flow. A key never
+/// runs on two instances at once, and its messages apply in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_churn_keeps_keys_exclusive_and_ordered() {
+    use std::collections::HashSet;
+    const N: usize = 60;
+    let url = common::url();
+    let transport = Arc::new(common::connect(&url).await);
+    let client = Client::new(transport.clone());
+    let category = format!("handover-churn-{}", uuid::Uuid::new_v4().simple());
+    let lease = LeaseConfig {
+        ttl: Duration::from_secs(120),
+        heartbeat: Duration::from_secs(40),
+        margin: Duration::from_secs(10),
+    };
+    let running: Arc<Mutex<HashSet<String>>> = Arc::default();
+    let overlaps: Arc<Mutex<Vec<String>>> = Arc::default();
+    let log: Log = Arc::default();
+    let spawn = |id: String| {
+        let client = client.clone();
+        let category = category.clone();
+        let (running, overlaps, log) = (running.clone(), overlaps.clone(), log.clone());
+        async move {
+            let sub = client
+                .subscribe(&category, "g")
+                .ordered_by(KeySource::routing_key())
+                .lease(lease)
+                .instance_id(id.clone())
+                .build()
+                .await
+                .unwrap();
+            let (stop, stopped) = oneshot::channel::<()>();
+            let run = tokio::spawn(async move {
+                sub.run(
+                    move |d: Delivery| {
+                        let (id, running, overlaps, log) = (id.clone(), running.clone(), overlaps.clone(), log.clone());
+                        async move {
+                            let key = d.key().map(|k| k.as_str().to_owned()).unwrap_or_default();
+                            let seq: u64 = std::str::from_utf8(d.payload()).unwrap().parse().unwrap();
+                            if !running.lock().unwrap().insert(key.clone()) {
+                                overlaps.lock().unwrap().push(format!("{key} seq {seq} on {id}"));
+                            }
+                            tokio::time::sleep(Duration::from_millis(seq % 4)).await;
+                            log.lock().unwrap().push((id, key.clone(), seq));
+                            running.lock().unwrap().remove(&key);
+                            Ok(())
+                        }
+                    },
+                    async move {
+                        let _ = stopped.await;
+                    },
+                )
+                .await
+                .unwrap();
+            });
+            (stop, run)
+        }
+    };
+    let publisher = client.publisher(&category).await.unwrap();
+    let keys: Vec<String> = (0..N).map(|i| format!("k{i}")).collect();
+    let publishing = {
+        let keys = keys.clone();
+        tokio::spawn(async move {
+            for seq in 1..=40u64 {
+                for k in &keys {
+                    publisher
+                        .publish(Message::new(seq.to_string()).with_key(k.as_str()).unwrap())
+                        .await
+                        .unwrap();
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    let a = spawn("a".into()).await;
+    let mut others = Vec::new();
+    for round in 0..12 {
+        others.push(spawn(format!("b{round}")).await);
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        if others.len() > 2 {
+            let (stop, run) = others.remove(0);
+            let _ = stop.send(());
+            run.await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    publishing.await.unwrap();
+    until("every message applied", Duration::from_secs(120), async || {
+        let seen: HashSet<(String, u64)> = log.lock().unwrap().iter().map(|e| (e.1.clone(), e.2)).collect();
+        if seen.len() >= N * 40 {
+            Ok(())
+        } else {
+            Err(format!("{} of {}", seen.len(), N * 40))
+        }
+    })
+    .await;
+    for (stop, run) in others {
+        let _ = stop.send(());
+        run.await.unwrap();
+    }
+    let _ = a.0.send(());
+    a.1.await.unwrap();
+    let _ = client.admin().delete_category(&category).await;
+    let log = log.lock().unwrap().clone();
+    let mut per: HashMap<&str, Vec<u64>> = HashMap::new();
+    for (_, k, s) in &log {
+        per.entry(k.as_str()).or_default().push(*s);
+    }
+    let mut dups = 0;
+    let mut bad = Vec::new();
+    for (k, seqs) in &per {
+        let mut max = 0;
+        for s in seqs {
+            if *s == max {
+                dups += 1;
+            } else if *s < max {
+                bad.push(format!("{k}: {s} after {max}"));
+            } else {
+                max = *s;
+            }
+        }
+    }
+    let overlaps = overlaps.lock().unwrap().clone();
+    eprintln!("churn: {} applied, {dups} repeated", log.len());
+    assert!(overlaps.is_empty(), "a key ran on two instances at once: {overlaps:?}");
+    assert!(bad.is_empty(), "out of order: {bad:?}");
+}
