@@ -350,3 +350,86 @@ async fn review_churn_keeps_keys_exclusive_and_ordered() {
     assert!(overlaps.is_empty(), "a key ran on two instances at once: {overlaps:?}");
     assert!(bad.is_empty(), "out of order: {bad:?}");
 }
+
+/// REVIEW: an ownership wake-up is forgotten when the upkeep it caused
+/// fails: `maintain` clears `owners_woken` before `maintain_now` runs, and
+/// a failed `maintain_now` leaves `last_maintain` as it was, so the retry
+/// waits for the full heartbeat (40 s here) and the joining instance gets
+/// nothing until then. The failure is made with one lease key of the
+/// owner turned into a hash while the joiner opens (the heartbeat script
+/// then fails with WRONGTYPE), and undone a second later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_a_failed_upkeep_does_not_forget_the_join() {
+    let url = common::url();
+    let transport = Arc::new(common::connect(&url).await);
+    let client = Client::new(transport.clone());
+    let category = format!("handover-lostwake-{}", uuid::Uuid::new_v4().simple());
+    let lease = LeaseConfig {
+        ttl: Duration::from_secs(120),
+        heartbeat: Duration::from_secs(40),
+        margin: Duration::from_secs(10),
+    };
+    let publisher = client.publisher(&category).await.unwrap();
+    let keys: Vec<String> = (0..KEYS).map(|i| format!("key-{i}")).collect();
+    for k in &keys {
+        publisher.publish(Message::new("1").with_key(k.as_str()).unwrap()).await.unwrap();
+    }
+    let log: Log = Arc::default();
+    let subscribe = async |id: &str| {
+        client
+            .subscribe(&category, "g")
+            .ordered_by(KeySource::routing_key())
+            .lease(lease)
+            .instance_id(id)
+            .build()
+            .await
+            .unwrap()
+    };
+    let (stop_a, run_a) = start(subscribe("a").await, "a", log.clone()).await;
+    until("a applies every key's first message", Duration::from_secs(30), async || {
+        let n = log.lock().unwrap().len();
+        if n >= KEYS { Ok(()) } else { Err(format!("{n}")) }
+    })
+    .await;
+    let redis = redis::Client::open(url.as_str()).unwrap();
+    let mut conn = redis.get_multiplexed_async_connection().await.unwrap();
+    let leases: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{category}:*__lease__:g"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let victim = leases[0].clone();
+    let held: String = redis::cmd("GET").arg(&victim).query_async(&mut conn).await.unwrap();
+    let () = redis::cmd("DEL").arg(&victim).query_async(&mut conn).await.unwrap();
+    let _: i64 = redis::cmd("HSET").arg(&victim).arg("x").arg("y").query_async(&mut conn).await.unwrap();
+    let (stop_b, run_b) = start(subscribe("b").await, "b", log.clone()).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Undone: the owner's lease is back as it was.
+    let () = redis::cmd("DEL").arg(&victim).query_async(&mut conn).await.unwrap();
+    let () = redis::cmd("SET")
+        .arg(&victim)
+        .arg(&held)
+        .arg("PX")
+        .arg(120_000)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    for k in &keys {
+        publisher.publish(Message::new("2").with_key(k.as_str()).unwrap()).await.unwrap();
+    }
+    let by_b = || log.lock().unwrap().iter().filter(|e| e.0 == "b").count();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while by_b() == 0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let got = by_b();
+    let _ = stop_b.send(());
+    let _ = stop_a.send(());
+    let _ = run_b.await;
+    let _ = run_a.await;
+    let _ = client.admin().delete_category(&category).await;
+    assert!(
+        got > 0,
+        "the joining instance got none of its share within 10 s of a transient upkeep failure (owner's heartbeat 40 s)"
+    );
+}
