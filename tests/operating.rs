@@ -432,3 +432,96 @@ async fn lease_renewals_and_losses_are_counted() {
     let () = redis::cmd("DEL").arg(&leases).query_async(&mut conn).await.unwrap();
     let _ = client.admin().delete_category(&category).await;
 }
+
+/// REVIEW: a real loss found first by a fenced settlement (the most common
+/// way an old owner learns a newer one took its key: its acknowledgement is
+/// refused) must count in `keyorder_lease_losses_total`. The dispatcher
+/// marks the lease with `lose()` (dispatch.rs `fenced`), so the later
+/// heartbeat's `lose_to_broker()` finds it already lost and counts nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_a_loss_seen_first_by_a_fenced_ack_is_counted() {
+    let endpoint = keyorder::ops::serve("127.0.0.1:0").await.unwrap();
+    let addr = endpoint.local_addr();
+    let url = format!("{}?lease_ttl_ms=6000", Broker::Redis.url());
+    let client = keyorder::connect(&url).await.unwrap();
+    let category = format!("ops_fenced_{}", uuid_like());
+    let subscription = client
+        .subscribe(&category, "g")
+        .ordered_by(KeySource::routing_key())
+        .build()
+        .await
+        .unwrap();
+    let started = Arc::new(tokio::sync::Notify::new());
+    let go = Arc::new(tokio::sync::Notify::new());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = {
+        let (started, go) = (started.clone(), go.clone());
+        tokio::spawn(subscription.run(
+            move |_d: Delivery| {
+                let (started, go) = (started.clone(), go.clone());
+                async move {
+                    started.notify_one();
+                    go.notified().await;
+                    HandlerResult::Ok(())
+                }
+            },
+            async move {
+                let _ = stopped.await;
+            },
+        ))
+    };
+    let publisher = client.publisher(&category).await.unwrap();
+    publisher.publish(Message::new("1").with_key("a").unwrap()).await.unwrap();
+    tokio::time::timeout(DEADLINE, started.notified()).await.expect("handler started");
+    let series = async |name: &str| -> Result<f64, String> {
+        let (_, body) = get(addr, "/metrics").await?;
+        value(&body, name, &[]).ok_or_else(|| format!("no {name}"))
+    };
+    let lost = series("keyorder_lease_losses_total").await.unwrap();
+    let fenced_before = series("keyorder_fence_rejections_total").await.unwrap_or(0.0);
+    // A newer owner takes the lease while the handler runs.
+    let redis = redis::Client::open(Broker::Redis.url()).unwrap();
+    let mut conn = redis.get_multiplexed_async_connection().await.unwrap();
+    let leases: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{category}:*__lease__:g"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(leases.len(), 1, "one lease for key a: {leases:?}");
+    let () = redis::cmd("SET")
+        .arg(&leases[0])
+        .arg("intruder:999999")
+        .arg("PX")
+        .arg(120_000)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    // The handler returns: its acknowledgement is refused (fenced).
+    go.notify_one();
+    until("the acknowledgement is fenced", DEADLINE, async || {
+        let now = series("keyorder_fence_rejections_total").await.unwrap_or(0.0);
+        if now > fenced_before {
+            Ok(())
+        } else {
+            Err(format!("fence rejections {now}"))
+        }
+    })
+    .await;
+    // Several heartbeats (lease 6 s) later the loss is still not counted.
+    let mut now = lost;
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        now = series("keyorder_lease_losses_total").await.unwrap();
+        if now >= lost + 1.0 {
+            break;
+        }
+    }
+    let _ = stop.send(());
+    let _ = run.await;
+    let () = redis::cmd("DEL").arg(&leases).query_async(&mut conn).await.unwrap();
+    let _ = client.admin().delete_category(&category).await;
+    assert!(
+        now >= lost + 1.0,
+        "a lease taken by a newer owner (ack fenced) was not counted as a loss: losses {now} (were {lost})"
+    );
+}

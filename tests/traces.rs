@@ -273,3 +273,46 @@ async fn outbox_delivery_continues_the_staging_trace() {
     let _ = stop_relay.send(());
     relay.await.unwrap().unwrap();
 }
+
+/// REVIEW: a message carrying a `traceparent` that is not one (a foreign
+/// producer's garbage, a truncated value) is delivered (no panic, no
+/// failure), but `Publisher::checked` keeps the invalid header instead of
+/// the publishing span's valid context, so the trace is cut: the delivery
+/// span is the root of a new trace, not a child of the publisher's span.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_an_invalid_traceparent_does_not_cut_the_trace() {
+    exporter();
+    let client = Client::memory();
+    let span = tracing::info_span!("test.publish.garbage");
+    let (trace, publisher_span) = ids(&span);
+    let category = format!("traces_garbage_{}", &trace.to_string()[..12]);
+    let consumer = consume(&client, &category, "garbage").await;
+    let publisher = client.publisher(&category).await.unwrap();
+    publisher
+        .publish(
+            Message::new("traced")
+                .with_key("k")
+                .unwrap()
+                .with_header(TRACEPARENT_HEADER, "00-not-a-trace-context-\u{1F600}")
+                .with_header("tracestate", "x".repeat(100_000)),
+        )
+        .instrument(span)
+        .await
+        .unwrap();
+    let seen = consumer.seen.clone();
+    until("garbage: delivered", DEADLINE, async || {
+        if seen.lock().unwrap().len() == 1 { Ok(()) } else { Err("not yet".into()) }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let seen = consumer.finish("garbage").await;
+    assert_eq!(seen.len(), 1, "garbage: delivered once");
+    let spans = exporter().get_finished_spans().unwrap();
+    let delivery = spans
+        .iter()
+        .find(|s| s.name == "keyorder.delivery" && s.span_context.trace_id() == trace);
+    assert!(
+        delivery.is_some_and(|d| d.parent_span_id == publisher_span),
+        "garbage: the delivery span is not in the publisher's trace (the invalid traceparent was kept)"
+    );
+}

@@ -108,3 +108,48 @@ fn an_address_in_use_is_one_line() {
         "{stderr}"
     );
 }
+
+fn get(addr: &str, path: &str) -> Result<String, String> {
+    let mut stream = std::net::TcpStream::connect(addr).map_err(|e| e.to_string())?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .map_err(|e| e.to_string())?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text).map_err(|e| e.to_string())?;
+    Ok(text)
+}
+
+/// REVIEW: `keyorder bench --metrics-addr` registers each side's
+/// subscriptions and never unregisters them: once the ordered side's
+/// instances stopped, `/livez` answers 503 ("stopped: the run has ended")
+/// while the process goes on running the baseline side.
+#[tokio::test]
+async fn review_bench_livez_stays_ok_while_the_bench_runs() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_keyorder"))
+        .args(["bench", "--url", "memory://", "--messages", "30000", "--keys", "20", "--handler-ms", "5", "--probes", "0"])
+        .args(["--metrics-addr", &addr])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut failed = None;
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    while std::time::Instant::now() < deadline && child.try_wait().unwrap().is_none() {
+        if let Ok(text) = get(&addr, "/livez") {
+            if !text.starts_with("HTTP/1.1 200") && child.try_wait().unwrap().is_none() {
+                failed = Some(text);
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(failed.is_none(), "/livez failed while bench ran: {failed:?}");
+}
