@@ -214,6 +214,17 @@ impl Endpoint {
         };
         self.watched.lock().unwrap_or_else(|e| e.into_inner()).push(watched);
     }
+
+    /// Stops reporting the subscriptions registered for `category` and
+    /// `group` (every instance): for a process that ends one subscription
+    /// by design and goes on, whose probes would otherwise say `dead`.
+    /// Their gauges keep their last values.
+    pub fn unregister(&self, category: &str, group: &str) {
+        self.watched
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|w| w.category != category || w.group != group);
+    }
 }
 
 /// Connections served at once; more wait in the listener's backlog.

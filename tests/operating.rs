@@ -433,13 +433,13 @@ async fn lease_renewals_and_losses_are_counted() {
     let _ = client.admin().delete_category(&category).await;
 }
 
-/// REVIEW: a real loss found first by a fenced settlement (the most common
+/// a real loss found first by a fenced settlement (the most common
 /// way an old owner learns a newer one took its key: its acknowledgement is
 /// refused) must count in `keyorder_lease_losses_total`. The dispatcher
 /// marks the lease with `lose()` (dispatch.rs `fenced`), so the later
 /// heartbeat's `lose_to_broker()` finds it already lost and counts nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn review_a_loss_seen_first_by_a_fenced_ack_is_counted() {
+async fn a_loss_seen_first_by_a_fenced_ack_is_counted() {
     let endpoint = keyorder::ops::serve("127.0.0.1:0").await.unwrap();
     let addr = endpoint.local_addr();
     let url = format!("{}?lease_ttl_ms=6000", Broker::Redis.url());
@@ -471,8 +471,13 @@ async fn review_a_loss_seen_first_by_a_fenced_ack_is_counted() {
         ))
     };
     let publisher = client.publisher(&category).await.unwrap();
-    publisher.publish(Message::new("1").with_key("a").unwrap()).await.unwrap();
-    tokio::time::timeout(DEADLINE, started.notified()).await.expect("handler started");
+    publisher
+        .publish(Message::new("1").with_key("a").unwrap())
+        .await
+        .unwrap();
+    tokio::time::timeout(DEADLINE, started.notified())
+        .await
+        .expect("handler started");
     let series = async |name: &str| -> Result<f64, String> {
         let (_, body) = get(addr, "/metrics").await?;
         value(&body, name, &[]).ok_or_else(|| format!("no {name}"))

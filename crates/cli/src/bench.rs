@@ -283,6 +283,9 @@ async fn side(a: &BenchArgs, ordered: bool, concurrency: usize) -> anyhow::Resul
         bar.set_position(rec.probes.load(Ordering::Relaxed));
         bar.finish();
     }
+    // The side ends here, the command goes on: its subscriptions leave the
+    // `--metrics-addr` probes before they stop (or they would say `dead`).
+    crate::unwatch(&category, run::GROUP);
     for i in instances {
         let s = i.stats.snapshot();
         eprintln!(

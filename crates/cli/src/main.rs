@@ -101,6 +101,14 @@ pub(crate) fn watch(subscription: &keyorder::Subscription, admin: std::sync::Arc
     }
 }
 
+/// Stops reporting `category`'s subscriptions of `group` on the endpoint
+/// (a bench side that ended while the command goes on).
+pub(crate) fn unwatch(category: &str, group: &str) {
+    if let Some(endpoint) = ENDPOINT.get() {
+        endpoint.unregister(category, group);
+    }
+}
+
 fn execute(cli: Cli) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {

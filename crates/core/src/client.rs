@@ -9,7 +9,6 @@ use crate::capability::Capabilities;
 use crate::error::{Error, Result};
 use crate::key::KeyRules;
 use crate::message::{Message, KEY_HEADER};
-use crate::trace::TRACEPARENT_HEADER;
 use crate::transport::{Admin, PublishFence, Transport, TransportPublisher};
 
 /// A handle on one transport: publishers, subscriptions, the admin view.
@@ -134,7 +133,7 @@ impl Publisher {
     /// Publishes one message and returns once the broker acknowledged it.
     /// Awaiting each publish before the next keeps a key's publish order.
     /// With the feature `otel`, the message carries the current span's
-    /// trace context unless it has a [`crate::TRACEPARENT_HEADER`] already
+    /// trace context unless it has a valid [`crate::TRACEPARENT_HEADER`] already
     /// ([`crate::trace`]).
     ///
     /// # Errors
@@ -181,11 +180,10 @@ impl Publisher {
             None => message,
         };
         // Feature `otel`: the current span's trace context, unless the
-        // message carries one already (the outbox's, from its staging).
-        if message.header(TRACEPARENT_HEADER).is_none() {
-            for (name, value) in crate::trace::current_context() {
-                message = message.with_header(name, value);
-            }
+        // message carries a valid one already (the outbox's, from its
+        // staging); an invalid one is replaced.
+        if !crate::trace::carries_context(message.headers()) {
+            message.set_trace_context(crate::trace::current_context());
         }
         Ok(message)
     }

@@ -1342,7 +1342,9 @@ impl Inner {
 
     fn fenced(&self, job: &Job) -> Outcome {
         bump(&self.stats.fence_rejections, "keyorder_fence_rejections_total");
-        job.lease.lose();
+        // The broker refused this owner: a loss, even when the heartbeat
+        // finds it later (only the first marking counts).
+        job.lease.lose_to_broker();
         self.report(job, Settlement::Fenced);
         Outcome::Lost
     }

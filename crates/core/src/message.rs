@@ -104,6 +104,12 @@ impl Message {
         self
     }
 
+    /// Replaces whatever trace context headers the message has (any case)
+    /// with `context` (see [`crate::trace`]).
+    pub(crate) fn set_trace_context(&mut self, context: Vec<(&'static str, String)>) {
+        crate::trace::replace_context(&mut self.headers, context);
+    }
+
     /// The message id.
     pub fn id(&self) -> &str {
         &self.id

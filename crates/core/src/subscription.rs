@@ -656,7 +656,7 @@ impl Subscription {
                 }
                 Err(Error::Fenced { .. }) => {
                     bump(&self.stats.fence_rejections, "keyorder_fence_rejections_total");
-                    inbound.lease.lose();
+                    inbound.lease.lose_to_broker();
                     return Ok(None);
                 }
                 Err(err) => {

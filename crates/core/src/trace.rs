@@ -42,6 +42,34 @@ pub fn current_context() -> Vec<(&'static str, String)> {
     }
 }
 
+/// Whether `headers` carry a trace context to keep: a [`TRACEPARENT_HEADER`]
+/// (its name in any case) that parses as a valid W3C context. An invalid
+/// one is no context: a publish replaces it with the current span's.
+/// Without the feature `otel`, whether the header is there.
+pub fn carries_context(headers: &std::collections::BTreeMap<String, String>) -> bool {
+    #[cfg(feature = "otel")]
+    {
+        otel::carries(headers)
+    }
+    #[cfg(not(feature = "otel"))]
+    {
+        headers.keys().any(|k| k.eq_ignore_ascii_case(TRACEPARENT_HEADER))
+    }
+}
+
+/// Replaces the trace context headers in `headers` (their names in any
+/// case) with `context`, when it has any (as [`current_context`] gives it);
+/// leaves them as they are otherwise.
+pub fn replace_context(headers: &mut std::collections::BTreeMap<String, String>, context: Vec<(&'static str, String)>) {
+    if context.is_empty() {
+        return;
+    }
+    headers.retain(|k, _| !k.eq_ignore_ascii_case(TRACEPARENT_HEADER) && !k.eq_ignore_ascii_case(TRACESTATE_HEADER));
+    for (name, value) in context {
+        headers.insert(name.to_owned(), value);
+    }
+}
+
 /// Makes `span` a child of the context `headers` carry (a valid
 /// [`TRACEPARENT_HEADER`]); leaves it as it is otherwise, or without the
 /// feature `otel`.
@@ -57,6 +85,7 @@ mod otel {
 
     use opentelemetry::propagation::{Extractor, TextMapPropagator};
     use opentelemetry::trace::TraceContextExt;
+    use opentelemetry::Context;
     use opentelemetry_sdk::propagation::TraceContextPropagator;
     use tracing_opentelemetry::OpenTelemetrySpanExt;
 
@@ -87,19 +116,37 @@ mod otel {
     struct Headers<'a>(&'a BTreeMap<String, String>);
 
     impl Extractor for Headers<'_> {
+        /// The header named `key`, or one whose name differs only in case
+        /// (a foreign producer's `Traceparent`).
         fn get(&self, key: &str) -> Option<&str> {
-            self.0.get(key).map(String::as_str)
+            self.0
+                .get(key)
+                .or_else(|| self.0.iter().find(|(k, _)| k.eq_ignore_ascii_case(key)).map(|(_, v)| v))
+                .map(String::as_str)
         }
         fn keys(&self) -> Vec<&str> {
             self.0.keys().map(String::as_str).collect()
         }
     }
 
+    /// The context the headers carry, on an empty context: `extract`
+    /// alone falls back to the current one (the publisher's own span,
+    /// where `tracing-opentelemetry` activates it), which would pass an
+    /// invalid header for a valid one.
+    fn extracted(headers: &Headers<'_>) -> Context {
+        TraceContextPropagator::new().extract_with_context(&Context::new(), headers)
+    }
+
+    pub(super) fn carries(headers: &BTreeMap<String, String>) -> bool {
+        let h = Headers(headers);
+        h.get(TRACEPARENT_HEADER).is_some() && extracted(&h).span().span_context().is_valid()
+    }
+
     pub(super) fn continue_from(span: &tracing::Span, headers: &BTreeMap<String, String>) {
-        if span.is_disabled() || !headers.contains_key(TRACEPARENT_HEADER) {
+        if span.is_disabled() || Headers(headers).get(TRACEPARENT_HEADER).is_none() {
             return;
         }
-        let cx = TraceContextPropagator::new().extract(&Headers(headers));
+        let cx = extracted(&Headers(headers));
         if cx.span().span_context().is_valid() {
             // Fails only when the span is already closed or has no
             // OpenTelemetry layer: then there is nothing to link.

@@ -351,11 +351,9 @@ impl Outbox {
     /// roll the transaction back).
     pub async fn stage(&self, conn: &mut PgConnection, mut message: Outgoing) -> Result<Staged> {
         // Feature `otel`: the staging span's trace context, unless the
-        // record carries one; the relay publishes it as it is.
-        if !message.headers.contains_key(keyorder_core::TRACEPARENT_HEADER) {
-            for (name, value) in keyorder_core::trace::current_context() {
-                message.headers.insert(name.to_owned(), value);
-            }
+        // record carries a valid one; the relay publishes it as it is.
+        if !keyorder_core::trace::carries_context(&message.headers) {
+            keyorder_core::trace::replace_context(&mut message.headers, keyorder_core::trace::current_context());
         }
         let key = OrderingKey::with_rules(&message.key, &self.cfg.key_rules)?;
         if !category_ok(&message.category) {

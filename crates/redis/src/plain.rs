@@ -242,7 +242,7 @@ impl PlainSource {
             Layout::Single => (names.single(), Mode::Plain, None),
             Layout::Partitioned => {
                 let wake = Arc::new(Wake::default());
-                let h = listen(t.client.clone(), names.wake(), wake.clone());
+                let h = listen(t.client.clone(), names.wake(), &spec.group, wake.clone());
                 (names.keyless(), Mode::Unfenced, Some((wake, h)))
             }
         };

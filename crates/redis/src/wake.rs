@@ -27,10 +27,16 @@ pub(crate) struct Wake {
     pub(crate) notify: Notify,
 }
 
-/// The wake-up message that says ownership moved (no key's segment is
-/// spelled so): every consumer of the category looks at its leases now
-/// rather than at its next heartbeat.
-pub(crate) const OWNERS: &str = "__owners__";
+/// How the wake-up message that says ownership moved in a group starts
+/// (no key's segment is spelled so): `__owners__:{group}`. The group's
+/// consumers of the category look at their leases now rather than at their
+/// next heartbeat; other groups' consumers ignore it.
+pub(crate) const OWNERS: &str = "__owners__:";
+
+/// The ownership wake-up of `group`.
+pub(crate) fn owners_message(group: &str) -> String {
+    format!("{OWNERS}{group}")
+}
 
 const MAX_WOKEN: usize = 65_536;
 
@@ -71,8 +77,10 @@ impl Wake {
     }
 }
 
-/// Listens on `channel` until aborted, reconnecting with back-off.
-pub(crate) fn listen(client: redis::Client, channel: String, wake: Arc<Wake>) -> JoinHandle<()> {
+/// Listens on `channel` until aborted, reconnecting with back-off; an
+/// ownership wake-up counts only when it names `group`.
+pub(crate) fn listen(client: redis::Client, channel: String, group: &str, wake: Arc<Wake>) -> JoinHandle<()> {
+    let mine = owners_message(group);
     tokio::spawn(async move {
         let mut backoff = Duration::from_millis(100);
         loop {
@@ -87,8 +95,10 @@ pub(crate) fn listen(client: redis::Client, channel: String, wake: Arc<Wake>) ->
                         let mut messages = pubsub.on_message();
                         while let Some(m) = messages.next().await {
                             let segment: String = m.get_payload().unwrap_or_default();
-                            if segment == OWNERS {
+                            if segment == mine {
                                 wake.owners();
+                            } else if segment.starts_with(OWNERS) {
+                                // Another group's hand-over: nothing to read.
                             } else if segment.is_empty() {
                                 wake.push(segment);
                             } else if let Some(key) = Names::key_of(&segment) {
@@ -117,7 +127,10 @@ mod tests {
     /// No key publishes the ownership wake-up: a key spelled so is encoded.
     #[test]
     fn no_key_is_the_owners_message() {
-        assert!(Names::key_of(OWNERS).is_none());
-        assert_ne!(Names::segment(OWNERS), OWNERS);
+        for message in [owners_message("g"), owners_message(""), OWNERS.to_owned()] {
+            assert!(Names::key_of(&message).is_none(), "{message}");
+            assert_ne!(Names::segment(&message), message);
+            assert!(!Names::segment(&message).starts_with(OWNERS), "{message}");
+        }
     }
 }

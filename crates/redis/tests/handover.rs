@@ -145,7 +145,7 @@ async fn a_joining_instance_takes_its_share_before_the_next_heartbeat() {
     let _ = client.admin().delete_category(&category).await;
 }
 
-/// REVIEW: the ownership wake-up (`__owners__`) goes out on the category's
+/// the ownership wake-up (`__owners__`) goes out on the category's
 /// wake channel, which every group's consumers listen on: an instance of
 /// another group joining (or releasing, or leaving) makes every instance of
 /// every group of the category run a full upkeep at once (heartbeat script,
@@ -154,7 +154,7 @@ async fn a_joining_instance_takes_its_share_before_the_next_heartbeat() {
 /// only member heartbeats every 12 s; its member score (written by each
 /// upkeep) must not move when instances of group `g2` come and go.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn review_other_groups_hand_overs_do_not_wake_this_groups_upkeep() {
+async fn other_groups_hand_overs_do_not_wake_this_groups_upkeep() {
     let url = common::url();
     let transport = Arc::new(common::connect(&url).await);
     let client = Client::new(transport.clone());
@@ -180,14 +180,23 @@ async fn review_other_groups_hand_overs_do_not_wake_this_groups_upkeep() {
         .unwrap();
     let (stop, run) = start(sub, "x", log.clone()).await;
     until("g1 applies its message", Duration::from_secs(30), async || {
-        if log.lock().unwrap().len() >= 1 { Ok(()) } else { Err("none".into()) }
+        if !log.lock().unwrap().is_empty() {
+            Ok(())
+        } else {
+            Err("none".into())
+        }
     })
     .await;
     let redis = redis::Client::open(url.as_str()).unwrap();
     let mut conn = redis.get_multiplexed_async_connection().await.unwrap();
     let members = format!("{category}:__members__:g1");
     let score = async |conn: &mut redis::aio::MultiplexedConnection| -> f64 {
-        redis::cmd("ZSCORE").arg(&members).arg("x").query_async(conn).await.unwrap()
+        redis::cmd("ZSCORE")
+            .arg(&members)
+            .arg("x")
+            .query_async(conn)
+            .await
+            .unwrap()
     };
     tokio::time::sleep(Duration::from_millis(500)).await;
     let before = score(&mut conn).await;
@@ -222,11 +231,11 @@ async fn review_other_groups_hand_overs_do_not_wake_this_groups_upkeep() {
     );
 }
 
-/// REVIEW: hand-overs at wake-up speed under churn: instances join and
+/// hand-overs at wake-up speed under churn: instances join and
 /// leave (graceful) every few hundred ms while messages flow. A key never
 /// runs on two instances at once, and its messages apply in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn review_churn_keeps_keys_exclusive_and_ordered() {
+async fn churn_keeps_keys_exclusive_and_ordered() {
     use std::collections::HashSet;
     const N: usize = 60;
     let url = common::url();
@@ -351,7 +360,7 @@ async fn review_churn_keeps_keys_exclusive_and_ordered() {
     assert!(bad.is_empty(), "out of order: {bad:?}");
 }
 
-/// REVIEW: an ownership wake-up is forgotten when the upkeep it caused
+/// an ownership wake-up is forgotten when the upkeep it caused
 /// fails: `maintain` clears `owners_woken` before `maintain_now` runs, and
 /// a failed `maintain_now` leaves `last_maintain` as it was, so the retry
 /// waits for the full heartbeat (40 s here) and the joining instance gets
@@ -359,7 +368,7 @@ async fn review_churn_keeps_keys_exclusive_and_ordered() {
 /// owner turned into a hash while the joiner opens (the heartbeat script
 /// then fails with WRONGTYPE), and undone a second later.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn review_a_failed_upkeep_does_not_forget_the_join() {
+async fn a_failed_upkeep_does_not_forget_the_join() {
     let url = common::url();
     let transport = Arc::new(common::connect(&url).await);
     let client = Client::new(transport.clone());
@@ -372,7 +381,10 @@ async fn review_a_failed_upkeep_does_not_forget_the_join() {
     let publisher = client.publisher(&category).await.unwrap();
     let keys: Vec<String> = (0..KEYS).map(|i| format!("key-{i}")).collect();
     for k in &keys {
-        publisher.publish(Message::new("1").with_key(k.as_str()).unwrap()).await.unwrap();
+        publisher
+            .publish(Message::new("1").with_key(k.as_str()).unwrap())
+            .await
+            .unwrap();
     }
     let log: Log = Arc::default();
     let subscribe = async |id: &str| {
@@ -386,10 +398,18 @@ async fn review_a_failed_upkeep_does_not_forget_the_join() {
             .unwrap()
     };
     let (stop_a, run_a) = start(subscribe("a").await, "a", log.clone()).await;
-    until("a applies every key's first message", Duration::from_secs(30), async || {
-        let n = log.lock().unwrap().len();
-        if n >= KEYS { Ok(()) } else { Err(format!("{n}")) }
-    })
+    until(
+        "a applies every key's first message",
+        Duration::from_secs(30),
+        async || {
+            let n = log.lock().unwrap().len();
+            if n >= KEYS {
+                Ok(())
+            } else {
+                Err(format!("{n}"))
+            }
+        },
+    )
     .await;
     let redis = redis::Client::open(url.as_str()).unwrap();
     let mut conn = redis.get_multiplexed_async_connection().await.unwrap();
@@ -401,7 +421,13 @@ async fn review_a_failed_upkeep_does_not_forget_the_join() {
     let victim = leases[0].clone();
     let held: String = redis::cmd("GET").arg(&victim).query_async(&mut conn).await.unwrap();
     let () = redis::cmd("DEL").arg(&victim).query_async(&mut conn).await.unwrap();
-    let _: i64 = redis::cmd("HSET").arg(&victim).arg("x").arg("y").query_async(&mut conn).await.unwrap();
+    let _: i64 = redis::cmd("HSET")
+        .arg(&victim)
+        .arg("x")
+        .arg("y")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
     let (stop_b, run_b) = start(subscribe("b").await, "b", log.clone()).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     // Undone: the owner's lease is back as it was.
@@ -415,7 +441,10 @@ async fn review_a_failed_upkeep_does_not_forget_the_join() {
         .await
         .unwrap();
     for k in &keys {
-        publisher.publish(Message::new("2").with_key(k.as_str()).unwrap()).await.unwrap();
+        publisher
+            .publish(Message::new("2").with_key(k.as_str()).unwrap())
+            .await
+            .unwrap();
     }
     let by_b = || log.lock().unwrap().iter().filter(|e| e.0 == "b").count();
     let deadline = std::time::Instant::now() + Duration::from_secs(10);

@@ -232,14 +232,26 @@ fn snapshot(model: &Model, terminal: bool) -> String {
         .max(halted)
         .max(model.halted.len() + 3 + model.hot.len() + 3)
         .max(6);
-    let height = (body + 2 + 5 + 2).min(2000) as u16;
+    let height = (body + 2 + 5 + 2).min(MAX_SNAPSHOT_ROWS) as u16;
     let mut terminal =
         ratatui::Terminal::new(ratatui::backend::TestBackend::new(width, height)).expect("a test backend cannot fail");
     terminal
         .draw(|f| view::render(f, model, Theme { colours: false }))
         .expect("a test backend cannot fail");
-    view::buffer_text(terminal.backend().buffer())
+    let mut text = view::buffer_text(terminal.backend().buffer());
+    let shown = usize::from(height).saturating_sub(2 + 5 + 2 + 3);
+    if model.scopes.len() > shown {
+        // Said, not silently cut.
+        text.push_str(&format!(
+            "\n({} more scopes not shown: `keyorder scopes` lists every one)\n",
+            model.scopes.len() - shown
+        ));
+    }
+    text
 }
+
+/// The tallest `--once` snapshot, in rows.
+const MAX_SNAPSHOT_ROWS: usize = 2000;
 
 /// The terminal in raw mode on the alternate screen, restored when
 /// dropped; log lines are held back meanwhile and written after.

@@ -332,6 +332,10 @@ impl Source {
                 let mut left = HashSet::new();
                 for partition in parts {
                     if lost {
+                        // librdkafka says the assignment was lost: a loss.
+                        if let Some(p) = self.shared.part(partition) {
+                            p.lease.lose_to_broker();
+                        }
                         self.forget(partition);
                         continue;
                     }

@@ -26,7 +26,7 @@ use crate::names::Names;
 use crate::plain::GroupReader;
 use crate::scripts;
 use crate::settle::Mode;
-use crate::wake::{listen, Wake, OWNERS};
+use crate::wake::{listen, owners_message, Wake};
 
 pub(crate) use state::Source;
 use state::RELEASE_CHUNK;
@@ -50,7 +50,7 @@ impl Source {
         let wake = Arc::new(Wake::default());
         let listeners = names
             .iter()
-            .map(|n| listen(t.client.clone(), n.wake(), wake.clone()))
+            .map(|n| listen(t.client.clone(), n.wake(), &spec.group, wake.clone()))
             .collect();
         // The group registry of every category first, before anything is
         // read: from now on trimming and reaping keep what this group has
@@ -112,10 +112,11 @@ impl Source {
     /// Tells every consumer of the categories that ownership moved (best
     /// effort: without it they look at their next heartbeat).
     async fn owners_moved(&self) {
+        let message = owners_message(&self.spec.group);
         for n in &self.cats {
             let sent: redis::RedisResult<i64> = redis::cmd("PUBLISH")
                 .arg(n.wake())
-                .arg(OWNERS)
+                .arg(&message)
                 .query_async(&mut self.t.conn.clone())
                 .await;
             if let Err(e) = sent {
@@ -150,15 +151,22 @@ impl TransportSource for Source {
             self.spec.lease.heartbeat
         };
         if self.last_maintain.is_none_or(|t| t.elapsed() >= every) {
-            self.owners_woken = false;
-            self.maintain_now().await?;
-            // A periodic full look covers any lost wake-up.
-            for p in self.parts.values_mut() {
-                for s in &mut p.streams {
-                    s.dirty = true;
-                }
+            let woken = std::mem::take(&mut self.owners_woken);
+            if let Err(e) = self.maintain_now().await {
+                // Not forgotten: the retry still runs at the wake-up's pace.
+                self.owners_woken |= woken;
+                return Err(e);
             }
-            self.keyless_dirty = true;
+            // A periodic full look covers any lost wake-up (an ownership
+            // wake-up is no sign of one: the streams stay as they are).
+            if !woken {
+                for p in self.parts.values_mut() {
+                    for s in &mut p.streams {
+                        s.dirty = true;
+                    }
+                }
+                self.keyless_dirty = true;
+            }
         }
         Ok(std::mem::take(&mut self.events))
     }
@@ -182,8 +190,8 @@ impl TransportSource for Source {
                 let p = &self.parts[k];
                 inv.key(&p.lease_key).arg(&p.holder);
             }
-            let _: i64 = inv.invoke_async(&mut self.t.conn.clone()).await.map_err(broker)?;
-            metrics::counter!("keyorder_redis_partitions_released_total").increment(chunk.len() as u64);
+            let released: i64 = inv.invoke_async(&mut self.t.conn.clone()).await.map_err(broker)?;
+            metrics::counter!("keyorder_redis_partitions_released_total").increment(released.max(0) as u64);
             for k in chunk {
                 self.drop_part(k, false);
             }
