@@ -433,11 +433,10 @@ async fn lease_renewals_and_losses_are_counted() {
     let _ = client.admin().delete_category(&category).await;
 }
 
-/// a real loss found first by a fenced settlement (the most common
-/// way an old owner learns a newer one took its key: its acknowledgement is
-/// refused) must count in `keyorder_lease_losses_total`. The dispatcher
-/// marks the lease with `lose()` (dispatch.rs `fenced`), so the later
-/// heartbeat's `lose_to_broker()` finds it already lost and counts nothing.
+/// A real loss found first by a fenced settlement (the most common way an
+/// old owner learns a newer one took its key: its acknowledgement is
+/// refused) counts in `keyorder_lease_losses_total`, although the later
+/// heartbeat finds the lease already marked lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_loss_seen_first_by_a_fenced_ack_is_counted() {
     let endpoint = keyorder::ops::serve("127.0.0.1:0").await.unwrap();

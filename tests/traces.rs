@@ -274,11 +274,10 @@ async fn outbox_delivery_continues_the_staging_trace() {
     relay.await.unwrap().unwrap();
 }
 
-/// a message carrying a `traceparent` that is not one (a foreign
-/// producer's garbage, a truncated value) is delivered (no panic, no
-/// failure), but `Publisher::checked` keeps the invalid header instead of
-/// the publishing span's valid context, so the trace is cut: the delivery
-/// span is the root of a new trace, not a child of the publisher's span.
+/// A message carrying a `traceparent` that is not one (a foreign
+/// producer's garbage, a truncated value) is delivered once, and the
+/// publish replaces the invalid header with the publishing span's context:
+/// the delivery span is a child of the publisher's span.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_invalid_traceparent_does_not_cut_the_trace() {
     exporter();

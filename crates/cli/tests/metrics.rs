@@ -119,10 +119,9 @@ fn get(addr: &str, path: &str) -> Result<String, String> {
     Ok(text)
 }
 
-/// `keyorder bench --metrics-addr` registers each side's
-/// subscriptions and never unregisters them: once the ordered side's
-/// instances stopped, `/livez` answers 503 ("stopped: the run has ended")
-/// while the process goes on running the baseline side.
+/// `keyorder bench --metrics-addr` takes a side's subscriptions off the
+/// probes before they stop: `/livez` stays 200 while the process goes on
+/// running the next side.
 #[tokio::test]
 async fn bench_livez_stays_ok_while_the_bench_runs() {
     let port = std::net::TcpListener::bind("127.0.0.1:0")

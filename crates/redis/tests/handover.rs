@@ -145,14 +145,12 @@ async fn a_joining_instance_takes_its_share_before_the_next_heartbeat() {
     let _ = client.admin().delete_category(&category).await;
 }
 
-/// the ownership wake-up (`__owners__`) goes out on the category's
-/// wake channel, which every group's consumers listen on: an instance of
-/// another group joining (or releasing, or leaving) makes every instance of
-/// every group of the category run a full upkeep at once (heartbeat script,
-/// the whole partition index, trim and reap, and a fenced re-read of every
-/// partition it owns), instead of at its own heartbeat. Here group `g1`'s
-/// only member heartbeats every 12 s; its member score (written by each
-/// upkeep) must not move when instances of group `g2` come and go.
+/// The ownership wake-up names its group: an instance of another group
+/// joining (or releasing, or leaving) must not make this group's instances
+/// run a full upkeep (heartbeat script, the whole partition index, trim and
+/// reap) before their own heartbeat. Here group `g1`'s only member
+/// heartbeats every 12 s; its member score (written by each upkeep) must
+/// not move when instances of group `g2` come and go.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn other_groups_hand_overs_do_not_wake_this_groups_upkeep() {
     let url = common::url();
@@ -231,9 +229,9 @@ async fn other_groups_hand_overs_do_not_wake_this_groups_upkeep() {
     );
 }
 
-/// hand-overs at wake-up speed under churn: instances join and
-/// leave (graceful) every few hundred ms while messages flow. A key never
-/// runs on two instances at once, and its messages apply in order.
+/// Hand-overs at wake-up speed under churn: instances join and leave
+/// (graceful) every few hundred ms while messages flow. A key never runs
+/// on two instances at once, and its messages apply in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn churn_keeps_keys_exclusive_and_ordered() {
     use std::collections::HashSet;
@@ -360,13 +358,11 @@ async fn churn_keeps_keys_exclusive_and_ordered() {
     assert!(bad.is_empty(), "out of order: {bad:?}");
 }
 
-/// an ownership wake-up is forgotten when the upkeep it caused
-/// fails: `maintain` clears `owners_woken` before `maintain_now` runs, and
-/// a failed `maintain_now` leaves `last_maintain` as it was, so the retry
-/// waits for the full heartbeat (40 s here) and the joining instance gets
-/// nothing until then. The failure is made with one lease key of the
-/// owner turned into a hash while the joiner opens (the heartbeat script
-/// then fails with WRONGTYPE), and undone a second later.
+/// An ownership wake-up is not forgotten when the upkeep it caused fails:
+/// the retry still runs at the wake-up's pace, not at the next heartbeat
+/// (40 s here). The failure is made with one lease key of the owner turned
+/// into a hash while the joiner opens (the heartbeat script then fails
+/// with WRONGTYPE), and undone a second later.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_upkeep_does_not_forget_the_join() {
     let url = common::url();
