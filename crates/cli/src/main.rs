@@ -58,6 +58,10 @@ enum Command {
     Failover(failover::FailoverArgs),
 }
 
+/// The log filter without `KEYORDER_LOG`: warnings, without the clients'
+/// own logs that the adapters report in their own words.
+const DEFAULT_LOG: &str = "warn,librdkafka=off,rdkafka=off,lapin::channel=off";
+
 fn main() -> ExitCode {
     // `keyorder failover` re-executes this binary as its worker process.
     keyorder_check::worker::run_if_worker(|url| Box::pin(async move { keyorder::connect(&url).await }));
@@ -68,7 +72,12 @@ fn main() -> ExitCode {
                 // of lines while a broker is unreachable) and the adapter
                 // reports the failure itself: its log is KEYORDER_LOG's to
                 // ask for (`KEYORDER_LOG=warn,librdkafka=warn,rdkafka=warn`).
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,librdkafka=off,rdkafka=off")),
+                // lapin logs every channel the broker closes at ERROR, and
+                // the RabbitMQ adapter closes channels on purpose (a passive
+                // check of a queue that may be missing, a probe of another
+                // instance's exclusive queue); the adapter reports what
+                // fails itself.
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG)),
         )
         // Standard error, around a progress bar being drawn.
         .with_writer(progress::LogWriter)

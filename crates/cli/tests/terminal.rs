@@ -340,3 +340,43 @@ fn failover_json_reports_the_takeover() {
     assert!((500.0..60_000.0).contains(&ms), "{v}");
     assert!(!out.stderr.contains(&0x1b), "an escape code in piped stderr");
 }
+
+/// A demo on RabbitMQ that keeps the promise logs no error: the channels
+/// the adapter closes on purpose (passive checks, probes of other
+/// instances' exclusive queues) are not errors, though lapin logs each at
+/// ERROR.
+#[test]
+fn a_clean_demo_on_rabbitmq_logs_no_error() {
+    let base = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let url = format!("{base}?topology=hash&queues=8");
+    let out = keyorder(
+        &[
+            "demo",
+            "--url",
+            &url,
+            "--instances",
+            "3",
+            "--keys",
+            "50",
+            "--messages",
+            "2000",
+            "--max-handler-ms",
+            "1",
+        ],
+        &[],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "exit code; stderr: {stderr}");
+    assert!(
+        stdout.contains("violations=0 lost=0"),
+        "the demo kept the promise: {stdout}"
+    );
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.contains("ERROR")).collect();
+    assert!(
+        errors.is_empty(),
+        "{} error lines on a clean run, the first: {:?}",
+        errors.len(),
+        &errors[..errors.len().min(3)]
+    );
+}
