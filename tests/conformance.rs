@@ -347,6 +347,44 @@ struct RabbitHarness {
     queue_type: &'static str,
     /// Runs only this scenario (the quorum harness: what differs there).
     only: Option<Scenario>,
+    /// On the three-node cluster (`scripts/services --clusters`): the node
+    /// the clients connect to, which C24 never stops.
+    cluster: Option<&'static str>,
+}
+
+/// Runs `rabbitmqctl` (quiet) and returns what it printed.
+#[cfg(feature = "rabbitmq")]
+async fn rabbitmqctl(args: &[&str]) -> Result<String> {
+    let out = tokio::process::Command::new("rabbitmqctl")
+        .arg("-q")
+        .args(args)
+        .output()
+        .await
+        .map_err(|e| keyorder::Error::Config(format!("rabbitmqctl {}: {e}", args.join(" "))))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(keyorder::Error::Config(format!(
+            "rabbitmqctl {} failed: {}: {}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )))
+    }
+}
+
+/// The cluster's queues and their leaders, as `rabbitmqctl list_queues` on `node` says.
+#[cfg(feature = "rabbitmq")]
+async fn queue_leaders(node: &str) -> Result<Vec<(String, String)>> {
+    let json = rabbitmqctl(&["-n", node, "list_queues", "name", "leader", "--formatter", "json"]).await?;
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&json)
+        .map_err(|e| keyorder::Error::Config(format!("rabbitmqctl list_queues printed no JSON ({e}): {json}")))?;
+    Ok(rows
+        .iter()
+        // Classic queues have no leader (an empty one is printed).
+        .filter_map(|r| Some((r["name"].as_str()?.to_owned(), r["leader"].as_str()?.to_owned())))
+        .filter(|(_, leader)| !leader.is_empty())
+        .collect())
 }
 
 #[cfg(feature = "rabbitmq")]
@@ -409,6 +447,66 @@ impl Harness for RabbitHarness {
     }
     fn fault_route(&self) -> Option<keyorder_testkit::FaultRoute> {
         route_of(&self.publishing_url())
+    }
+    fn single_node(&self) -> Option<String> {
+        match self.cluster {
+            Some(_) => None,
+            None => Some(format!(
+                "`{}` is one node; C24 runs on `rabbitmq-cluster` (scripts/test-clusters)",
+                self.name
+            )),
+        }
+    }
+    async fn stop_node(&self, category: &str, group: &str) -> Result<keyorder_testkit::LostNode> {
+        let Some(connected) = self.cluster else {
+            return Err(keyorder::Error::Config(format!("{}: one node", self.name)));
+        };
+        // Quorum queues are led by the node they were declared on (the one
+        // the clients reach): spread the category's leaders first, as an
+        // operator's `rabbitmq-queues rebalance` does.
+        let pattern = format!("^{}:", category.replace('.', "\\."));
+        let status = tokio::process::Command::new("rabbitmq-queues")
+            .args([
+                "-n",
+                connected,
+                "-q",
+                "rebalance",
+                "quorum",
+                "--queue-pattern",
+                &pattern,
+            ])
+            .output()
+            .await
+            .map_err(|e| keyorder::Error::Config(format!("rabbitmq-queues rebalance: {e}")))?;
+        if !status.status.success() {
+            return Err(keyorder::Error::Config(format!(
+                "rabbitmq-queues rebalance failed: {}",
+                String::from_utf8_lossy(&status.stderr).trim()
+            )));
+        }
+        let prefix = format!("{category}:{group}.");
+        let (queue, node) = queue_leaders(connected)
+            .await?
+            .into_iter()
+            .find(|(q, leader)| q.starts_with(&prefix) && leader != connected)
+            .ok_or_else(|| {
+                keyorder::Error::Config(format!("no queue of {prefix}* is led by a node other than {connected}"))
+            })?;
+        rabbitmqctl(&["-n", &node, "stop_app"]).await?;
+        Ok(keyorder_testkit::LostNode { node, queue })
+    }
+    async fn queue_leader(&self, queue: &str) -> Result<String> {
+        let connected = self.cluster.unwrap_or("rabbit@localhost");
+        queue_leaders(connected)
+            .await?
+            .into_iter()
+            .find(|(q, _)| q == queue)
+            .map(|(_, leader)| leader)
+            .ok_or_else(|| keyorder::Error::Config(format!("no queue {queue} on the cluster")))
+    }
+    async fn start_node(&self, node: &str) -> Result<()> {
+        rabbitmqctl(&["-n", node, "start_app"]).await?;
+        rabbitmqctl(&["-n", node, "await_startup"]).await.map(drop)
     }
     fn not_applicable(&self, scenario: Scenario) -> Option<String> {
         if self.only.is_some_and(|only| only != scenario) {
@@ -679,6 +777,7 @@ fn harnesses() -> Vec<Arc<dyn Harness>> {
             topology: "topology=hash&queues=8",
             queue_type: "classic",
             only: None,
+            cluster: None,
         }));
         all.push(Arc::new(RabbitHarness {
             name: "rabbitmq-sac",
@@ -686,6 +785,7 @@ fn harnesses() -> Vec<Arc<dyn Harness>> {
             topology: "topology=sac",
             queue_type: "classic",
             only: None,
+            cluster: None,
         }));
         all.push(Arc::new(RabbitHarness {
             name: "rabbitmq-quorum",
@@ -693,7 +793,22 @@ fn harnesses() -> Vec<Arc<dyn Harness>> {
             topology: "topology=hash&queues=8",
             queue_type: "quorum",
             only: Some(Scenario::C22),
+            cluster: None,
         }));
+        // The three-node cluster (`scripts/services --clusters` prints its
+        // URL): every scenario on quorum queues replicated on all three
+        // nodes, and C24. It runs in scripts/test-clusters, not in
+        // scripts/test: without its URL `main` names it as not run here.
+        if let Some(base) = cluster_url() {
+            all.push(Arc::new(RabbitHarness {
+                name: "rabbitmq-cluster",
+                base,
+                topology: "topology=hash&queues=8",
+                queue_type: "quorum",
+                only: None,
+                cluster: Some("keyorder-c1@localhost"),
+            }));
+        }
 
         let base = std::env::var("AMQP_RESTART_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5673/%2f".into());
         all.push(Arc::new(RabbitRestartHarness { base }));
@@ -716,6 +831,11 @@ fn harnesses() -> Vec<Arc<dyn Harness>> {
         }));
     }
     all
+}
+
+/// The RabbitMQ cluster's URL (`AMQP_CLUSTER_URL`), when this run has one.
+fn cluster_url() -> Option<String> {
+    std::env::var("AMQP_CLUSTER_URL").ok().filter(|u| !u.is_empty())
 }
 
 /// Whether the harness's broker answers; `Err` explains why not.
@@ -832,6 +952,14 @@ fn main() {
                 ));
             }
         }
+    }
+    if cfg!(feature = "rabbitmq") && cluster_url().is_none() {
+        trials.push(Trial::ignorable_test("rabbitmq-cluster::all", || {
+            Ok(Completion::ignored_with(
+                "not run here: the three-node RabbitMQ cluster's trials run in scripts/test-clusters \
+                 (`scripts/services --clusters` starts the cluster and prints AMQP_CLUSTER_URL)",
+            ))
+        }));
     }
     libtest_mimic::run(&args, trials).exit();
 }

@@ -181,6 +181,45 @@ pub trait Harness: Send + Sync {
         Duration::from_secs(30)
     }
 
+    /// C24: why this harness's broker has no node to lose (one node), or
+    /// `None` when it is a cluster whose nodes [`Harness::stop_node`] stops.
+    fn single_node(&self) -> Option<String> {
+        Some(format!(
+            "{}: one broker node (the cluster trials run on a cluster of their own)",
+            self.name()
+        ))
+    }
+
+    /// C24: stops a broker node that leads one of the queues (or
+    /// partitions) of `category`'s group `group`, never the node the
+    /// clients connect to, as a node lost mid-stream; returns the node and
+    /// the queue it led.
+    async fn stop_node(&self, category: &str, group: &str) -> Result<LostNode> {
+        let _ = (category, group);
+        Err(keyorder_core::Error::Config(format!(
+            "{}: no node to stop",
+            self.name()
+        )))
+    }
+
+    /// C24: the node leading `queue` now.
+    async fn queue_leader(&self, queue: &str) -> Result<String> {
+        let _ = queue;
+        Err(keyorder_core::Error::Config(format!(
+            "{}: no queue leaders",
+            self.name()
+        )))
+    }
+
+    /// C24: starts the node [`Harness::stop_node`] stopped again.
+    async fn start_node(&self, node: &str) -> Result<()> {
+        let _ = node;
+        Err(keyorder_core::Error::Config(format!(
+            "{}: no node to start",
+            self.name()
+        )))
+    }
+
     /// Restarts the broker (C14), keeping what it persisted.
     async fn restart_broker(&self) -> Result<()> {
         Err(keyorder_core::Error::Config(format!(
@@ -188,6 +227,15 @@ pub trait Harness: Send + Sync {
             self.name()
         )))
     }
+}
+
+/// A broker node C24 stopped ([`Harness::stop_node`]).
+#[derive(Debug, Clone)]
+pub struct LostNode {
+    /// The node's name on the broker (`keyorder-c2@localhost`).
+    pub node: String,
+    /// The queue (or partition) of the group it led when it was stopped.
+    pub queue: String,
 }
 
 /// Runs every read-only operator command of `admin` on `category` (group

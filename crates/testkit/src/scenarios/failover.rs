@@ -1,5 +1,5 @@
 //! Failures of a worker or the broker: C6 `kill -9`, C7 `SIGSTOP` past the
-//! lease, C14 a broker restart.
+//! lease, C14 a broker restart, C24 a cluster node lost.
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -179,4 +179,55 @@ pub(super) async fn c14(ctx: &Ctx<'_>) -> Outcome {
     })
     .await?
     .assert_ok()
+}
+
+/// C24: a broker node that leads one of the group's queues is lost
+/// mid-stream (a cluster: the clients stay connected to another node);
+/// the queue's leadership moves to a node still up, two instances go on
+/// through the loss and after the node is back; order and loss hold.
+pub(super) async fn c24(ctx: &Ctx<'_>) -> Outcome {
+    let cat = ctx.category("orders");
+    let client = ctx.client().await?;
+    let ks = keys("k", 12);
+    let i1 = ctx.start(ctx.ordered(&client, &cat, "g"), "i1").await?;
+    let i2 = ctx.start(ctx.ordered(&client, &cat, "g"), "i2").await?;
+    let mut published = publish_through_outage(&client, &cat, &ks, 0..15, ctx.h.deadline()).await?;
+    let log = ctx.log.clone();
+    wait_until("some events applied before the node is lost", ctx.h.deadline(), || {
+        let log = log.clone();
+        async move { log.events().await.unwrap_or_default().iter().filter(|e| e.ok).count() >= 12 }
+    })
+    .await?;
+    let lost = ctx.h.stop_node(&cat, "g").await.map_err(err)?;
+    // Whatever happens while the node is down, it is started again.
+    let during = async {
+        published.extend(publish_through_outage(&client, &cat, &ks, 15..30, ctx.h.deadline()).await?);
+        let leader = wait_until(
+            "the lost node's queue to elect a leader on a node still up",
+            ctx.h.deadline(),
+            async || match ctx.h.queue_leader(&lost.queue).await {
+                Ok(leader) if leader != lost.node => Ok(leader),
+                Ok(leader) => Err(format!("leader still {leader}")),
+                Err(e) => Err(e.to_string()),
+            },
+        )
+        .await?;
+        tracing::info!(queue = %lost.queue, from = %lost.node, to = %leader, "C24: leadership moved");
+        ctx.wait_applied(&published, &HashSet::new()).await
+    }
+    .await;
+    let restarted = ctx.h.start_node(&lost.node).await.map_err(err);
+    during?;
+    restarted?;
+    published.extend(publish_through_outage(&client, &cat, &ks, 30..40, ctx.h.deadline()).await?);
+    ctx.wait_applied(&published, &HashSet::new()).await?;
+    stop_all(vec![i1, i2]).await?;
+    let verdict = ctx
+        .verdict(&Expectation {
+            published,
+            ..Default::default()
+        })
+        .await?;
+    tracing::info!("C24: {verdict}");
+    verdict.assert_ok()
 }

@@ -1,4 +1,4 @@
-//! Scenarios C1-C23 and the operator's, written once, by behaviour: each module holds the
+//! Scenarios C1-C24 and the operator's, written once, by behaviour: each module holds the
 //! scenarios of one behaviour; `ctx` holds what they share. The spec, with
 //! what each checks and which capability gates it, is `docs/CONFORMANCE.md`.
 
@@ -65,6 +65,7 @@ impl Scenario {
             Scenario::C21 => handover::c21(&ctx).await,
             Scenario::C22 => crashloop::c22(&ctx).await,
             Scenario::C23 => scopecount::c23(&ctx).await,
+            Scenario::C24 => failover::c24(&ctx).await,
             Scenario::Operator => operator::operator_from_another_transport(&ctx).await,
             #[allow(unreachable_patterns)]
             _ => Err(format!("{}: no runner", self.slug())),

@@ -52,6 +52,8 @@ pub enum Scenario {
     C22,
     /// C23 the scope count changed while publishers and consumers run.
     C23,
+    /// C24 a broker node leading one of the group's queues is lost mid-stream (a cluster).
+    C24,
     /// The operator's verbs from another transport (list, refuse an
     /// unknown label, skip by label).
     Operator,
@@ -59,7 +61,7 @@ pub enum Scenario {
 
 impl Scenario {
     /// Every scenario, in order.
-    pub const ALL: [Scenario; 24] = [
+    pub const ALL: [Scenario; 25] = [
         Scenario::C1,
         Scenario::C2,
         Scenario::C3,
@@ -83,6 +85,7 @@ impl Scenario {
         Scenario::C21,
         Scenario::C22,
         Scenario::C23,
+        Scenario::C24,
         Scenario::Operator,
     ];
 
@@ -112,6 +115,7 @@ impl Scenario {
             Scenario::C21 => "c21_repeated_handover",
             Scenario::C22 => "c22_crash_loop",
             Scenario::C23 => "c23_scope_count_change",
+            Scenario::C24 => "c24_node_loss",
             Scenario::Operator => "operator_from_another_transport",
         }
     }
@@ -143,6 +147,7 @@ impl Scenario {
             ]),
             Scenario::C11 => need(&[("correlated_ownership", caps.correlated_ownership)]),
             Scenario::C23 => harness.scope_count_fixed(),
+            Scenario::C24 => harness.single_node(),
             Scenario::C22 => need(&[
                 (
                     "halt_on_poison or park_and_release",
