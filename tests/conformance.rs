@@ -348,8 +348,19 @@ struct RabbitHarness {
     /// Runs only this scenario (the quorum harness: what differs there).
     only: Option<Scenario>,
     /// On the three-node cluster (`scripts/services --clusters`): the node
-    /// the clients connect to, which C24 never stops.
-    cluster: Option<&'static str>,
+    /// the clients connect to (never stopped) and the one C24 stops.
+    cluster: Option<Cluster>,
+}
+
+/// The nodes of the RabbitMQ cluster C24 uses.
+#[cfg(feature = "rabbitmq")]
+#[derive(Clone)]
+struct Cluster {
+    /// The node the harness's clients connect to (`base`).
+    connected: &'static str,
+    /// The node C24 stops, and the base URL of a client connected through it.
+    lost: &'static str,
+    lost_base: String,
 }
 
 /// Runs `rabbitmqctl` (quiet) and returns what it printed.
@@ -457,8 +468,15 @@ impl Harness for RabbitHarness {
             )),
         }
     }
+    async fn client_on_lost_node(&self) -> Result<Client> {
+        let Some(cluster) = &self.cluster else {
+            return Err(keyorder::Error::Config(format!("{}: one node", self.name)));
+        };
+        let url = self.publishing_url().replacen(&self.base, &cluster.lost_base, 1);
+        keyorder::connect(&url).await
+    }
     async fn stop_node(&self, category: &str, group: &str) -> Result<keyorder_testkit::LostNode> {
-        let Some(connected) = self.cluster else {
+        let Some(Cluster { connected, lost, .. }) = self.cluster.clone() else {
             return Err(keyorder::Error::Config(format!("{}: one node", self.name)));
         };
         // Quorum queues are led by the node they were declared on (the one
@@ -488,15 +506,15 @@ impl Harness for RabbitHarness {
         let (queue, node) = queue_leaders(connected)
             .await?
             .into_iter()
-            .find(|(q, leader)| q.starts_with(&prefix) && leader != connected)
+            .find(|(q, leader)| q.starts_with(&prefix) && leader == lost)
             .ok_or_else(|| {
-                keyorder::Error::Config(format!("no queue of {prefix}* is led by a node other than {connected}"))
+                keyorder::Error::Config(format!("no queue of {prefix}* is led by {lost} after rebalance"))
             })?;
         rabbitmqctl(&["-n", &node, "stop_app"]).await?;
         Ok(keyorder_testkit::LostNode { node, queue })
     }
     async fn queue_leader(&self, queue: &str) -> Result<String> {
-        let connected = self.cluster.unwrap_or("rabbit@localhost");
+        let connected = self.cluster.as_ref().map_or("rabbit@localhost", |c| c.connected);
         queue_leaders(connected)
             .await?
             .into_iter()
@@ -800,13 +818,22 @@ fn harnesses() -> Vec<Arc<dyn Harness>> {
         // nodes, and C24. It runs in scripts/test-clusters, not in
         // scripts/test: without its URL `main` names it as not run here.
         if let Some(base) = cluster_url() {
+            // The second node: the same URL on its port (5682).
+            let lost_base = url::Url::parse(&base)
+                .ok()
+                .and_then(|mut u| u.set_port(Some(5682)).ok().map(|()| u.to_string()))
+                .unwrap_or_else(|| base.clone());
             all.push(Arc::new(RabbitHarness {
                 name: "rabbitmq-cluster",
                 base,
                 topology: "topology=hash&queues=8",
                 queue_type: "quorum",
                 only: None,
-                cluster: Some("keyorder-c1@localhost"),
+                cluster: Some(Cluster {
+                    connected: "keyorder-c1@localhost",
+                    lost: "keyorder-c2@localhost",
+                    lost_base,
+                }),
             }));
         }
 

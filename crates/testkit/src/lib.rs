@@ -190,10 +190,16 @@ pub trait Harness: Send + Sync {
         ))
     }
 
-    /// C24: stops a broker node that leads one of the queues (or
-    /// partitions) of `category`'s group `group`, never the node the
-    /// clients connect to, as a node lost mid-stream; returns the node and
-    /// the queue it led.
+    /// C24: a client connected through the node [`Harness::stop_node`]
+    /// will stop (the other clients connect through another node).
+    async fn client_on_lost_node(&self) -> Result<Client> {
+        Err(keyorder_core::Error::Config(format!("{}: one node", self.name())))
+    }
+
+    /// C24: stops the broker node that [`Harness::client_on_lost_node`]
+    /// connects through, after making it lead one of the queues (or
+    /// partitions) of `category`'s group `group`, as a node lost
+    /// mid-stream; returns the node and the queue it led.
     async fn stop_node(&self, category: &str, group: &str) -> Result<LostNode> {
         let _ = (category, group);
         Err(keyorder_core::Error::Config(format!(

@@ -182,22 +182,34 @@ pub(super) async fn c14(ctx: &Ctx<'_>) -> Outcome {
 }
 
 /// C24: a broker node that leads one of the group's queues is lost
-/// mid-stream (a cluster: the clients stay connected to another node);
-/// the queue's leadership moves to a node still up, two instances go on
+/// mid-stream (a cluster). Instance `i1` and the publisher connect through
+/// another node, `i2` through the lost one: the queue's leadership moves to
+/// a node still up, `i2`'s connection is gone, so the queues it consumed
+/// go to `i1` (it applies keys `i2` had applied before); publishing goes on
 /// through the loss and after the node is back; order and loss hold.
 pub(super) async fn c24(ctx: &Ctx<'_>) -> Outcome {
     let cat = ctx.category("orders");
     let client = ctx.client().await?;
+    let via_lost = ctx.h.client_on_lost_node().await.map_err(err)?;
     let ks = keys("k", 12);
     let i1 = ctx.start(ctx.ordered(&client, &cat, "g"), "i1").await?;
-    let i2 = ctx.start(ctx.ordered(&client, &cat, "g"), "i2").await?;
+    let i2 = ctx.start(ctx.ordered(&via_lost, &cat, "g"), "i2").await?;
     let mut published = publish_through_outage(&client, &cat, &ks, 0..15, ctx.h.deadline()).await?;
     let log = ctx.log.clone();
-    wait_until("some events applied before the node is lost", ctx.h.deadline(), || {
-        let log = log.clone();
-        async move { log.events().await.unwrap_or_default().iter().filter(|e| e.ok).count() >= 12 }
-    })
+    wait_until(
+        "both instances to apply before the node is lost",
+        ctx.h.deadline(),
+        || {
+            let log = log.clone();
+            async move {
+                let events = log.events().await.unwrap_or_default();
+                let applied = |i: &str| events.iter().filter(|e| e.ok && e.instance == i).count();
+                applied("i1") >= 6 && applied("i2") >= 6
+            }
+        },
+    )
     .await?;
+    let before = ctx.log.now().await.map_err(err)?;
     let lost = ctx.h.stop_node(&cat, "g").await.map_err(err)?;
     // Whatever happens while the node is down, it is started again.
     let during = async {
@@ -219,6 +231,19 @@ pub(super) async fn c24(ctx: &Ctx<'_>) -> Outcome {
     let restarted = ctx.h.start_node(&lost.node).await.map_err(err);
     during?;
     restarted?;
+    // i2's keys went to i1 while the node was down.
+    let events = ctx.log.events().await.map_err(err)?;
+    let i2_keys: HashSet<&str> = events
+        .iter()
+        .filter(|e| e.ok && e.instance == "i2" && e.start < before)
+        .map(|e| e.key.as_str())
+        .collect();
+    ensure(
+        events
+            .iter()
+            .any(|e| e.ok && e.instance == "i1" && e.start > before && i2_keys.contains(e.key.as_str())),
+        || "i1 applied none of the keys i2 held before its node was lost".into(),
+    )?;
     published.extend(publish_through_outage(&client, &cat, &ks, 30..40, ctx.h.deadline()).await?);
     ctx.wait_applied(&published, &HashSet::new()).await?;
     stop_all(vec![i1, i2]).await?;
