@@ -516,6 +516,7 @@ impl Subscription {
                     st.revoking.insert(scope);
                 }
                 SourceEvent::Resolved { key, drop_head } => {
+                    hand_back_resolved(&mut st.paused, &key, &self.stats);
                     dispatcher.release(&key, drop_head);
                 }
             }
@@ -667,6 +668,31 @@ impl Subscription {
             }
         }
     }
+}
+
+/// Hands back the resolved key's messages that wait in a paused scope (by
+/// value or label, like [`Dispatcher::release`]), where the transport holds
+/// a halted key's messages ([`crate::Settle::unread`]). They came after
+/// everything the dispatcher holds of the key, and the transport reads them
+/// again, in order, from the resolved head. Submitted from the paused queue
+/// after the release instead, they ran ahead of the key's messages that the
+/// halt had handed back, which that re-read delivers only later (`p0, p2,
+/// p1`), and the transport's cursor then passed those for good. Unresolved,
+/// they go back when submitted (`Dispatcher::submit` hands a halted key's
+/// message back), as ever.
+fn hand_back_resolved(paused: &mut HashMap<Arc<str>, VecDeque<Job>>, key: &str, stats: &Stats) {
+    for queue in paused.values_mut() {
+        queue.retain(|job| {
+            let named = job.key.as_ref().is_some_and(|k| k.as_str() == key || k.label() == key);
+            if named && job.settle.unread() {
+                bump(&stats.handed_back, "keyorder_handed_back_total");
+                false
+            } else {
+                true
+            }
+        });
+    }
+    paused.retain(|_, queue| !queue.is_empty());
 }
 
 #[derive(Default)]

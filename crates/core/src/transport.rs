@@ -211,7 +211,12 @@ pub trait Settle: Send + Sync + fmt::Debug {
     ///   key's order, once the key's halt is resolved; until then it holds
     ///   it (not delivered, not counted as an attempt), so a halted key
     ///   takes no memory or per-key depth in the consumer.
-    /// - Called only after [`Settle::halt`] of the key's head returned `Ok`.
+    /// - Called only after [`Settle::halt`] of the key's head returned `Ok`:
+    ///   while the key is halted, or when the subscription takes the
+    ///   halt's resolution ([`SourceEvent::Resolved`], before its next
+    ///   fetch) for a message that waited in a paused scope. Such a message
+    ///   too is delivered again, after the key's earlier messages, by the
+    ///   read that follows the resolution.
     fn unread(&self) -> bool {
         false
     }

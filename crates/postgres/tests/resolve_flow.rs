@@ -198,3 +198,143 @@ async fn resolving_a_halt_under_flow_never_runs_an_acknowledged_message_again() 
         "each dead-lettered head is stored once"
     );
 }
+
+/// A halted key's later messages that wait behind a paused scope (back-pressure
+/// widened from another key that is at its depth) are handed back with the
+/// rest when the halt is resolved: the re-read from the head then delivers
+/// the key's messages in order. Submitted from the paused queue after the
+/// release, they used to run ahead of the earlier ones the halt had handed
+/// back to the database (`p0, p2` instead of `p0, p1`), and once `p2`
+/// halted, the cursor passed `p1` for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_halted_keys_messages_behind_a_paused_scope_run_in_order_after_the_resolution() {
+    let cfg = PgConfig::from_url(
+        &format!("{}?schema=keyorder_resolve&slots=1&migrate=true", url())
+            .parse()
+            .unwrap(),
+    )
+    .unwrap();
+    let client = Client::new(Arc::new(common::connect(cfg.clone()).await));
+    let admin: Arc<dyn Admin> = Client::new(Arc::new(PgTransport::connect(cfg).await.unwrap())).admin();
+    let queue = format!("resolve-paused-{}", uuid::Uuid::new_v4().simple());
+    let publisher = client.publisher(&queue).await.unwrap();
+    // One read takes them all. With a depth of 2, `p0, p1` fill the poison
+    // key, `b0, b1` the blocked key, and `b2` widens: the scope pauses with
+    // `b2, p2, p3` waiting behind `b2`, which waits for the blocked key.
+    let mut ids = BTreeMap::new();
+    for (key, seq) in [("p", 0), ("p", 1), ("b", 0), ("b", 1), ("b", 2), ("p", 2), ("p", 3)] {
+        let m = Message::new(seq.to_string()).with_key(key).unwrap();
+        ids.insert((key, seq), m.id().to_owned());
+        publisher.publish(m).await.unwrap();
+    }
+
+    let subscription = client
+        .subscribe(&queue, "g")
+        .ordered_by(KeySource::routing_key())
+        .concurrency(4)
+        .batch(32)
+        .per_key_depth(2)
+        .retry(RetryPolicy {
+            max_attempts: 1,
+            initial_backoff: Duration::from_millis(10),
+            max_backoff: Duration::from_millis(10),
+        })
+        .lease(LeaseConfig {
+            ttl: Duration::from_secs(15),
+            heartbeat: Duration::from_millis(100),
+            margin: Duration::from_secs(5),
+        })
+        .build()
+        .await
+        .unwrap();
+    // The blocked key's handlers wait for this.
+    let (open, opened) = tokio::sync::watch::channel(false);
+    let poison_runs: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let poison_failed: Arc<Mutex<HashSet<u64>>> = Arc::default();
+    let blocked_applied: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let handler = {
+        let (poison_runs, poison_failed, blocked_applied) =
+            (poison_runs.clone(), poison_failed.clone(), blocked_applied.clone());
+        move |d: Delivery| {
+            let (poison_runs, poison_failed, blocked_applied, mut opened) = (
+                poison_runs.clone(),
+                poison_failed.clone(),
+                blocked_applied.clone(),
+                opened.clone(),
+            );
+            async move {
+                let key = d.key().map(|k| k.as_str().to_owned()).unwrap_or_default();
+                let seq: u64 = String::from_utf8_lossy(d.payload()).parse().unwrap();
+                if key == "p" {
+                    poison_runs.lock().unwrap().push(seq);
+                    if poison_failed.lock().unwrap().insert(seq) {
+                        return Err(HandlerError::poison("first attempt fails"));
+                    }
+                    return HandlerResult::Ok(());
+                }
+                let _ = opened.wait_for(|open| *open).await;
+                blocked_applied.lock().unwrap().push(seq);
+                HandlerResult::Ok(())
+            }
+        }
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(subscription.run(handler, async move {
+        let _ = stopped.await;
+    }));
+
+    let head = async || {
+        let halted = admin.halted(&queue, "g").await.unwrap();
+        halted.first().map(|h| h.head_id.clone())
+    };
+    until("the poison key's halt at p0", Duration::from_secs(30), async || {
+        head().await.as_deref() == Some(ids[&("p", 0)].as_str())
+    })
+    .await;
+    admin.resolve(&queue, "g", "p", HeadAction::Skip).await.unwrap();
+    // The owner took the resolution (its heartbeat deletes the halted row
+    // and releases the key in the same step) while `b2, p2, p3` still wait.
+    until(
+        "the owner to take the resolution",
+        Duration::from_secs(30),
+        async || admin.scopes(&queue, "g").await.unwrap().iter().all(|s| s.halted == 0),
+    )
+    .await;
+    open.send(true).unwrap();
+
+    // The key halts again at its next message, then at each one after it.
+    let mut resolved = ids[&("p", 0)].clone();
+    for seq in 1..=3u64 {
+        let at = until(
+            &format!("the poison key's halt at p{seq}"),
+            Duration::from_secs(30),
+            async || head().await.filter(|h| *h != resolved),
+        )
+        .await;
+        let runs = poison_runs.lock().unwrap().clone();
+        assert_eq!(
+            at,
+            ids[&("p", seq)],
+            "the poison key halted at another message than p{seq} (first attempts so far: {runs:?})"
+        );
+        admin.resolve(&queue, "g", "p", HeadAction::Skip).await.unwrap();
+        resolved = at;
+    }
+    until(
+        "the blocked key's messages to be applied and the last resolution taken",
+        Duration::from_secs(30),
+        async || {
+            blocked_applied.lock().unwrap().len() == 3
+                && admin.scopes(&queue, "g").await.unwrap().iter().all(|s| s.halted == 0)
+        },
+    )
+    .await;
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+    assert_eq!(
+        *poison_runs.lock().unwrap(),
+        vec![0, 1, 2, 3],
+        "each poison message ran once, in order"
+    );
+    assert_eq!(*blocked_applied.lock().unwrap(), vec![0, 1, 2]);
+}
