@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use keyorder_core::{
     Admin, Client, Delivery, HandlerError, HandlerResult, HeadAction, KeySource, LeaseConfig, Message, RetryPolicy,
+    SubscriptionBuilder,
 };
 use keyorder_postgres::{PgConfig, PgTransport};
 use keyorder_testkit::until;
@@ -32,8 +33,9 @@ const ROUNDS: usize = 90;
 /// the order they were applied.
 type Applied = Arc<Mutex<BTreeMap<usize, Vec<u64>>>>;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn resolving_a_halt_under_flow_never_runs_an_acknowledged_message_again() {
+/// One slot, a client, an operator working through a transport of its
+/// own (as from another process), and a fresh queue named after `prefix`.
+async fn setup(prefix: &str) -> (Client, Arc<dyn Admin>, String) {
     let cfg = PgConfig::from_url(
         &format!("{}?schema=keyorder_resolve&slots=1&migrate=true", url())
             .parse()
@@ -41,9 +43,35 @@ async fn resolving_a_halt_under_flow_never_runs_an_acknowledged_message_again() 
     )
     .unwrap();
     let client = Client::new(Arc::new(common::connect(cfg.clone()).await));
-    // The operator works through a transport of its own, as from another process.
     let admin: Arc<dyn Admin> = Client::new(Arc::new(PgTransport::connect(cfg).await.unwrap())).admin();
-    let queue = format!("resolve-{}", uuid::Uuid::new_v4().simple());
+    (client, admin, format!("{prefix}-{}", uuid::Uuid::new_v4().simple()))
+}
+
+/// The subscription both tests run: one attempt (the first failure
+/// halts), reads of 32, and a lease a loaded machine keeps (a lost one
+/// would redeliver what was in flight, which is at-least-once and not what
+/// this tests); the heartbeat is when resolutions are picked up.
+fn subscription(client: &Client, queue: &str, concurrency: usize) -> SubscriptionBuilder {
+    client
+        .subscribe(queue, "g")
+        .ordered_by(KeySource::routing_key())
+        .concurrency(concurrency)
+        .batch(32)
+        .retry(RetryPolicy {
+            max_attempts: 1,
+            initial_backoff: Duration::from_millis(10),
+            max_backoff: Duration::from_millis(10),
+        })
+        .lease(LeaseConfig {
+            ttl: Duration::from_secs(15),
+            heartbeat: Duration::from_millis(100),
+            margin: Duration::from_secs(5),
+        })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resolving_a_halt_under_flow_never_runs_an_acknowledged_message_again() {
+    let (client, admin, queue) = setup("resolve").await;
     let publisher = client.publisher(&queue).await.unwrap();
     let key_name = |i: usize| format!("k{i:02}");
     // The poison key's messages come first: each resolution rewinds the
@@ -56,27 +84,7 @@ async fn resolving_a_halt_under_flow_never_runs_an_acknowledged_message_again() 
             .unwrap();
     }
 
-    let subscription = client
-        .subscribe(&queue, "g")
-        .ordered_by(KeySource::routing_key())
-        .concurrency(16)
-        .batch(32)
-        .retry(RetryPolicy {
-            max_attempts: 1,
-            initial_backoff: Duration::from_millis(10),
-            max_backoff: Duration::from_millis(10),
-        })
-        // A lease a loaded machine keeps (a lost one would redeliver what was
-        // in flight, which is at-least-once and not what this tests); the
-        // heartbeat is when resolutions are picked up.
-        .lease(LeaseConfig {
-            ttl: Duration::from_secs(15),
-            heartbeat: Duration::from_millis(100),
-            margin: Duration::from_secs(5),
-        })
-        .build()
-        .await
-        .unwrap();
+    let subscription = subscription(&client, &queue, 16).build().await.unwrap();
 
     let healthy: Applied = Arc::default();
     let poison_applied: Arc<Mutex<Vec<u64>>> = Arc::default();
@@ -208,15 +216,7 @@ async fn resolving_a_halt_under_flow_never_runs_an_acknowledged_message_again() 
 /// halted, the cursor passed `p1` for good.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_halted_keys_messages_behind_a_paused_scope_run_in_order_after_the_resolution() {
-    let cfg = PgConfig::from_url(
-        &format!("{}?schema=keyorder_resolve&slots=1&migrate=true", url())
-            .parse()
-            .unwrap(),
-    )
-    .unwrap();
-    let client = Client::new(Arc::new(common::connect(cfg.clone()).await));
-    let admin: Arc<dyn Admin> = Client::new(Arc::new(PgTransport::connect(cfg).await.unwrap())).admin();
-    let queue = format!("resolve-paused-{}", uuid::Uuid::new_v4().simple());
+    let (client, admin, queue) = setup("resolve-paused").await;
     let publisher = client.publisher(&queue).await.unwrap();
     // One read takes them all. With a depth of 2, `p0, p1` fill the poison
     // key, `b0, b1` the blocked key, and `b2` widens: the scope pauses with
@@ -228,25 +228,7 @@ async fn a_halted_keys_messages_behind_a_paused_scope_run_in_order_after_the_res
         publisher.publish(m).await.unwrap();
     }
 
-    let subscription = client
-        .subscribe(&queue, "g")
-        .ordered_by(KeySource::routing_key())
-        .concurrency(4)
-        .batch(32)
-        .per_key_depth(2)
-        .retry(RetryPolicy {
-            max_attempts: 1,
-            initial_backoff: Duration::from_millis(10),
-            max_backoff: Duration::from_millis(10),
-        })
-        .lease(LeaseConfig {
-            ttl: Duration::from_secs(15),
-            heartbeat: Duration::from_millis(100),
-            margin: Duration::from_secs(5),
-        })
-        .build()
-        .await
-        .unwrap();
+    let subscription = subscription(&client, &queue, 4).per_key_depth(2).build().await.unwrap();
     // The blocked key's handlers wait for this.
     let (open, opened) = tokio::sync::watch::channel(false);
     let poison_runs: Arc<Mutex<Vec<u64>>> = Arc::default();
