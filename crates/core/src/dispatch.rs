@@ -731,23 +731,35 @@ impl Dispatcher {
 
     /// Releases a halted key after an operator resolved its head at the
     /// broker: drops the head (`drop_head`, after skip or dead letter) or runs
-    /// it again (resume). `key` is the key's value or its label. Returns
+    /// it again (resume). `key` is the key's value or its label (a key
+    /// whose value it is comes first). Returns
     /// whether a halted key was found here (or a key whose job is in flight,
     /// maybe coming back from recording its halt: the release then applies
     /// when it is back, if it halted).
     pub fn release(&self, key: &str, drop_head: bool) -> bool {
         let mut st = self.inner.lock();
-        let named = |k: &OrderingKey| k.as_str() == key || k.label() == key;
-        let Some(found) = st
-            .keys
-            .iter()
-            .find(|(k, q)| q.halted && named(k))
-            .map(|(k, _)| k.clone())
-        else {
+        // By value first: a key's value may read like another key's label
+        // (`k#<hash>`, keys are user data), and that other key, halted too,
+        // was released in its place now and then (map order).
+        let by_value = |k: &OrderingKey| k.as_str() == key;
+        let by_label = |k: &OrderingKey| k.label() == key;
+        let halted = |named: &dyn Fn(&OrderingKey) -> bool| {
+            st.keys
+                .iter()
+                .find(|(k, q)| q.halted && named(k))
+                .map(|(k, _)| k.clone())
+        };
+        let Some(found) = halted(&by_value).or_else(|| halted(&by_label)) else {
             // The halt is recorded at the broker before its job comes back
             // here: an operator may resolve it in between. The release then
             // waits for the job (and lapses if it did not halt).
-            if let Some((_, q)) = st.keys.iter_mut().find(|(k, q)| q.busy && named(k)) {
+            let busy = st
+                .keys
+                .iter()
+                .find(|(k, q)| q.busy && by_value(k))
+                .or_else(|| st.keys.iter().find(|(k, q)| q.busy && by_label(k)))
+                .map(|(k, _)| k.clone());
+            if let Some(q) = busy.and_then(|k| st.keys.get_mut(&k)) {
                 q.release = Some(drop_head);
                 return true;
             }

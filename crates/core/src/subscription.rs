@@ -671,7 +671,10 @@ impl Subscription {
 }
 
 /// Hands back the resolved key's messages that wait in a paused scope (by
-/// value or label, like [`Dispatcher::release`]), where the transport holds
+/// value, which is what [`SourceEvent::Resolved`] carries: matched by label
+/// as well, a key whose value reads like another key's label, `k#<hash>`,
+/// handed back that other key's messages too, which no resolution reads
+/// again, and they were lost), where the transport holds
 /// a halted key's messages ([`crate::Settle::unread`]). They came after
 /// everything the dispatcher holds of the key, and the transport reads them
 /// again, in order, from the resolved head. Submitted from the paused queue
@@ -683,7 +686,7 @@ impl Subscription {
 fn hand_back_resolved(paused: &mut HashMap<Arc<str>, VecDeque<Job>>, key: &str, stats: &Stats) {
     for queue in paused.values_mut() {
         queue.retain(|job| {
-            let named = job.key.as_ref().is_some_and(|k| k.as_str() == key || k.label() == key);
+            let named = job.key.as_ref().is_some_and(|k| k.as_str() == key);
             if named && job.settle.unread() {
                 bump(&stats.handed_back, "keyorder_handed_back_total");
                 false

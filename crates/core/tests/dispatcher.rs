@@ -862,3 +862,62 @@ async fn dispatchers_sharing_the_process_gate_run_their_suspects_one_at_a_time()
     until("both suspects to be applied", || broker.count("ack") == 2).await;
     assert_eq!(max.load(Ordering::SeqCst), 1, "two suspects of one process ran at once");
 }
+
+/// A key's value may read like another key's label (`k#<hash>`, keys are
+/// user data): releasing it by value releases that key, never the other
+/// halted one whose label it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releasing_a_key_by_value_never_releases_the_key_whose_label_it_reads_like() {
+    let broker = Arc::new(Broker::default());
+    let failing = Arc::new(AtomicBool::new(true));
+    let handler = {
+        let failing = failing.clone();
+        move |d: Delivery| {
+            let failing = failing.clone();
+            async move {
+                if d.id().ends_with("-0") && failing.load(Ordering::SeqCst) {
+                    return Err(HandlerError::poison("head fails"));
+                }
+                Ok(())
+            }
+        }
+    };
+    let d = Dispatcher::new(cfg(), Arc::new(handler), Arc::new(Stats::default()));
+    let l = lease();
+    // Pairs of halted keys: `x{i}` and the key whose value is its label.
+    let pairs: Vec<(String, String)> = (0..8)
+        .map(|i| {
+            let x = format!("x{i}");
+            let y = keyorder_core::key::label(&x);
+            (x, y)
+        })
+        .collect();
+    for (x, y) in &pairs {
+        submit_all(
+            &d,
+            vec![
+                job(&broker, &l, Some(x), &format!("{x}-0")),
+                job(&broker, &l, Some(y), &format!("{y}-0")),
+            ],
+        );
+    }
+    until("every key to halt", || broker.count("halt") == 16).await;
+    failing.store(false, Ordering::SeqCst);
+    for (_, y) in &pairs {
+        assert!(d.release(y, false));
+    }
+    until("the released keys to finish", || broker.count("ack") == 8).await;
+    let acked: Vec<String> = broker
+        .settled()
+        .into_iter()
+        .filter(|(_, w)| *w == "ack")
+        .map(|(id, _)| id)
+        .collect();
+    for (x, y) in &pairs {
+        assert!(acked.contains(&format!("{y}-0")), "{y} was not released");
+        assert!(
+            !acked.contains(&format!("{x}-0")),
+            "{x} was released by another key's value"
+        );
+    }
+}

@@ -320,3 +320,104 @@ async fn a_halted_keys_messages_behind_a_paused_scope_run_in_order_after_the_res
     );
     assert_eq!(*blocked_applied.lock().unwrap(), vec![0, 1, 2]);
 }
+
+/// Resolving a key whose value reads like another key's label
+/// (`k#<hash>`, keys are user data) hands back only that key's paused
+/// messages: the other key's, in another slot that no resolution rewinds,
+/// were handed back too and never read again (lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resolution_hands_back_only_the_resolved_keys_paused_messages() {
+    let slots = 2u64;
+    let other = (0..)
+        .map(|i| format!("x{i}"))
+        .find(|x| {
+            keyorder_core::key::stable_hash(x.as_bytes()) % slots
+                != keyorder_core::key::stable_hash(keyorder_core::key::label(x).as_bytes()) % slots
+        })
+        .unwrap();
+    let poison = keyorder_core::key::label(&other);
+    let cfg = PgConfig::from_url(
+        &format!("{}?schema=keyorder_resolve&slots={slots}&migrate=true", url())
+            .parse()
+            .unwrap(),
+    )
+    .unwrap();
+    let client = Client::new(Arc::new(common::connect(cfg.clone()).await));
+    let admin: Arc<dyn Admin> = Client::new(Arc::new(PgTransport::connect(cfg).await.unwrap())).admin();
+    let queue = format!("resolve-label-{}", uuid::Uuid::new_v4().simple());
+    let publisher = client.publisher(&queue).await.unwrap();
+    // Depth 2: `o0` runs (blocked), `o1` waits, `o2` widens: the other
+    // key's slot pauses with `o2, o3`. The poison key halts in its slot.
+    for (key, seq) in [(&other, 0), (&other, 1), (&other, 2), (&other, 3), (&poison, 0)] {
+        publisher
+            .publish(Message::new(seq.to_string()).with_key(key.as_str()).unwrap())
+            .await
+            .unwrap();
+    }
+    let subscription = client
+        .subscribe(&queue, "g")
+        .ordered_by(KeySource::routing_key())
+        .concurrency(4)
+        .batch(32)
+        .per_key_depth(2)
+        .retry(RetryPolicy {
+            max_attempts: 1,
+            initial_backoff: Duration::from_millis(10),
+            max_backoff: Duration::from_millis(10),
+        })
+        .lease(LeaseConfig {
+            ttl: Duration::from_secs(15),
+            heartbeat: Duration::from_millis(100),
+            margin: Duration::from_secs(5),
+        })
+        .build()
+        .await
+        .unwrap();
+    let (open, opened) = tokio::sync::watch::channel(false);
+    let applied: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let handler = {
+        let (applied, poison) = (applied.clone(), poison.clone());
+        move |d: Delivery| {
+            let (applied, poison, mut opened) = (applied.clone(), poison.clone(), opened.clone());
+            async move {
+                let key = d.key().map(|k| k.as_str().to_owned()).unwrap_or_default();
+                if key == poison {
+                    return Err(HandlerError::poison("poison"));
+                }
+                let _ = opened.wait_for(|open| *open).await;
+                applied
+                    .lock()
+                    .unwrap()
+                    .push(String::from_utf8_lossy(d.payload()).parse().unwrap());
+                HandlerResult::Ok(())
+            }
+        }
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(subscription.run(handler, async move {
+        let _ = stopped.await;
+    }));
+    until("the poison key's halt", Duration::from_secs(30), async || {
+        !admin.halted(&queue, "g").await.unwrap().is_empty()
+    })
+    .await;
+    admin.resolve(&queue, "g", &poison, HeadAction::Skip).await.unwrap();
+    until(
+        "the owner to take the resolution",
+        Duration::from_secs(30),
+        async || admin.scopes(&queue, "g").await.unwrap().iter().all(|s| s.halted == 0),
+    )
+    .await;
+    open.send(true).unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while applied.lock().unwrap().len() < 4 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+    assert_eq!(
+        *applied.lock().unwrap(),
+        vec![0, 1, 2, 3],
+        "the other key's messages all ran, in order"
+    );
+}
