@@ -33,11 +33,11 @@ const ROUNDS: usize = 90;
 /// the order they were applied.
 type Applied = Arc<Mutex<BTreeMap<usize, Vec<u64>>>>;
 
-/// One slot, a client, an operator working through a transport of its
+/// `slots` slots, a client, an operator working through a transport of its
 /// own (as from another process), and a fresh queue named after `prefix`.
-async fn setup(prefix: &str) -> (Client, Arc<dyn Admin>, String) {
+async fn setup(prefix: &str, slots: u64) -> (Client, Arc<dyn Admin>, String) {
     let cfg = PgConfig::from_url(
-        &format!("{}?schema=keyorder_resolve&slots=1&migrate=true", url())
+        &format!("{}?schema=keyorder_resolve&slots={slots}&migrate=true", url())
             .parse()
             .unwrap(),
     )
@@ -47,7 +47,7 @@ async fn setup(prefix: &str) -> (Client, Arc<dyn Admin>, String) {
     (client, admin, format!("{prefix}-{}", uuid::Uuid::new_v4().simple()))
 }
 
-/// The subscription both tests run: one attempt (the first failure
+/// The subscription the tests run: one attempt (the first failure
 /// halts), reads of 32, and a lease a loaded machine keeps (a lost one
 /// would redeliver what was in flight, which is at-least-once and not what
 /// this tests); the heartbeat is when resolutions are picked up.
@@ -71,7 +71,7 @@ fn subscription(client: &Client, queue: &str, concurrency: usize) -> Subscriptio
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resolving_a_halt_under_flow_never_runs_an_acknowledged_message_again() {
-    let (client, admin, queue) = setup("resolve").await;
+    let (client, admin, queue) = setup("resolve", 1).await;
     let publisher = client.publisher(&queue).await.unwrap();
     let key_name = |i: usize| format!("k{i:02}");
     // The poison key's messages come first: each resolution rewinds the
@@ -216,7 +216,7 @@ async fn resolving_a_halt_under_flow_never_runs_an_acknowledged_message_again() 
 /// halted, the cursor passed `p1` for good.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_halted_keys_messages_behind_a_paused_scope_run_in_order_after_the_resolution() {
-    let (client, admin, queue) = setup("resolve-paused").await;
+    let (client, admin, queue) = setup("resolve-paused", 1).await;
     let publisher = client.publisher(&queue).await.unwrap();
     // One read takes them all. With a depth of 2, `p0, p1` fill the poison
     // key, `b0, b1` the blocked key, and `b2` widens: the scope pauses with
@@ -336,15 +336,7 @@ async fn a_resolution_hands_back_only_the_resolved_keys_paused_messages() {
         })
         .unwrap();
     let poison = keyorder_core::key::label(&other);
-    let cfg = PgConfig::from_url(
-        &format!("{}?schema=keyorder_resolve&slots={slots}&migrate=true", url())
-            .parse()
-            .unwrap(),
-    )
-    .unwrap();
-    let client = Client::new(Arc::new(common::connect(cfg.clone()).await));
-    let admin: Arc<dyn Admin> = Client::new(Arc::new(PgTransport::connect(cfg).await.unwrap())).admin();
-    let queue = format!("resolve-label-{}", uuid::Uuid::new_v4().simple());
+    let (client, admin, queue) = setup("resolve-label", slots).await;
     let publisher = client.publisher(&queue).await.unwrap();
     // Depth 2: `o0` runs (blocked), `o1` waits, `o2` widens: the other
     // key's slot pauses with `o2, o3`. The poison key halts in its slot.
@@ -354,25 +346,7 @@ async fn a_resolution_hands_back_only_the_resolved_keys_paused_messages() {
             .await
             .unwrap();
     }
-    let subscription = client
-        .subscribe(&queue, "g")
-        .ordered_by(KeySource::routing_key())
-        .concurrency(4)
-        .batch(32)
-        .per_key_depth(2)
-        .retry(RetryPolicy {
-            max_attempts: 1,
-            initial_backoff: Duration::from_millis(10),
-            max_backoff: Duration::from_millis(10),
-        })
-        .lease(LeaseConfig {
-            ttl: Duration::from_secs(15),
-            heartbeat: Duration::from_millis(100),
-            margin: Duration::from_secs(5),
-        })
-        .build()
-        .await
-        .unwrap();
+    let subscription = subscription(&client, &queue, 4).per_key_depth(2).build().await.unwrap();
     let (open, opened) = tokio::sync::watch::channel(false);
     let applied: Arc<Mutex<Vec<u64>>> = Arc::default();
     let handler = {
