@@ -59,8 +59,11 @@ enum Command {
 }
 
 /// The log filter without `KEYORDER_LOG`: warnings, without the clients'
-/// own logs that the adapters report in their own words.
-const DEFAULT_LOG: &str = "warn,librdkafka=off,rdkafka=off,lapin::channel=off";
+/// own logs that the adapters report in their own words. A directive's
+/// target matches by prefix: `lapin::channel=off` alone would also silence
+/// `lapin::channels`, where lapin logs a connection's error at ERROR (a
+/// reset by a broker that went away), which `lapin::channels=warn` keeps.
+const DEFAULT_LOG: &str = "warn,librdkafka=off,rdkafka=off,lapin::channel=off,lapin::channels=warn";
 
 fn main() -> ExitCode {
     // `keyorder failover` re-executes this binary as its worker process.
@@ -194,6 +197,33 @@ mod tests {
         let line = super::one_line(&e);
         assert!(!line.contains('\n') && !line.contains('\u{1b}'), "{line:?}");
         assert!(line.contains("FORGED"), "{line:?}");
+    }
+
+    /// The default filter drops lapin's `Channel closed` (target
+    /// `lapin::channel`) but no other log: an `EnvFilter` target matches
+    /// by prefix, so `lapin::channel=off` alone also silenced
+    /// `lapin::channels`, where lapin logs a connection's error (a reset
+    /// by a broker that went away) at ERROR.
+    #[test]
+    fn the_default_filter_keeps_lapins_connection_errors() {
+        use tracing_subscriber::layer::SubscriberExt;
+        let subscriber = tracing_subscriber::registry().with(tracing_subscriber::EnvFilter::new(super::DEFAULT_LOG));
+        tracing::subscriber::with_default(subscriber, || {
+            assert!(!tracing::enabled!(target: "lapin::channel", tracing::Level::ERROR));
+            assert!(!tracing::enabled!(target: "librdkafka", tracing::Level::ERROR));
+            assert!(
+                tracing::enabled!(target: "lapin::channels", tracing::Level::ERROR),
+                "lapin::channels"
+            );
+            assert!(
+                tracing::enabled!(target: "lapin::io_loop", tracing::Level::ERROR),
+                "lapin::io_loop"
+            );
+            assert!(
+                tracing::enabled!(target: "keyorder_rabbitmq", tracing::Level::WARN),
+                "keyorder_rabbitmq"
+            );
+        });
     }
 
     #[test]
