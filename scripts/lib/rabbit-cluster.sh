@@ -27,7 +27,7 @@ rcluster_amqp_up() { # rcluster_amqp_up N
   timeout 10 bash -c "exec 3<>/dev/tcp/127.0.0.1/$(rcluster_port "$1") && printf 'AMQP\x00\x00\x09\x01' >&3 &&
     [ \"\$(head -c 1 <&3 | od -An -tx1 | tr -d ' ')\" = 01 ]" 2>/dev/null
 }
-rcluster_start() { # rcluster_start N
+rcluster_start() { # rcluster_start N: launches node N (the caller waits for it)
   local n=$1 dir="$RCLUSTER_DIR/c$1"
   as_root pkill -9 -f "[b]eam.smp.*$(rcluster_node "$n")" || true
   as_root mkdir -p "$dir"
@@ -39,26 +39,46 @@ CONF
   as_root chown -R rabbitmq:rabbitmq "$RCLUSTER_DIR"
   rabbit_env_ulimit
   (cd /tmp && as_root rcluster_env "$n" rabbitmq-server -detached >&2)
-  wait_for "RabbitMQ cluster node c$n ($(rcluster_port "$n"))" 120 rcluster_amqp_up "$n"
 }
 # The nodes c1 sees running in its cluster, one per line.
 rcluster_running() {
   as_root rabbitmqctl -n "$(rcluster_node 1)" -q cluster_status --formatter json 2>/dev/null |
     python3 -c 'import json,sys; print("\n".join(json.load(sys.stdin).get("running_nodes", [])))'
 }
-rcluster_member() { # rcluster_member N: whether node N is in c1's cluster (running or not)
-  as_root rabbitmqctl -n "$(rcluster_node 1)" -q cluster_status --formatter json 2>/dev/null |
-    python3 -c 'import json,sys; d=json.load(sys.stdin); sys.exit(0 if sys.argv[1] in d.get("disk_nodes", []) + d.get("ram_nodes", []) else 1)' \
-      "$(rcluster_node "$1")"
+# rcluster_member N: whether node N is in c1's cluster (running or not):
+# 0 yes, 1 no, 2 c1 did not say (never read as "no": a "no" resets node N).
+rcluster_member() {
+  local status
+  status=$(as_root rabbitmqctl -n "$(rcluster_node 1)" -q cluster_status --formatter json 2>/dev/null) || return 2
+  python3 -c 'import json,sys
+try: d=json.loads(sys.argv[2])
+except ValueError: sys.exit(2)
+sys.exit(0 if sys.argv[1] in d.get("disk_nodes", []) + d.get("ram_nodes", []) else 1)' \
+    "$(rcluster_node "$1")" "$status"
 }
+# Every node that is down is launched before any is waited for: a node that
+# was not the last of its cluster to stop (after a reboot, all of them) waits
+# for its peers before it answers AMQP, so one started and waited for alone
+# would never come up.
+rcluster_launched=""
 for n in $RCLUSTER_NODES; do
   if ! rcluster_amqp_up "$n"; then
     log "starting RabbitMQ cluster node $(rcluster_node "$n") on 127.0.0.1:$(rcluster_port "$n")"
     rcluster_start "$n"
+    rcluster_launched="$rcluster_launched $n"
   fi
 done
+for n in $rcluster_launched; do
+  wait_for "RabbitMQ cluster node c$n ($(rcluster_port "$n"))" 360 rcluster_amqp_up "$n"
+done
 for n in 2 3; do
-  if ! rcluster_member "$n"; then
+  rcluster_is_member=0
+  rcluster_member "$n" || rcluster_is_member=$?
+  if [ "$rcluster_is_member" = 2 ]; then
+    log "$(rcluster_node 1) did not report its cluster's members: not joining (or resetting) $(rcluster_node "$n")"
+    exit 1
+  fi
+  if [ "$rcluster_is_member" = 1 ]; then
     log "joining $(rcluster_node "$n") to $(rcluster_node 1)'s cluster"
     as_root rabbitmqctl -n "$(rcluster_node "$n")" -q stop_app >&2
     as_root rabbitmqctl -n "$(rcluster_node "$n")" -q reset >&2
