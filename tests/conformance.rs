@@ -384,6 +384,19 @@ async fn rabbitmqctl(args: &[&str]) -> Result<String> {
     }
 }
 
+/// The queues with a consumer, as `rabbitmqctl list_queues` on `node` says.
+#[cfg(feature = "rabbitmq")]
+async fn consumed_queues(node: &str) -> Result<std::collections::HashSet<String>> {
+    let json = rabbitmqctl(&["-n", node, "list_queues", "name", "consumers", "--formatter", "json"]).await?;
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&json)
+        .map_err(|e| keyorder::Error::Config(format!("rabbitmqctl list_queues printed no JSON ({e}): {json}")))?;
+    Ok(rows
+        .iter()
+        .filter(|r| r["consumers"].as_u64().is_some_and(|n| n > 0))
+        .filter_map(|r| Some(r["name"].as_str()?.to_owned()))
+        .collect())
+}
+
 /// The cluster's queues and their leaders, as `rabbitmqctl list_queues` on `node` says.
 #[cfg(feature = "rabbitmq")]
 async fn queue_leaders(node: &str) -> Result<Vec<(String, String)>> {
@@ -479,6 +492,20 @@ impl Harness for RabbitHarness {
         let Some(Cluster { connected, lost, .. }) = self.cluster.clone() else {
             return Err(keyorder::Error::Config(format!("{}: one node", self.name)));
         };
+        // Every node up first: a node already down (another C24 run on the
+        // same cluster, or one a failed run left stopped) plus this one
+        // would leave the quorum queues without a majority.
+        let status = rabbitmqctl(&["-n", connected, "cluster_status", "--formatter", "json"]).await?;
+        let running = serde_json::from_str::<serde_json::Value>(&status)
+            .ok()
+            .and_then(|v| v["running_nodes"].as_array().map(Vec::len))
+            .unwrap_or(0);
+        if running != 3 {
+            return Err(keyorder::Error::Config(format!(
+                "{running} of the cluster's 3 nodes run (another C24 run, or a node it left stopped: \
+                 scripts/services --clusters starts it); C24 stops a node only when all three run"
+            )));
+        }
         // Quorum queues are led by the node they were declared on (the one
         // the clients reach): spread the category's leaders first, as an
         // operator's `rabbitmq-queues rebalance` does.
@@ -502,13 +529,21 @@ impl Harness for RabbitHarness {
                 String::from_utf8_lossy(&status.stderr).trim()
             )));
         }
+        // A queue the group consumes (`.hash.N`, `.sac`): not its dead
+        // letters (`.dlq`, a quorum queue too, which the rebalance moves
+        // as well but nothing consumes), whose loss would test nothing.
         let prefix = format!("{category}:{group}.");
+        let consumed = consumed_queues(connected).await?;
         let (queue, node) = queue_leaders(connected)
             .await?
             .into_iter()
-            .find(|(q, leader)| q.starts_with(&prefix) && leader == lost)
+            .find(|(q, leader)| {
+                q.starts_with(&prefix) && !q.ends_with(".dlq") && consumed.contains(q) && leader == lost
+            })
             .ok_or_else(|| {
-                keyorder::Error::Config(format!("no queue of {prefix}* is led by {lost} after rebalance"))
+                keyorder::Error::Config(format!(
+                    "no consumed queue of {prefix}* (not its .dlq) is led by {lost} after rebalance"
+                ))
             })?;
         rabbitmqctl(&["-n", &node, "stop_app"]).await?;
         Ok(keyorder_testkit::LostNode { node, queue })

@@ -4,6 +4,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
+use futures::FutureExt;
 use keyorder_core::{Client, Message};
 
 use super::ctx::{ensure, err, stop_all, Ctx, Outcome};
@@ -191,7 +192,10 @@ pub(super) async fn c24(ctx: &Ctx<'_>) -> Outcome {
     let cat = ctx.category("orders");
     let client = ctx.client().await?;
     let via_lost = ctx.h.client_on_lost_node().await.map_err(err)?;
-    let ks = keys("k", 12);
+    // Enough keys that every one of the group's 8 queues carries some
+    // (with 12, a given queue has none one time in five, and losing its
+    // leader would test nothing): 48 leave a queue empty once in ~600.
+    let ks = keys("k", 48);
     let i1 = ctx.start(ctx.ordered(&client, &cat, "g"), "i1").await?;
     let i2 = ctx.start(ctx.ordered(&via_lost, &cat, "g"), "i2").await?;
     let mut published = publish_through_outage(&client, &cat, &ks, 0..15, ctx.h.deadline()).await?;
@@ -211,8 +215,9 @@ pub(super) async fn c24(ctx: &Ctx<'_>) -> Outcome {
     .await?;
     let before = ctx.log.now().await.map_err(err)?;
     let lost = ctx.h.stop_node(&cat, "g").await.map_err(err)?;
-    // Whatever happens while the node is down, it is started again.
-    let during = async {
+    // Whatever happens while the node is down, it is started again, a
+    // panic included (it is resumed once the node is back).
+    let during = std::panic::AssertUnwindSafe(async {
         published.extend(publish_through_outage(&client, &cat, &ks, 15..30, ctx.h.deadline()).await?);
         let leader = wait_until(
             "the lost node's queue to elect a leader on a node still up",
@@ -226,9 +231,11 @@ pub(super) async fn c24(ctx: &Ctx<'_>) -> Outcome {
         .await?;
         tracing::info!(queue = %lost.queue, from = %lost.node, to = %leader, "C24: leadership moved");
         ctx.wait_applied(&published, &HashSet::new()).await
-    }
+    })
+    .catch_unwind()
     .await;
     let restarted = ctx.h.start_node(&lost.node).await.map_err(err);
+    let during = during.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
     during?;
     restarted?;
     // i2's keys went to i1 while the node was down.
