@@ -384,16 +384,17 @@ async fn rabbitmqctl(args: &[&str]) -> Result<String> {
     }
 }
 
-/// The queues with a consumer, as `rabbitmqctl list_queues` on `node` says.
+/// The queues with a consumer, as `rabbitmqctl list_consumers` on `node`
+/// says (`list_queues`' `consumers` column is 0 there for a quorum queue
+/// led by another node, consumed or not, on RabbitMQ 3.10).
 #[cfg(feature = "rabbitmq")]
 async fn consumed_queues(node: &str) -> Result<std::collections::HashSet<String>> {
-    let json = rabbitmqctl(&["-n", node, "list_queues", "name", "consumers", "--formatter", "json"]).await?;
+    let json = rabbitmqctl(&["-n", node, "list_consumers", "queue_name", "--formatter", "json"]).await?;
     let rows: Vec<serde_json::Value> = serde_json::from_str(&json)
-        .map_err(|e| keyorder::Error::Config(format!("rabbitmqctl list_queues printed no JSON ({e}): {json}")))?;
+        .map_err(|e| keyorder::Error::Config(format!("rabbitmqctl list_consumers printed no JSON ({e}): {json}")))?;
     Ok(rows
         .iter()
-        .filter(|r| r["consumers"].as_u64().is_some_and(|n| n > 0))
-        .filter_map(|r| Some(r["name"].as_str()?.to_owned()))
+        .filter_map(|r| Some(r["queue_name"].as_str()?.to_owned()))
         .collect())
 }
 

@@ -28,8 +28,19 @@ rcluster_amqp_up() { # rcluster_amqp_up N
     [ \"\$(head -c 1 <&3 | od -An -tx1 | tr -d ' ')\" = 01 ]" 2>/dev/null
 }
 rcluster_start() { # rcluster_start N: launches node N (the caller waits for it)
-  local n=$1 dir="$RCLUSTER_DIR/c$1"
-  as_root pkill -9 -f "[b]eam.smp.*$(rcluster_node "$n")" || true
+  local n=$1 dir="$RCLUSTER_DIR/c$1" pid
+  # A VM whose application is stopped (`rabbitmqctl stop_app`, as C24 does)
+  # still holds the node's name: start its application.
+  if as_root rabbitmqctl -n "$(rcluster_node "$n")" -q ping >/dev/null 2>&1; then
+    as_root rabbitmqctl -n "$(rcluster_node "$n")" -q start_app >&2 && return 0
+  fi
+  # Else the VM holding its distribution port goes (the node's name is in
+  # its environment, not its command line: `pkill -f NAME` finds nothing).
+  pid=$(ss -Hltnp "sport = :$((25680 + n))" 2>/dev/null | grep -o 'pid=[0-9]*' | head -n 1 | cut -d= -f2) || true
+  if [ -n "$pid" ]; then
+    as_root kill -9 "$pid" || true
+    wait_for "RabbitMQ cluster node c$n's old VM to exit" 30 bash -c "! kill -0 $pid 2>/dev/null"
+  fi
   as_root mkdir -p "$dir"
   as_root tee "$dir/rabbitmq.conf" >/dev/null <<CONF
 listeners.tcp.local = 127.0.0.1:$(rcluster_port "$n")
