@@ -49,7 +49,20 @@ struct Activation {
 /// of it is buffered before any of it starts.
 async fn activation(mut a: Activation) {
     let mut lease: Option<Arc<ScopeLease>> = None;
-    while let Some(Ok(d)) = a.consumer.next().await {
+    loop {
+        let d = match a.consumer.next().await {
+            Some(Ok(d)) => d,
+            Some(Err(e)) => {
+                // The broker's reason (a consumer timeout, a node shutting
+                // down, a channel error): lapin logs it under
+                // `lapin::channel`, which applications filter out for the
+                // channels this adapter closes on purpose. No key in it:
+                // the queue's name holds the category and group only.
+                tracing::warn!(scope = %a.scope, error = %e, "rabbitmq: the broker ended the consumer");
+                break;
+            }
+            None => break,
+        };
         let l = match &lease {
             Some(l) => l.clone(),
             None => {
