@@ -33,6 +33,23 @@ pub(crate) struct Exec {
     pub(crate) pooled: bool,
 }
 
+/// Ends the server session of the transaction `tx` if its client leaves it
+/// idle for longer than `limit` (at least 1 s): a process stalled between
+/// two of the transaction's statements (a pause, `SIGSTOP`, a frozen VM)
+/// would otherwise hold its locks, and every other member of the queue
+/// would wait on them, for as long as its connection lives. Its commit then
+/// fails and the work is retried; the locks go with the session. Local to
+/// the transaction, so it holds behind a transaction-mode pooler too.
+pub(crate) async fn bound_idle(tx: &mut sqlx::PgConnection, limit: std::time::Duration) -> Result<(), sqlx::Error> {
+    let ms = limit.as_millis().max(1000).to_string();
+    sqlx::query("select set_config('idle_in_transaction_session_timeout', $1, true)")
+        .bind(ms)
+        .persistent(false)
+        .execute(tx)
+        .await
+        .map(drop)
+}
+
 impl Exec {
     /// Every row the statement returns.
     pub(crate) async fn all(&self, query: PgQuery<'_>) -> Result<Vec<PgRow>, sqlx::Error> {

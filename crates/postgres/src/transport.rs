@@ -249,6 +249,10 @@ impl PgTransport {
         let (queue, grp) = (spec.category.as_str(), spec.group.as_str());
         let pooled = self.pg.cfg.pooled;
         let mut tx = self.pg.db.pool.begin().await.map_err(broker)?;
+        // A member stalled in here would hold the queue's row from every
+        // other member and from retention: the server ends it after the
+        // lease TTL.
+        crate::exec::bound_idle(&mut tx, spec.lease.ttl).await.map_err(broker)?;
         // Created if missing, then locked; a deletion that commits in
         // between leaves nothing to lock (the locking read skips the
         // deleted row), so create it again.

@@ -2,12 +2,14 @@
 //! below this member's durable cursors, and the events every group of the
 //! queue has passed (retention).
 
+use std::time::Duration;
+
 use keyorder_core::Result;
 use tokio::task::JoinHandle;
 
 use super::own::Ownership;
 use crate::error::broker;
-use crate::exec::{q, Exec, PgQuery};
+use crate::exec::{bound_idle, q, Exec, PgQuery};
 use crate::sql::Sql;
 
 /// Starts the housekeeping off the read path: the acknowledgements below this
@@ -33,12 +35,13 @@ pub(super) fn start(running: &mut Option<JoinHandle<()>>, own: &Ownership) {
         own.spec.instance.clone(),
     );
     let batch = own.t.cfg.retention_batch;
+    let idle = own.spec.lease.ttl;
     let slots: Vec<i32> = own.owned.keys().map(|s| *s as i32).collect();
     *running = Some(tokio::spawn(async move {
         let sweep = q(&sql.sweep_acked).bind(&queue).bind(&grp).bind(&me);
         housekeeping_step(&db, sweep, "acknowledgement sweep").await;
         if batch > 0 {
-            if let Err(e) = retention(&db, &sql, &queue, &slots, batch).await {
+            if let Err(e) = retention(&db, &sql, &queue, &slots, batch, idle).await {
                 tracing::warn!(error = %e, "postgres: retention failed; retried at the next heartbeat");
             }
         }
@@ -59,9 +62,12 @@ async fn housekeeping_step(ex: &Exec, query: PgQuery<'_>, what: &str) {
 /// `queue` has passed, in a transaction that first takes the queue's row
 /// `for share`: a group created meanwhile waits for it (see
 /// `PgTransport::join_group`), and the statement's snapshot, taken after
-/// the lock, sees every group that exists.
-async fn retention(ex: &Exec, sql: &Sql, queue: &str, slots: &[i32], batch: u32) -> Result<()> {
+/// the lock, sees every group that exists. The server ends the transaction
+/// if this process stalls in it for `idle` (the lease TTL): its share lock
+/// would hold up every member that joins the queue.
+async fn retention(ex: &Exec, sql: &Sql, queue: &str, slots: &[i32], batch: u32, idle: Duration) -> Result<()> {
     let mut tx = ex.pool.begin().await.map_err(broker)?;
+    bound_idle(&mut tx, idle).await.map_err(broker)?;
     q(&sql.share_queue)
         .bind(queue)
         .persistent(!ex.pooled)
