@@ -38,10 +38,12 @@ pub(crate) struct Exec {
 /// two of the transaction's statements (a pause, `SIGSTOP`, a frozen VM)
 /// would otherwise hold its locks, and every other member of the queue
 /// would wait on them, for as long as its connection lives. Its commit then
-/// fails and the work is retried; the locks go with the session. Local to
-/// the transaction, so it holds behind a transaction-mode pooler too.
+/// fails (a temporary error, `25P03`) and is retried; the locks go with
+/// the session. Local to the transaction, so it holds behind a
+/// transaction-mode pooler too. At most the server's limit (`i32::MAX`
+/// ms, about 24.8 days: a longer lease TTL is allowed).
 pub(crate) async fn bound_idle(tx: &mut sqlx::PgConnection, limit: std::time::Duration) -> Result<(), sqlx::Error> {
-    let ms = limit.as_millis().max(1000).to_string();
+    let ms = limit.as_millis().clamp(1000, i32::MAX as u128).to_string();
     sqlx::query("select set_config('idle_in_transaction_session_timeout', $1, true)")
         .bind(ms)
         .persistent(false)

@@ -75,3 +75,30 @@ async fn the_url_lease_ttl_is_what_the_rows_record() {
     let _ = stop.send(());
     run.await.unwrap().unwrap();
 }
+
+/// A lease TTL past what PostgreSQL's timeouts take (about 24.8 days in
+/// ms) still opens a subscription: the join's bound on a stalled
+/// transaction is the server's limit, not an error (`Value exceeds integer
+/// range`, which failed every build).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_longer_than_the_servers_timeouts_still_joins() {
+    let cfg = PgConfig::from_url(
+        &format!("{}?schema={SCHEMA}&slots=2&migrate=true", common::url())
+            .parse()
+            .unwrap(),
+    )
+    .unwrap();
+    let client = Client::new(Arc::new(common::connect(cfg).await));
+    let queue = format!("long-lease-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let sub = client
+        .subscribe(&queue, "g")
+        .ordered_by(KeySource::routing_key())
+        .lease(LeaseConfig {
+            ttl: Duration::from_secs(30 * 24 * 3600),
+            heartbeat: Duration::from_secs(2),
+            margin: Duration::from_secs(3),
+        })
+        .build()
+        .await;
+    assert!(sub.is_ok(), "a 30-day lease opens: {:?}", sub.err());
+}
